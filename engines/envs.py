@@ -1,0 +1,93 @@
+"""Environments: seeded task generators with a reward, plus the weighted mix a run draws from.
+
+To add one, implement `Environment` (a `tag`, `sample(rng) -> Task`, `reward(task, completion)`) and
+register it in `REGISTRY`; its name then becomes valid in `[[envs]]` (docs/environments.md).
+Prompts are `<tag>:<payload>=` and the model answers after `=`, ending with `<eos>`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import random
+import string
+from dataclasses import dataclass
+from typing import Protocol
+
+from rollflow.config import EnvSpec
+
+
+@dataclass(frozen=True)
+class Task:
+    env: str
+    prompt: str  # text after <bos>, ends with '='
+    answer: str  # the reference completion (without <eos>)
+
+
+class Environment(Protocol):
+    name: str
+
+    def sample(self, rng: random.Random) -> Task: ...
+
+    def reward(self, task: Task, completion: str) -> float: ...
+
+
+def similarity(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
+
+
+@dataclass
+class _StringTask:
+    name: str
+    tag: str
+    min_chars: int
+    max_chars: int
+
+    def _payload(self, rng: random.Random) -> str:
+        n = rng.randint(self.min_chars, self.max_chars)
+        return "".join(rng.choice(string.ascii_lowercase) for _ in range(n))
+
+    def sample(self, rng: random.Random) -> Task:
+        payload = self._payload(rng)
+        return Task(self.name, f"{self.tag}:{payload}=", self.solve(payload))
+
+    def solve(self, payload: str) -> str:
+        raise NotImplementedError
+
+    def reward(self, task: Task, completion: str) -> float:
+        return similarity(completion, task.answer)
+
+
+class ReverseText(_StringTask):
+    def solve(self, payload: str) -> str:
+        return payload[::-1]
+
+
+class SortLetters(_StringTask):
+    def solve(self, payload: str) -> str:
+        return "".join(sorted(payload))
+
+
+REGISTRY = {"reverse-text": (ReverseText, "rev"), "sort-letters": (SortLetters, "sort")}
+
+
+def build(spec: EnvSpec) -> Environment:
+    cls, tag = REGISTRY[spec.name]
+    return cls(spec.name, tag, spec.min_chars, spec.max_chars)
+
+
+class EnvMix:
+    """Weighted choice among environments; `task(key)` is a pure function of (seed, key)."""
+
+    def __init__(self, specs: list[EnvSpec], seed: int):
+        self.envs = {s.name: build(s) for s in specs}
+        self.names = [s.name for s in specs]
+        self.weights = [s.weight for s in specs]
+        self.seed = seed
+
+    def task(self, key: str) -> Task:
+        rng = random.Random(f"{self.seed}/{key}")
+        name = rng.choices(self.names, weights=self.weights)[0]
+        return self.envs[name].sample(rng)
+
+    def reward(self, task: Task, completion: str) -> float:
+        return self.envs[task.env].reward(task, completion)

@@ -1,0 +1,1 @@
+"""Embedded inference: a batched torch engine behind an OpenAI-compatible HTTP server."""

@@ -1,0 +1,3 @@
+from engines.inference.server import main
+
+main()

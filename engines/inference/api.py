@@ -1,0 +1,98 @@
+"""Request and response bodies of the inference HTTP API (OpenAI-compatible plus rollflow extensions).
+
+They cross a process boundary (orchestrator or any OpenAI client -> server), so each is explicit.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class CompletionRequest(BaseModel):
+    model: str | None = None
+    prompt: str | list[int]  # text, or token ids (token-in, as vLLM accepts)
+    max_tokens: int = Field(16, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    n: int = Field(1, gt=0)
+    logprobs: int | None = None  # any value returns the sampled token's logprob per position
+    return_token_ids: bool = False  # vLLM extension: completion token ids (needed to train on them)
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(BaseModel):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int = Field(16, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    n: int = Field(1, gt=0)
+    logprobs: bool = False
+    return_token_ids: bool = False
+
+
+class UpdateWeightsRequest(BaseModel):
+    version: int = Field(ge=0)  # loads OUTPUT_DIR/weights/step=<version>/ (checksum-verified)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: CompletionLogprobs | None = None
+    token_ids: list[int] | None = None
+    # rollflow extension: which weights produced the first and the last completion token
+    policy_version: int
+    policy_version_end: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatLogprob(BaseModel):
+    token: str
+    logprob: float
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatLogprob]
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    finish_reason: str
+    logprobs: ChatChoiceLogprobs | None = None
+    token_ids: list[int] | None = None
+    policy_version: int
+    policy_version_end: int
+
+
+class ChatResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage

@@ -1,0 +1,195 @@
+"""Entry module of the inference process: `python -m engines.inference --config inference.json`.
+
+Loads the latest published weights into the embedded `Engine` and serves:
+  GET  /health, /v1/models
+  POST /v1/completions, /v1/chat/completions   (OpenAI-compatible; token ids and logprobs on request)
+  POST /update_weights, /shutdown              (admin: `Authorization: Bearer $ROLLFLOW_ADMIN_TOKEN`)
+Binds to 127.0.0.1 unless the config says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import time
+import uuid
+
+from engines.inference import api
+
+log = logging.getLogger("rollflow.inference")
+
+
+def _auth_dependency(token: str):
+    from fastapi import Header, HTTPException
+
+    def check(authorization: str | None = Header(default=None)) -> None:
+        if authorization is None or not secrets.compare_digest(authorization, f"Bearer {token}"):
+            raise HTTPException(status_code=401, detail="admin route: missing or wrong bearer token")
+
+    return check
+
+
+def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_token: str):
+    """The FastAPI app around an `Engine`; split from `main` so tests can serve it in-process."""
+    import jinja2
+    from fastapi import Depends, FastAPI
+
+    from engines.tokenizer import CHAT_TEMPLATE
+    from storage import weights
+    from storage.fs import get_fs, step_dir
+
+    app = FastAPI(title="rollflow embedded inference")
+    admin = Depends(_auth_dependency(admin_token))
+    template = jinja2.Environment().from_string(CHAT_TEMPLATE)
+    fs, root = get_fs(output_root_url)
+
+    async def sample(prompt_ids: list[int], n: int, max_tokens: int, temperature: float):
+        from engines.inference.engine import Request
+
+        fut = engine.submit(Request(prompt_ids, n, max_tokens, temperature))
+        return await asyncio.wrap_future(fut)
+
+    def usage(prompt_ids, outs) -> api.Usage:
+        done = sum(len(c.token_ids) for c in outs)
+        return api.Usage(
+            prompt_tokens=len(prompt_ids), completion_tokens=done, total_tokens=len(prompt_ids) * len(outs) + done
+        )
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok", "policy_version": engine.version, "stats": engine.stats}
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "rollflow"}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: api.CompletionRequest) -> api.CompletionResponse:
+        ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        outs = await sample(ids, req.n, req.max_tokens, req.temperature)
+        choices = [
+            api.CompletionChoice(
+                index=i,
+                text=tokenizer.decode(c.token_ids),
+                finish_reason=c.finish_reason,
+                logprobs=api.CompletionLogprobs(
+                    tokens=[tokenizer.decode([t], skip_special=False) for t in c.token_ids],
+                    token_logprobs=c.logprobs,
+                )
+                if req.logprobs is not None
+                else None,
+                token_ids=c.token_ids if req.return_token_ids else None,
+                policy_version=c.policy_version,
+                policy_version_end=c.policy_version_end,
+            )
+            for i, c in enumerate(outs)
+        ]
+        return api.CompletionResponse(
+            id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name, choices=choices,
+            usage=usage(ids, outs),
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: api.ChatRequest) -> api.ChatResponse:
+        text = template.render(
+            messages=[m.model_dump() for m in req.messages], bos_token="<bos>", add_generation_prompt=True
+        )
+        ids = [tokenizer.bos_id, *tokenizer.encode(text.removeprefix("<bos>"), bos=False)]
+        outs = await sample(ids, req.n, req.max_tokens, req.temperature)
+        choices = []
+        for i, c in enumerate(outs):
+            lps = [
+                api.ChatLogprob(token=tokenizer.decode([t], skip_special=False), logprob=lp)
+                for t, lp in zip(c.token_ids, c.logprobs, strict=True)
+            ]
+            choices.append(
+                api.ChatChoice(
+                    index=i,
+                    message=api.ChatMessage(role="assistant", content=tokenizer.decode(c.token_ids)),
+                    finish_reason=c.finish_reason,
+                    logprobs=api.ChatChoiceLogprobs(content=lps) if req.logprobs else None,
+                    token_ids=c.token_ids if req.return_token_ids else None,
+                    policy_version=c.policy_version,
+                    policy_version_end=c.policy_version_end,
+                )
+            )
+        return api.ChatResponse(
+            id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name, choices=choices,
+            usage=usage(ids, outs),
+        )
+
+    @app.post("/update_weights", dependencies=[admin])
+    async def update_weights(req: api.UpdateWeightsRequest) -> dict:
+        t0 = time.perf_counter()
+        directory = step_dir(weights.weights_root(root), req.version)
+        state = await asyncio.to_thread(weights.load, fs, directory)
+        t1 = time.perf_counter()
+        version = await asyncio.to_thread(engine.update_weights, state, req.version)
+        t2 = time.perf_counter()
+        return {"policy_version": version, "load_s": t1 - t0, "apply_s": t2 - t1}
+
+    @app.post("/shutdown", dependencies=[admin])
+    async def shutdown() -> dict:
+        app.state.should_exit = True
+        return {"status": "shutting down"}
+
+    app.state.should_exit = False
+    return app
+
+
+def load_engine(cfg, output_root_url: str):
+    """Build the model, load the newest committed weights, wrap them in an `Engine`."""
+    import torch
+
+    from engines.inference.engine import Engine
+    from engines.model import CausalLM
+    from engines.tokenizer import CharTokenizer
+    from storage import weights
+    from storage.fs import get_fs, step_dir
+
+    torch.set_num_threads(cfg.inference.num_threads)
+    tokenizer = CharTokenizer()
+    fs, root = get_fs(output_root_url)
+    version = weights.latest_version(fs, root)
+    if version is None:
+        raise SystemExit(f"no committed weights under {weights.weights_root(output_root_url)}; run the warm-up first")
+    model = CausalLM(cfg.model, tokenizer.vocab_size)
+    model.load_published(weights.load(fs, step_dir(weights.weights_root(root), version)))
+    engine = Engine(model, version, tokenizer.eos_id, tokenizer.pad_id, cfg.inference.max_batch_size, cfg.seed)
+    return engine, tokenizer
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m engines.inference", description=__doc__)
+    parser.add_argument("--config", required=True, help="resolved inference config (JSON)")
+    args = parser.parse_args(argv)
+
+    import uvicorn
+
+    from rollflow.config import InferenceProcessConfig
+    from storage.fs import read_json
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = InferenceProcessConfig.model_validate(read_json(args.config))
+    engine, tokenizer = load_engine(cfg, cfg.run.output_dir)
+    token = os.environ.get("ROLLFLOW_ADMIN_TOKEN") or secrets.token_hex(16)
+    app = build_app(engine, tokenizer, cfg.run.output_dir, f"rollflow/{cfg.run.run_id}", token)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.inference.host, port=cfg.inference.port, log_level="warning"))
+
+    async def watch_shutdown() -> None:
+        while not app.state.should_exit:
+            await asyncio.sleep(0.1)
+        server.should_exit = True
+
+    async def serve() -> None:
+        watcher = asyncio.create_task(watch_shutdown())
+        log.info(f"serving policy version {engine.version} on http://{cfg.inference.host}:{cfg.inference.port}")
+        await server.serve()
+        watcher.cancel()
+
+    asyncio.run(serve())
+    engine.stop()

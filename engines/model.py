@@ -1,0 +1,184 @@
+"""One decoder-only transformer for trainer and inference, with Llama/Qwen3 parameter naming.
+
+Keys match Hugging Face's `LlamaForCausalLM` / `Qwen3ForCausalLM` (`model.layers.0.self_attn.q_proj.weight`,
+...), so safetensors of that family load with `load_state_dict`. Generation uses a preallocated KV cache
+and left padding; a position's RoPE index counts only real tokens, so cached decoding and the trainer's
+full forward see identical positions and produce the same logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollflow.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [B, T, head_dim] in HF's rotate-half layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+@dataclass
+class KVCache:
+    """Preallocated keys/values per layer: [B, kv_heads, capacity, head_dim]; `length` slots are filled."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int = 0
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype) -> KVCache:
+        head_dim = cfg.hidden_size // cfg.num_heads
+        shape = (batch, cfg.num_kv_heads, capacity, head_dim)
+        return cls(
+            keys=[torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)],
+            values=[torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)],
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            start = cache.length
+            cache.keys[layer][:, :, start : start + t] = k
+            cache.values[layer][:, :, start : start + t] = v
+            k, v = cache.keys[layer][:, :, : start + t], cache.values[layer][:, :, : start + t]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache, layer):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """`forward(ids, positions, mask, cache) -> logits`; mask None means plain causal attention."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__()
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.model = Backbone(cfg, vocab_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1)
+        cos, sin = rope_cos_sin(positions, self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta)
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask, cache, i)
+        if cache is not None:
+            cache.length += input_ids.shape[1]
+        return self.lm_head(self.model.norm(x))
+
+    def publishable_state_dict(self) -> dict[str, torch.Tensor]:
+        """State dict without the tied `lm_head.weight` alias (HF convention; safetensors rejects aliases)."""
+        sd = self.state_dict()
+        if self.cfg.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        return sd
+
+    def load_published(self, state_dict: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.load_state_dict(state_dict, strict=False)
+        allowed_missing = {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
+        if set(missing) - allowed_missing or unexpected:
+            raise ValueError(f"weights do not fit the model: missing={missing} unexpected={unexpected}")
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:
+    """log p(target) under softmax(logits / temperature); logits [B, T, V], targets [B, T]."""
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.view(-1, *([1] * (logits.dim() - 1)))
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,3 @@
+from engines.orchestrator.loop import main
+
+main()

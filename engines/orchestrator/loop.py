@@ -1,0 +1,184 @@
+"""Entry module of the orchestrator process: `python -m engines.orchestrator --config orchestrator.json`.
+
+Per step N: wait until the engine serves a policy no older than N-1-async_level, draw `batch_size`
+prompts (a pure function of seed and step), request `group_size` samples each over HTTP, score them,
+compute group advantages, drop samples older than `max_off_policy_steps`, and commit
+`rollouts/step=N/`. A background task follows `weights/` and pushes each new publication to the engine
+while generation runs, so one rollout may span two policy versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+from engines.envs import EnvMix, Task
+from engines.orchestrator.advantages import group_advantages, staleness
+from engines.tokenizer import CharTokenizer
+from rollflow.config import OrchestratorProcessConfig
+from storage import rollouts, weights
+from storage.fs import get_fs, read_json
+
+log = logging.getLogger("rollflow.orchestrator")
+
+
+class WeightSync:
+    """Tracks the engine's policy version and pushes newer publications to it."""
+
+    def __init__(self, client: httpx.AsyncClient, output_dir: str, token: str, poll_s: float):
+        self.client, self.poll_s = client, poll_s
+        self.fs, self.root = get_fs(output_dir)
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.engine_version = -1
+        self.changed = asyncio.Event()
+
+    async def refresh(self) -> None:
+        r = await self.client.get("/health")
+        r.raise_for_status()
+        self.engine_version = r.json()["policy_version"]
+
+    async def push_latest(self) -> None:
+        latest = await asyncio.to_thread(weights.latest_version, self.fs, self.root)
+        if latest is not None and latest > self.engine_version:
+            r = await self.client.post("/update_weights", json={"version": latest}, headers=self.headers)
+            r.raise_for_status()
+            self.engine_version = r.json()["policy_version"]
+            log.info(f"engine now serves policy version {self.engine_version}")
+            self.changed.set()
+
+    async def follow(self) -> None:
+        while True:
+            await self.push_latest()
+            await asyncio.sleep(self.poll_s)
+
+    async def wait_for(self, version: int) -> float:
+        """Block until the engine serves `version` or newer; returns seconds waited."""
+        t0 = time.perf_counter()
+        while self.engine_version < version:
+            self.changed.clear()
+            await self.changed.wait()
+        return time.perf_counter() - t0
+
+
+async def wait_healthy(client: httpx.AsyncClient, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if (await client.get("/health")).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"inference server at {client.base_url} not healthy after {timeout_s}s")
+        await asyncio.sleep(0.2)
+
+
+class Orchestrator:
+    def __init__(self, cfg: OrchestratorProcessConfig, client: httpx.AsyncClient, sync: WeightSync):
+        self.cfg, self.client, self.sync = cfg, client, sync
+        self.ocfg = cfg.orchestrator
+        self.mix = EnvMix(cfg.envs, cfg.seed)
+        self.tok = CharTokenizer()
+        self.fs, self.root = get_fs(cfg.run.output_dir)
+        self.limit = asyncio.Semaphore(self.ocfg.requests_in_flight)
+
+    async def sample_group(self, step: int, group: int) -> list[dict]:
+        task = self.mix.task(f"step={step}/group={group}")
+        prompt_ids = self.tok.encode(task.prompt)
+        body = {
+            "prompt": prompt_ids,
+            "n": self.ocfg.group_size,
+            "max_tokens": self.ocfg.max_new_tokens,
+            "temperature": self.ocfg.temperature,
+            "logprobs": 1,
+            "return_token_ids": True,
+        }
+        async with self.limit:
+            r = await self.client.post("/v1/completions", json=body)
+        r.raise_for_status()
+        return self.score_group(step, group, task, prompt_ids, r.json()["choices"])
+
+    def score_group(self, step: int, group: int, task: Task, prompt_ids: list[int], choices: list[dict]) -> list[dict]:
+        rewards = [self.mix.reward(task, c["text"]) for c in choices]
+        advantages = group_advantages(rewards, self.ocfg.normalize_advantages)
+        group_id = f"s{step:06d}-g{group:04d}"
+        return [
+            {
+                "run_id": self.cfg.run.run_id,
+                "step": step,
+                "sample_id": f"{group_id}-{k:02d}",
+                "group_id": group_id,
+                "env": task.env,
+                "policy_version": c["policy_version"],
+                "policy_version_end": c["policy_version_end"],
+                "prompt_ids": prompt_ids,
+                "completion_ids": c["token_ids"],
+                "completion_logprobs": c["logprobs"]["token_logprobs"],
+                "reward": reward,
+                "advantage": adv,
+                "temperature": self.ocfg.temperature,
+                "finish_reason": c["finish_reason"],
+                "prompt_text": task.prompt,
+                "completion_text": c["text"],
+            }
+            for k, (c, reward, adv) in enumerate(zip(choices, rewards, advantages, strict=True))
+        ]
+
+    async def run_step(self, step: int) -> None:
+        waited = await self.sync.wait_for(step - 1 - self.cfg.async_level)
+        t0 = time.perf_counter()
+        groups = await asyncio.gather(*(self.sample_group(step, g) for g in range(self.ocfg.batch_size)))
+        gen_s = time.perf_counter() - t0
+        rows = [row for grp in groups for row in grp]
+        kept = [r for r in rows if staleness(step, r["policy_version"]) <= self.cfg.max_off_policy_steps]
+        if not kept:
+            raise RuntimeError(f"step {step}: every sample exceeded max_off_policy_steps; nothing to commit")
+        versions = Counter(r["policy_version"] for r in kept)
+        meta = {"gen_s": gen_s, "wait_s": waited, "dropped": len(rows) - len(kept), "versions": dict(versions)}
+        await asyncio.to_thread(rollouts.write_step, self.fs, self.root, step, rollouts.to_table(kept), meta)
+        reward = sum(r["reward"] for r in kept) / len(kept)
+        log.info(
+            f"step {step}/{self.cfg.max_steps}: {len(kept)} samples (dropped {meta['dropped']}), "
+            f"reward {reward:.3f}, policy versions {dict(sorted(versions.items()))}, "
+            f"gen {gen_s:.2f}s, waited {waited:.2f}s"
+        )
+
+    def first_step(self) -> int:
+        done = rollouts.committed_rollout_steps(self.fs, self.root)
+        return (done[-1] + 1) if done else 1
+
+
+async def run(cfg: OrchestratorProcessConfig) -> None:
+    token = os.environ.get("ROLLFLOW_ADMIN_TOKEN", "")
+    async with httpx.AsyncClient(base_url=cfg.inference_url, timeout=httpx.Timeout(600.0)) as client:
+        await wait_healthy(client)
+        sync = WeightSync(client, cfg.run.output_dir, token, cfg.orchestrator.poll_interval_s)
+        await sync.refresh()
+        follower = asyncio.create_task(sync.follow())
+        orch = Orchestrator(cfg, client, sync)
+        try:
+            for step in range(orch.first_step(), cfg.max_steps + 1):
+                if follower.done():
+                    follower.result()  # surfaces the follower's error
+                await orch.run_step(step)
+        finally:
+            follower.cancel()
+    log.info("all rollout steps committed")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m engines.orchestrator", description=__doc__)
+    parser.add_argument("--config", required=True, help="resolved orchestrator config (JSON)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    cfg = OrchestratorProcessConfig.model_validate(read_json(args.config))
+    asyncio.run(run(cfg))

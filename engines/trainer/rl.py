@@ -1,0 +1,133 @@
+"""The RL loop: wait for step N's committed shards, train on them, publish policy version N.
+
+Data flow per step: `rollouts/step=N/` (checksum-verified) -> `Batch` -> optional mismatch_kl
+measurement -> micro-batched loss/backward -> optimizer step -> `weights/step=N/` -> metrics.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+
+import torch
+
+from engines.orchestrator.advantages import staleness
+from engines.tokenizer import CharTokenizer
+from engines.trainer.batch import Batch, make_batch, micro_batches
+from engines.trainer.common import batch_logprobs, build_model, log, seed_everything
+from engines.trainer.loss import policy_loss
+from engines.trainer.mismatch import PolicyHistory
+from engines.trainer.tracking import Tracker
+from rollflow.config import TrainerProcessConfig
+from storage import checkpoints, rollouts, weights
+from storage.fs import get_fs, is_committed, step_dir
+
+
+class RLTrainer:
+    def __init__(self, cfg: TrainerProcessConfig):
+        self.cfg, self.tcfg = cfg, cfg.trainer
+        seed_everything(cfg.seed, self.tcfg.num_threads)
+        self.fs, self.root = get_fs(cfg.run.output_dir)
+        self.tok = CharTokenizer()
+        self.model = build_model(cfg.model, self.tok.vocab_size)
+        self.version = self._load_latest_weights()
+        o = self.tcfg.optim
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay
+        )
+        self.history = PolicyHistory(self.model, cfg.max_off_policy_steps + 1) if self.tcfg.measure_mismatch else None
+        if self.history:
+            self.history.add(self.version, self.model)
+        self.tracker = Tracker(self.fs, self.root, cfg.tracking.tracking_uri, cfg.mlflow_run_id)
+
+    def _load_latest_weights(self) -> int:
+        version = weights.latest_version(self.fs, self.root)
+        if version is None:
+            raise SystemExit("no committed weights to start from; the warm-up publishes version 0")
+        self.model.load_published(weights.load(self.fs, step_dir(weights.weights_root(self.root), version)))
+        return version
+
+    def wait_for_rollouts(self, step: int):
+        directory = step_dir(rollouts.rollouts_root(self.root), step)
+        while not is_committed(self.fs, directory):
+            time.sleep(0.05)
+        return rollouts.read_step(self.fs, self.root, step)
+
+    def train_on(self, batch: Batch) -> dict:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        n_tokens = float(batch.loss_mask.sum().clamp(min=1))
+        loss_sum = masked = kl_sum = 0.0
+        lc = self.tcfg.loss
+        for mb in micro_batches(batch, self.tcfg.micro_batch_size):
+            out = policy_loss(
+                batch_logprobs(self.model, mb), mb.sampler_logprobs, mb.advantages, mb.loss_mask,
+                lc.mask_low, lc.mask_high, n_tokens,
+            )
+            out.loss.backward()
+            loss_sum += float(out.loss)
+            masked += out.masked_tokens
+            kl_sum += out.sampler_kl_sum
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.optim.max_grad_norm)
+        self.optimizer.step()
+        self.model.eval()
+        return {
+            "loss": loss_sum,
+            "grad_norm": float(grad_norm),
+            "masked_fraction": masked / n_tokens,
+            "sampler_kl": kl_sum / n_tokens,
+            "tokens": int(n_tokens),
+        }
+
+    def step(self, step: int) -> dict:
+        t0 = time.perf_counter()
+        table, manifest = self.wait_for_rollouts(step)
+        t1 = time.perf_counter()
+        batch = make_batch(table, self.tok.pad_id)
+        mismatch, mismatch_tokens = self.history.mismatch_kl(batch, self.tcfg.micro_batch_size) if self.history else (None, 0)
+        stats = self.train_on(batch)
+        t2 = time.perf_counter()
+        weights.publish(self.fs, self.root, step, self.model.publishable_state_dict())
+        self.version = step
+        if self.history:
+            self.history.add(step, self.model)
+        t3 = time.perf_counter()
+        stale = [staleness(step, v) for v in table.column("policy_version").to_pylist()]
+        rewards = table.column("reward").to_pylist()
+        return {
+            "step": step,
+            "reward_mean": sum(rewards) / len(rewards),
+            "mismatch_kl": mismatch,
+            "mismatch_tokens": mismatch_tokens,
+            **stats,
+            "samples": len(rewards),
+            "staleness_mean": sum(stale) / len(stale),
+            "staleness_max": max(stale),
+            "completion_len_mean": stats["tokens"] / len(rewards),
+            "wait_s": t1 - t0,
+            "train_s": t2 - t1,
+            "publish_s": t3 - t2,
+            "step_s": t3 - t0,
+            "gen_s": manifest.get("gen_s"),
+        }
+
+    def save_checkpoint(self, step: int) -> None:
+        from safetensors.torch import save
+
+        buf = io.BytesIO()
+        torch.save({"optimizer": self.optimizer.state_dict(), "step": step, "rng": torch.get_rng_state()}, buf)
+        files = {"model.safetensors": save(self.model.publishable_state_dict()), "optimizer.pt": buf.getvalue()}
+        path = checkpoints.save(self.fs, self.root, step, "trainer", files)
+        log.info(f"checkpoint written: {path}")
+
+    def run(self) -> None:
+        for step in range(self.version + 1, self.cfg.max_steps + 1):
+            row = self.step(step)
+            self.tracker.record(row)
+            kl = "n/a" if row["mismatch_kl"] is None else f"{row['mismatch_kl']:.1e}"
+            log.info(
+                f"step {step}/{self.cfg.max_steps} | reward {row['reward_mean']:.3f} | loss {row['loss']:+.4f} "
+                f"| mismatch_kl {kl} | staleness {row['staleness_mean']:.2f} | masked {row['masked_fraction']:.3f} "
+                f"| train {row['train_s']:.2f}s wait {row['wait_s']:.2f}s"
+            )
+        self.save_checkpoint(self.cfg.max_steps)

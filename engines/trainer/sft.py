@@ -1,0 +1,64 @@
+"""Supervised warm-up: teach the format (prompt `tag:payload=` -> answer + <eos>) briefly, so RL starts
+from a reward that is neither ~0 nor saturated; the result is published as policy version 0.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engines.envs import EnvMix
+from engines.tokenizer import CharTokenizer
+from engines.trainer.common import build_model, log, seed_everything
+from rollflow.config import SFTProcessConfig
+from storage import weights
+from storage.fs import get_fs, join, write_bytes_atomic
+
+
+def sft_batch(mix: EnvMix, tok: CharTokenizer, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token ids and a loss mask that covers answer tokens and <eos> only."""
+    seqs, starts = [], []
+    for j in range(size):
+        task = mix.task(f"sft/{step}/{j}")
+        prompt = tok.encode(task.prompt)
+        seqs.append(prompt + tok.encode(task.answer, bos=False) + [tok.eos_id])
+        starts.append(len(prompt) - 1)
+    width = max(len(s) for s in seqs)
+    ids = torch.full((size, width), tok.pad_id, dtype=torch.long)
+    mask = torch.zeros((size, width - 1))
+    for i, (s, start) in enumerate(zip(seqs, starts, strict=True)):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, start : len(s) - 1] = 1.0
+    return ids, mask
+
+
+def run_sft(cfg: SFTProcessConfig) -> None:
+    seed_everything(cfg.seed, cfg.num_threads)
+    fs, root = get_fs(cfg.run.output_dir)
+    tok = CharTokenizer()
+    model = build_model(cfg.model, tok.vocab_size)
+    mix = EnvMix(cfg.envs, cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr)
+    for step in range(1, cfg.sft.steps + 1):
+        ids, mask = sft_batch(mix, tok, step, cfg.sft.batch_size)
+        logits = model(ids)[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 10 == 0 or step == cfg.sft.steps:
+            log.info(f"warm-up step {step}/{cfg.sft.steps} | loss {loss.item():.3f}")
+    save_tokenizer(tok, fs, join(root, "tokenizer"))
+    weights.publish(fs, root, 0, model.eval().publishable_state_dict())
+    log.info("warm-up done: published policy version 0")
+
+
+def save_tokenizer(tok: CharTokenizer, fs, directory: str) -> None:
+    """HF-format tokenizer files into the run directory (any fsspec filesystem)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        for f in sorted(Path(tmp).iterdir()):
+            write_bytes_atomic(fs, join(directory, f.name), f.read_bytes())

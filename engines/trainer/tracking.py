@@ -1,0 +1,36 @@
+"""Per-step metrics: `metrics.jsonl` in the run directory and, when enabled, the flow's MLflow run."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from storage.metrics import MetricsLog
+
+log = logging.getLogger("rollflow.trainer")
+
+
+class Tracker:
+    def __init__(self, fs, output_root: str, tracking_uri: str | None, mlflow_run_id: str | None):
+        self.metrics = MetricsLog(fs, output_root)
+        self.client = None
+        self.run_id = mlflow_run_id
+        if tracking_uri and mlflow_run_id:
+            from mlflow.tracking import MlflowClient
+
+            self.client = MlflowClient(tracking_uri)
+
+    def record(self, row: dict) -> None:
+        self.metrics.record(row)
+        if self.client is None or self.run_id is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        values = [
+            Metric(key, float(v), now, int(row["step"]))
+            for key, v in row.items()
+            if isinstance(v, int | float) and key != "step" and math.isfinite(v)
+        ]
+        self.client.log_batch(self.run_id, metrics=values)

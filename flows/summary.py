@@ -1,0 +1,39 @@
+"""The end-of-run summary: what a person reads first (console and Prefect artifact)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from storage.fs import get_fs
+from storage.metrics import read_metrics
+from storage.rollouts import committed_rollout_steps, read_step
+
+
+def summarize(output_dir: str, wall_s: float) -> dict:
+    fs, root = get_fs(output_dir)
+    rows = read_metrics(fs, root)
+    hist: Counter[int] = Counter()
+    for step in committed_rollout_steps(fs, root):
+        table, _ = read_step(fs, root, step)
+        hist.update((step - 1) - v for v in table.column("policy_version").to_pylist())
+    rewards = [r["reward_mean"] for r in rows]
+    kls = [r["mismatch_kl"] for r in rows if r.get("mismatch_kl") is not None]
+    k = min(5, len(rewards))
+    return {
+        "output_dir": output_dir,
+        "steps": len(rows),
+        "wall_s": round(wall_s, 1),
+        "reward_first5": sum(rewards[:k]) / k if k else None,
+        "reward_last5": sum(rewards[-k:]) / k if k else None,
+        "mismatch_kl_max": max(kls) if kls else None,
+        "staleness_histogram": dict(sorted(hist.items())),
+    }
+
+
+def to_markdown(s: dict) -> str:
+    def fmt(v):
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    lines = ["# rollflow RL run summary", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {fmt(v)} |" for k, v in s.items()]
+    return "\n".join(lines)

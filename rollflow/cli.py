@@ -1,0 +1,92 @@
+"""`rollflow` command line. Heavy imports (torch, Prefect, MLflow) happen only once a command runs,
+so `--help`, validation and `--dry-run` are instant.
+
+    rollflow rl @ profiles/tiny-cpu.toml [@ more.toml] [--trainer.optim.lr 3e-4] [--output-dir DIR]
+                [--dry-run] [--overwrite]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rollflow.loader import ConfigError, load_run_config
+
+USAGE = """rollflow rl [@ PROFILE.toml ...] [--KEY VALUE ...] [--dry-run] [--overwrite]
+
+  @ FILE          a TOML profile; several compose left to right (later wins)
+  --KEY VALUE     a dotted override applied after the profiles, e.g. --trainer.optim.lr 3e-4,
+                  --output-dir runs/a (dashes in keys read as underscores); VALUE is a TOML literal
+                  when it parses as one (3e-4, true, [1, 2]), a string otherwise
+  --dry-run       validate, write the resolved per-component configs to OUTPUT_DIR/config/, exit
+  --overwrite     replace an existing run in OUTPUT_DIR instead of refusing to start
+
+Keys are documented in docs/configuration.md."""
+
+
+def split_args(tokens: list[str]) -> tuple[list[str], list[tuple[str, str]], set[str]]:
+    """Tokens -> (profiles, dotted overrides, flags). Raises ConfigError on malformed input."""
+    profiles, overrides, flags = [], [], set()
+    it = iter(tokens)
+    for tok in it:
+        if tok in ("--dry-run", "--overwrite"):
+            flags.add(tok[2:])
+        elif tok == "@":
+            path = next(it, None)
+            if path is None:
+                raise ConfigError("'@' must be followed by a profile path, e.g. @ profiles/tiny-cpu.toml")
+            profiles.append(path)
+        elif tok.startswith("@"):
+            profiles.append(tok[1:])
+        elif tok.startswith("--"):
+            key, eq, value = tok[2:].partition("=")
+            if not eq:
+                value = next(it, None)
+                if value is None or value.startswith("--"):
+                    raise ConfigError(f"--{key} needs a value (e.g. --{key} VALUE)")
+            overrides.append((key, value))
+        else:
+            raise ConfigError(f"unexpected argument {tok!r}; profiles start with '@', overrides with '--'")
+    return profiles, overrides, flags
+
+
+def cmd_rl(tokens: list[str]) -> int:
+    profiles, overrides, flags = split_args(tokens)
+    cfg = load_run_config(profiles, overrides)
+    if "dry-run" in flags:
+        from flows.prepare import new_run_id, write_configs
+
+        urls = write_configs(cfg, new_run_id(cfg), f"http://{cfg.inference.host}:{cfg.inference.port}")
+        print(json.dumps(urls, indent=2))
+        return 0
+    from flows.rl import rl
+
+    summary = rl(config=cfg.model_dump(mode="json"), overwrite="overwrite" in flags)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="rollflow", description="Asynchronous RL post-training for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("rl", help="run RL from profiles and overrides", usage=USAGE, add_help=False)
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "rl" and rest and rest[0] in ("-h", "--help"):
+        print("usage: " + USAGE)
+        return 0
+    if command != "rl":
+        parser.error(f"unknown command {command!r} (choose from: rl)")
+    try:
+        return cmd_rl(rest)
+    except ConfigError as exc:
+        print(f"rollflow: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

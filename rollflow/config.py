@@ -1,0 +1,244 @@
+"""Typed run configuration: one pydantic model per component, composed into `RunConfig`.
+
+Data flow: TOML profiles (composed left to right) + dotted CLI overrides -> `load_run_config`
+-> `RunConfig` (validated, cross-component checks) -> `component_configs()` -> one JSON file per
+component in `OUTPUT_DIR/config/`, which each process reads at start. A component reads only its own
+slice; the fields it shares with others (model shape, seed, paths) are copied into that slice here.
+
+This module imports neither torch nor Prefect so that `--help`, `--dry-run` and validation are instant.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    """Decoder-only transformer shape (Llama/Qwen3 naming). `vocab_size` comes from the tokenizer."""
+
+    hidden_size: int = Field(128, gt=0)
+    num_layers: int = Field(2, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    intermediate_size: int = Field(384, gt=0)
+    max_seq_len: int = Field(64, gt=0)
+    rope_theta: float = Field(10000.0, gt=0)
+    rms_norm_eps: float = Field(1e-6, gt=0)
+    qk_norm: bool = False  # Qwen3-style per-head RMSNorm on q and k
+    tie_word_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} must be divisible by model.num_heads={self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_heads={self.num_heads} must be divisible by model.num_kv_heads={self.num_kv_heads}"
+            )
+        return self
+
+
+class EnvSpec(_Strict):
+    """One environment in the task mix; `name` picks an implementation from the registry."""
+
+    name: Literal["reverse-text", "sort-letters"]
+    weight: float = Field(1.0, gt=0)
+    min_chars: int = Field(3, gt=0)
+    max_chars: int = Field(8, gt=0)
+
+    @model_validator(mode="after")
+    def _range(self) -> EnvSpec:
+        if self.min_chars > self.max_chars:
+            raise ValueError(f"env {self.name}: min_chars={self.min_chars} > max_chars={self.max_chars}")
+        return self
+
+
+class InferenceConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)  # 0: the flow picks a free port at launch
+    max_batch_size: int = Field(256, gt=0)
+    num_threads: int = Field(1, gt=0)
+    startup_timeout_s: float = Field(120.0, gt=0)
+
+
+class OrchestratorConfig(_Strict):
+    batch_size: int = Field(16, gt=0, description="prompts per step")
+    group_size: int = Field(8, gt=1, description="samples per prompt (G)")
+    max_new_tokens: int = Field(16, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    requests_in_flight: int = Field(16, gt=0, description="concurrent group requests to inference")
+    normalize_advantages: bool = Field(True, description="divide group-centred rewards by the group std")
+    poll_interval_s: float = Field(0.05, gt=0)
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(2e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    max_grad_norm: float = Field(1.0, gt=0)
+
+
+class LossConfig(_Strict):
+    """Importance-weighted policy gradient with trust-region token masking (docs/algorithm.md)."""
+
+    mask_low: float = Field(0.5, gt=0, lt=1)
+    mask_high: float = Field(2.0, gt=1)
+
+
+class SFTConfig(_Strict):
+    """Short supervised warm-up run before RL; its result is published as policy version 0."""
+
+    steps: int = Field(60, ge=0)
+    batch_size: int = Field(32, gt=0)
+    lr: float = Field(3e-3, gt=0)
+
+
+class TrainerConfig(_Strict):
+    optim: OptimConfig = OptimConfig()
+    loss: LossConfig = LossConfig()
+    num_threads: int = Field(1, gt=0)
+    micro_batch_size: int = Field(64, gt=0)
+    measure_mismatch: bool = Field(
+        True, description="keep recent policies in memory to measure mismatch_kl on stale samples"
+    )
+
+
+class TrackingConfig(_Strict):
+    mlflow: bool = True
+    experiment: str = "rollflow"
+    tracking_uri: str | None = None  # default: MLFLOW_TRACKING_URI, else sqlite in the run dir
+
+
+class RunConfig(_Strict):
+    """The whole run: shared settings plus one slice per component."""
+
+    run_name: str = "tiny-cpu"
+    output_dir: str = "outputs/tiny-cpu"
+    seed: int = 0
+    max_steps: int = Field(20, gt=0)
+    async_level: int = Field(1, ge=0, description="0 = synchronous on-policy")
+    max_off_policy_steps: int = Field(2, ge=0)
+    model: ModelConfig = ModelConfig()
+    envs: list[EnvSpec] = Field(
+        default_factory=lambda: [EnvSpec(name="reverse-text"), EnvSpec(name="sort-letters")], min_length=1
+    )
+    sft: SFTConfig = SFTConfig()
+    inference: InferenceConfig = InferenceConfig()
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _cross_component(self) -> RunConfig:
+        if self.async_level > self.max_off_policy_steps:
+            raise ValueError(
+                f"async_level={self.async_level} exceeds max_off_policy_steps={self.max_off_policy_steps}: "
+                "every sample the orchestrator runs ahead would be dropped; "
+                f"set max_off_policy_steps >= {self.async_level}"
+            )
+        longest_prompt = max(e.max_chars for e in self.envs) + PROMPT_OVERHEAD_TOKENS
+        need = longest_prompt + self.orchestrator.max_new_tokens
+        if need > self.model.max_seq_len:
+            raise ValueError(
+                f"model.max_seq_len={self.model.max_seq_len} is too short: prompts take up to "
+                f"{longest_prompt} tokens plus orchestrator.max_new_tokens={self.orchestrator.max_new_tokens}; "
+                f"set model.max_seq_len >= {need}"
+            )
+        return self
+
+
+# Tokens an environment prompt adds around its payload: <bos>, a task tag of up to 4 chars, ':' and '='.
+PROMPT_OVERHEAD_TOKENS = 7
+
+
+class ComponentPaths(_Strict):
+    """Where a component finds the run: every process gets the same root, addressed by URL or path."""
+
+    output_dir: str
+    run_id: str
+
+
+class InferenceProcessConfig(_Strict):
+    run: ComponentPaths
+    model: ModelConfig
+    inference: InferenceConfig
+    seed: int
+
+
+class OrchestratorProcessConfig(_Strict):
+    run: ComponentPaths
+    envs: list[EnvSpec]
+    orchestrator: OrchestratorConfig
+    inference_url: str  # where the engine listens; resolved by the flow at launch
+    seed: int
+    max_steps: int
+    async_level: int
+    max_off_policy_steps: int
+
+
+class TrainerProcessConfig(_Strict):
+    run: ComponentPaths
+    model: ModelConfig
+    trainer: TrainerConfig
+    tracking: TrackingConfig
+    mlflow_run_id: str | None  # set by the flow so trainer metrics land in the flow's MLflow run
+    seed: int
+    max_steps: int
+    max_off_policy_steps: int
+    mode: Literal["rl"] = "rl"
+
+
+class SFTProcessConfig(_Strict):
+    run: ComponentPaths
+    model: ModelConfig
+    envs: list[EnvSpec]
+    sft: SFTConfig
+    num_threads: int
+    seed: int
+    mode: Literal["sft"] = "sft"
+
+
+def component_configs(
+    cfg: RunConfig, run_id: str, inference_url: str, mlflow_run_id: str | None = None
+) -> dict[str, BaseModel]:
+    """Split the run config into the slice each process reads."""
+    paths = ComponentPaths(output_dir=cfg.output_dir, run_id=run_id)
+    return {
+        "sft": SFTProcessConfig(
+            run=paths,
+            model=cfg.model,
+            envs=cfg.envs,
+            sft=cfg.sft,
+            num_threads=cfg.trainer.num_threads,
+            seed=cfg.seed,
+        ),
+        "inference": InferenceProcessConfig(run=paths, model=cfg.model, inference=cfg.inference, seed=cfg.seed),
+        "orchestrator": OrchestratorProcessConfig(
+            run=paths,
+            envs=cfg.envs,
+            orchestrator=cfg.orchestrator,
+            inference_url=inference_url,
+            seed=cfg.seed,
+            max_steps=cfg.max_steps,
+            async_level=cfg.async_level,
+            max_off_policy_steps=cfg.max_off_policy_steps,
+        ),
+        "trainer": TrainerProcessConfig(
+            run=paths,
+            model=cfg.model,
+            trainer=cfg.trainer,
+            tracking=cfg.tracking,
+            mlflow_run_id=mlflow_run_id,
+            seed=cfg.seed,
+            max_steps=cfg.max_steps,
+            max_off_policy_steps=cfg.max_off_policy_steps,
+        ),
+    }

@@ -1,0 +1,112 @@
+"""Compose TOML profiles left to right, apply dotted CLI overrides, validate into `RunConfig`.
+
+Every leaf value remembers where it came from (a file or the command line) so a validation error
+names the key, the source that set it, and what would be valid.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from rollflow.config import RunConfig
+
+Key = tuple[str, ...]
+
+
+class ConfigError(ValueError):
+    """A config problem a user can fix; the message names the key, the source and what is valid."""
+
+
+def parse_value(text: str) -> Any:
+    """A CLI value is a TOML literal when it parses as one (3e-4, true, [1, 2]), else a plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _merge(dst: dict, src: dict, source: str, sources: dict[Key, str], prefix: Key = ()) -> None:
+    for key, value in src.items():
+        path = (*prefix, key)
+        if isinstance(value, dict) and isinstance(dst.get(key), dict):
+            _merge(dst[key], value, source, sources, path)
+            continue
+        dst[key] = value
+        for old in [k for k in sources if k[: len(path)] == path]:
+            del sources[old]
+        sources[path] = source
+
+
+def read_profile(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"profile {p} not found (profiles are TOML files, e.g. profiles/tiny-cpu.toml)")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
+
+
+def compose(profiles: list[str | Path], overrides: list[tuple[str, str]]) -> tuple[dict, dict[Key, str]]:
+    """Merge profiles then overrides into one dict, plus the source of every key that was set."""
+    data: dict = {}
+    sources: dict[Key, str] = {}
+    for path in profiles:
+        _merge(data, read_profile(path), str(path), sources)
+    for dotted, text in overrides:
+        parts = tuple(p.replace("-", "_") for p in dotted.split("."))
+        nested: Any = parse_value(text)
+        for part in reversed(parts):
+            nested = {part: nested}
+        _merge(data, nested, f"command line (--{dotted})", sources)
+    return data, sources
+
+
+def _source_of(loc: Key, sources: dict[Key, str]) -> str:
+    for n in range(len(loc), 0, -1):
+        if loc[:n] in sources:
+            return sources[loc[:n]]
+    return "defaults"
+
+
+def _model_at(loc: Key) -> type[BaseModel] | None:
+    model: type[BaseModel] = RunConfig
+    for part in loc:
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        else:
+            return None
+    return model
+
+
+def _describe(err: dict, sources: dict[Key, str]) -> str:
+    loc = tuple(str(p) for p in err["loc"])
+    dotted = ".".join(loc) or "(top level)"
+    where = _source_of(loc, sources)
+    if err["type"] == "extra_forbidden":
+        parent = _model_at(loc[:-1])
+        valid = ", ".join(sorted(parent.model_fields)) if parent else "see docs/configuration.md"
+        scope = ".".join(loc[:-1]) or "the top level"
+        return f"{where}: unknown key '{dotted}'; valid keys under {scope}: {valid}"
+    return f"{where}: {dotted}: {err['msg']} (got {err.get('input')!r})"
+
+
+def validate(data: dict, sources: dict[Key, str]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [_describe(e, sources) for e in exc.errors()]
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def load_run_config(profiles: list[str | Path], overrides: list[tuple[str, str]] = ()) -> RunConfig:  # type: ignore[assignment]
+    data, sources = compose(profiles, list(overrides))
+    return validate(data, sources)

@@ -1,0 +1,33 @@
+"""`OUTPUT_DIR/metrics.jsonl`: one JSON object per trainer step, keyed by step.
+
+The file is rewritten whole (atomically) on each record, so a step appears at most once even when a
+step is recorded again, and it works on object stores, which cannot append.
+"""
+
+from __future__ import annotations
+
+import json
+
+import fsspec
+
+from storage.fs import join, write_bytes_atomic
+
+
+class MetricsLog:
+    def __init__(self, fs: fsspec.AbstractFileSystem, output_root: str):
+        self.fs, self.path = fs, join(output_root, "metrics.jsonl")
+        self.rows: dict[int, dict] = {}
+        if fs.exists(self.path):
+            for line in fs.cat_file(self.path).decode().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    self.rows[int(row["step"])] = row
+
+    def record(self, row: dict) -> None:
+        self.rows[int(row["step"])] = row
+        text = "".join(json.dumps(self.rows[s]) + "\n" for s in sorted(self.rows))
+        write_bytes_atomic(self.fs, self.path, text.encode())
+
+
+def read_metrics(fs: fsspec.AbstractFileSystem, output_root: str) -> list[dict]:
+    return [MetricsLog(fs, output_root).rows[s] for s in sorted(MetricsLog(fs, output_root).rows)]

@@ -1,0 +1,83 @@
+"""Rollout shards: Arrow IPC files hive-partitioned by step, committed by a manifest written last.
+
+Layout: `OUTPUT_DIR/rollouts/step=NNNNNN/part-00000.arrow` + `_manifest.json`. Any Arrow reader can
+open the folder (`pyarrow.dataset.dataset(path, format="ipc", partitioning="hive")`); rollflow's own
+reader goes through the manifest and verifies checksums. Columns are documented in docs/rollouts.md.
+"""
+
+from __future__ import annotations
+
+import io
+
+import fsspec
+import pyarrow as pa
+
+from storage.fs import commit_dir, committed_steps, join, read_manifest, read_verified, step_dir
+
+SCHEMA_VERSION = 1
+
+# Field order is the documented order; `step` is also the hive partition key.
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("group_id", pa.string(), nullable=False),
+        pa.field("env", pa.string(), nullable=False),
+        pa.field("policy_version", pa.int64(), nullable=False),
+        pa.field("policy_version_end", pa.int64(), nullable=False),
+        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("completion_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("completion_logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("reward", pa.float32(), nullable=False),
+        pa.field("advantage", pa.float32(), nullable=False),
+        pa.field("temperature", pa.float32(), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("prompt_text", pa.string(), nullable=False),
+        pa.field("completion_text", pa.string(), nullable=False),
+        # [seq, layers, top_k] expert ids per token for MoE router replay; null for dense models.
+        pa.field("routed_experts", pa.list_(pa.list_(pa.list_(pa.int16()))), nullable=True),
+    ],
+    metadata={b"rollflow.schema_version": str(SCHEMA_VERSION).encode()},
+)
+
+
+def rollouts_root(output_root: str) -> str:
+    return join(output_root, "rollouts")
+
+
+def to_table(rows: list[dict]) -> pa.Table:
+    """Rows (dicts keyed by column name) to a table with the rollout schema; missing optional -> null."""
+    columns = {f.name: [r.get(f.name) for r in rows] for f in ROLLOUT_SCHEMA}
+    return pa.Table.from_pydict(columns, schema=ROLLOUT_SCHEMA)
+
+
+def _ipc_bytes(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue()
+
+
+def write_step(fs: fsspec.AbstractFileSystem, output_root: str, step: int, table: pa.Table, meta: dict) -> dict:
+    """Commit one step's shard set. `meta` (timings, counts) goes into the manifest."""
+    if table.schema != ROLLOUT_SCHEMA:
+        table = table.cast(ROLLOUT_SCHEMA)
+    files = {"part-00000.arrow": _ipc_bytes(table)}
+    info = {"step": step, "rows": table.num_rows, "schema_version": SCHEMA_VERSION, **meta}
+    return commit_dir(fs, step_dir(rollouts_root(output_root), step), files, info)
+
+
+def read_step(fs: fsspec.AbstractFileSystem, output_root: str, step: int) -> tuple[pa.Table, dict]:
+    """Read a committed step, verifying every shard against its manifest."""
+    directory = step_dir(rollouts_root(output_root), step)
+    manifest = read_manifest(fs, directory)
+    tables = []
+    for name in sorted(manifest["files"]):
+        with pa.ipc.open_file(pa.BufferReader(read_verified(fs, directory, name, manifest))) as reader:
+            tables.append(reader.read_all())
+    return pa.concat_tables(tables), manifest
+
+
+def committed_rollout_steps(fs: fsspec.AbstractFileSystem, output_root: str) -> list[int]:
+    return committed_steps(fs, rollouts_root(output_root))

@@ -1,0 +1,1 @@
+"""Prefect tasks: one logical step with a side effect. They pass paths, URLs and step numbers, never tensors."""

@@ -1,0 +1,81 @@
+"""Run one component as a supervised subprocess: stream its output, stop its whole process group.
+
+The process gets its own session so SIGTERM (then SIGKILL after a grace period) reaches every child.
+Its output goes line by line to the caller's logger and to `OUTPUT_DIR/logs/<name>.log`.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+class ComponentFailed(RuntimeError):
+    """A component exited non-zero on its own; the message carries its last output lines."""
+
+
+def _pump(proc: subprocess.Popen, emit: Callable[[str], None], log_file, tail: collections.deque) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        tail.append(line)
+        emit(line)
+        if log_file:
+            log_file.write(line + "\n")
+            log_file.flush()
+
+
+def terminate_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the process group, wait up to `grace_s`, then SIGKILL it."""
+    if proc.poll() is not None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def supervise(
+    name: str,
+    argv: list[str],
+    env: dict[str, str],
+    emit: Callable[[str], None],
+    stop: threading.Event,
+    log_path: str | None = None,
+    grace_s: float = 10.0,
+) -> int:
+    """Run `argv` until it exits or `stop` is set. Raises ComponentFailed on a non-zero exit of its own."""
+    log_file = None
+    if log_path:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(log_path, "a")  # noqa: SIM115 - closed in finally
+    tail: collections.deque[str] = collections.deque(maxlen=20)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+    )
+    reader = threading.Thread(target=_pump, args=(proc, emit, log_file, tail), daemon=True)
+    reader.start()
+    try:
+        while proc.poll() is None and not stop.is_set():
+            time.sleep(0.1)
+    finally:
+        terminate_group(proc, grace_s)
+        reader.join(timeout=5)
+        if log_file:
+            log_file.close()
+    if proc.returncode != 0 and not stop.is_set():
+        raise ComponentFailed(f"{name} exited with code {proc.returncode}; last output:\n" + "\n".join(tail))
+    return proc.returncode

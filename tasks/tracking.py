@@ -1,0 +1,54 @@
+"""MLflow bookkeeping for a run: create the run with its (secret-free) params, close it with a status."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NONE
+
+
+def resolve_tracking_uri(configured: str | None, output_dir: str) -> str | None:
+    """Config value, else MLFLOW_TRACKING_URI, else a sqlite store in a local run directory."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    if "://" in output_dir and not output_dir.startswith("file://"):
+        return None
+    path = Path(output_dir.removeprefix("file://")).resolve() / "mlflow.db"
+    return f"sqlite:///{path}"
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = str(v)[:500]
+    return out
+
+
+@task(cache_policy=NONE)
+def start_mlflow_run(tracking_uri: str, experiment: str, run_name: str, params: dict, tags: dict) -> str:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    run = client.create_run(exp_id, run_name=run_name, tags=tags)
+    items = list(_flatten(params).items())
+    from mlflow.entities import Param
+
+    for i in range(0, len(items), 100):
+        client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in items[i : i + 100]])
+    return run.info.run_id
+
+
+@task(cache_policy=NONE)
+def end_mlflow_run(tracking_uri: str, mlflow_run_id: str, status: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri).set_terminated(mlflow_run_id, status=status)
