@@ -79,7 +79,7 @@ class EnvMix:
     """Weighted choice among environments; `task(key)` is a pure function of (seed, key)."""
 
     def __init__(self, specs: list[EnvSpec], seed: int):
-        self.envs = {s.name: build(s) for s in specs}
+        self.envs: dict[str, Environment] = {s.name: build(s) for s in specs}
         self.names = [s.name for s in specs]
         self.weights = [s.weight for s in specs]
         self.seed = seed

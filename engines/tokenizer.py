@@ -12,8 +12,7 @@ from pathlib import Path
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 :=.,!?-_")
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    "{% if add_generation_prompt %}={% endif %}"
+    "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
 )
 
 

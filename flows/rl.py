@@ -67,7 +67,9 @@ def rl(config: dict, overwrite: bool = False) -> dict:
     if tracking_uri:
         fs.makedirs(root, exist_ok=True)
         params = cfg.model_dump(mode="json")
-        mlflow_run_id = start_mlflow_run(tracking_uri, cfg.tracking.experiment, run_id, params, {"rollflow.run_id": run_id})
+        mlflow_run_id = start_mlflow_run(
+            tracking_uri, cfg.tracking.experiment, run_id, params, {"rollflow.run_id": run_id}
+        )
     urls = write_configs(cfg, run_id, f"http://{cfg.inference.host}:{port}", tracking_uri, mlflow_run_id)
     logger.info(f"run {run_id} -> {cfg.output_dir}")
     env = {"ROLLFLOW_ADMIN_TOKEN": secrets.token_hex(16)}

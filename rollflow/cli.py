@@ -27,7 +27,9 @@ Keys are documented in docs/configuration.md."""
 
 def split_args(tokens: list[str]) -> tuple[list[str], list[tuple[str, str]], set[str]]:
     """Tokens -> (profiles, dotted overrides, flags). Raises ConfigError on malformed input."""
-    profiles, overrides, flags = [], [], set()
+    profiles: list[str] = []
+    overrides: list[tuple[str, str]] = []
+    flags: set[str] = set()
     it = iter(tokens)
     for tok in it:
         if tok in ("--dry-run", "--overwrite"):
@@ -42,9 +44,10 @@ def split_args(tokens: list[str]) -> tuple[list[str], list[tuple[str, str]], set
         elif tok.startswith("--"):
             key, eq, value = tok[2:].partition("=")
             if not eq:
-                value = next(it, None)
-                if value is None or value.startswith("--"):
+                nxt = next(it, None)
+                if nxt is None or nxt.startswith("--"):
                     raise ConfigError(f"--{key} needs a value (e.g. --{key} VALUE)")
+                value = nxt
             overrides.append((key, value))
         else:
             raise ConfigError(f"unexpected argument {tok!r}; profiles start with '@', overrides with '--'")

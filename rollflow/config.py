@@ -16,17 +16,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
 
 class ModelConfig(_Strict):
     """Decoder-only transformer shape (Llama/Qwen3 naming). `vocab_size` comes from the tokenizer."""
 
-    hidden_size: int = Field(128, gt=0)
-    num_layers: int = Field(2, gt=0)
+    hidden_size: int = Field(192, gt=0)
+    num_layers: int = Field(3, gt=0)
     num_heads: int = Field(4, gt=0)
     num_kv_heads: int = Field(2, gt=0)
-    intermediate_size: int = Field(384, gt=0)
+    intermediate_size: int = Field(512, gt=0)
     max_seq_len: int = Field(64, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
     rms_norm_eps: float = Field(1e-6, gt=0)
@@ -66,21 +66,21 @@ class InferenceConfig(_Strict):
     port: int = Field(0, ge=0, le=65535)  # 0: the flow picks a free port at launch
     max_batch_size: int = Field(256, gt=0)
     num_threads: int = Field(1, gt=0)
-    startup_timeout_s: float = Field(120.0, gt=0)
 
 
 class OrchestratorConfig(_Strict):
-    batch_size: int = Field(16, gt=0, description="prompts per step")
+    batch_size: int = Field(32, gt=0, description="prompts per step")
     group_size: int = Field(8, gt=1, description="samples per prompt (G)")
-    max_new_tokens: int = Field(16, gt=0)
+    max_new_tokens: int = Field(12, gt=0)
     temperature: float = Field(1.0, gt=0)
     requests_in_flight: int = Field(16, gt=0, description="concurrent group requests to inference")
     normalize_advantages: bool = Field(True, description="divide group-centred rewards by the group std")
     poll_interval_s: float = Field(0.05, gt=0)
+    inference_timeout_s: float = Field(120.0, gt=0, description="how long to wait for the engine's /health")
 
 
 class OptimConfig(_Strict):
-    lr: float = Field(2e-3, gt=0)
+    lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.99)
     max_grad_norm: float = Field(1.0, gt=0)
@@ -96,7 +96,7 @@ class LossConfig(_Strict):
 class SFTConfig(_Strict):
     """Short supervised warm-up run before RL; its result is published as policy version 0."""
 
-    steps: int = Field(60, ge=0)
+    steps: int = Field(200, ge=0)
     batch_size: int = Field(32, gt=0)
     lr: float = Field(3e-3, gt=0)
 
@@ -123,7 +123,7 @@ class RunConfig(_Strict):
     run_name: str = "tiny-cpu"
     output_dir: str = "outputs/tiny-cpu"
     seed: int = 0
-    max_steps: int = Field(20, gt=0)
+    max_steps: int = Field(100, gt=0)
     async_level: int = Field(1, ge=0, description="0 = synchronous on-policy")
     max_off_policy_steps: int = Field(2, ge=0)
     model: ModelConfig = ModelConfig()

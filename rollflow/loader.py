@@ -7,8 +7,9 @@ names the key, the source that set it, and what would be valid.
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
@@ -51,7 +52,7 @@ def read_profile(path: str | Path) -> dict:
         raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
 
 
-def compose(profiles: list[str | Path], overrides: list[tuple[str, str]]) -> tuple[dict, dict[Key, str]]:
+def compose(profiles: Sequence[str | Path], overrides: Sequence[tuple[str, str]]) -> tuple[dict, dict[Key, str]]:
     """Merge profiles then overrides into one dict, plus the source of every key that was set."""
     data: dict = {}
     sources: dict[Key, str] = {}
@@ -75,11 +76,15 @@ def _source_of(loc: Key, sources: dict[Key, str]) -> str:
 
 def _model_at(loc: Key) -> type[BaseModel] | None:
     model: type[BaseModel] = RunConfig
-    for part in loc:
-        field = model.model_fields.get(part)
+    parts = list(loc)
+    while parts:
+        field = model.model_fields.get(parts.pop(0))
         if field is None:
             return None
         ann = field.annotation
+        if get_origin(ann) is list and parts and parts[0].isdigit():  # envs.0 -> EnvSpec
+            ann = get_args(ann)[0]
+            parts.pop(0)
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             model = ann
         else:
@@ -87,10 +92,14 @@ def _model_at(loc: Key) -> type[BaseModel] | None:
     return model
 
 
-def _describe(err: dict, sources: dict[Key, str]) -> str:
+def _describe(err: Any, sources: dict[Key, str]) -> str:
     loc = tuple(str(p) for p in err["loc"])
     dotted = ".".join(loc) or "(top level)"
     where = _source_of(loc, sources)
+    if err["type"] == "value_error" and _model_at(loc) is not None:
+        # A model-level check (e.g. async_level vs max_off_policy_steps): its message names the keys and
+        # values involved, which may come from several sources, so attribute it to none of them.
+        return f"{dotted}: {err['msg']}"
     if err["type"] == "extra_forbidden":
         parent = _model_at(loc[:-1])
         valid = ", ".join(sorted(parent.model_fields)) if parent else "see docs/configuration.md"
@@ -107,6 +116,6 @@ def validate(data: dict, sources: dict[Key, str]) -> RunConfig:
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 
-def load_run_config(profiles: list[str | Path], overrides: list[tuple[str, str]] = ()) -> RunConfig:  # type: ignore[assignment]
-    data, sources = compose(profiles, list(overrides))
+def load_run_config(profiles: Sequence[str | Path], overrides: Sequence[tuple[str, str]] = ()) -> RunConfig:
+    data, sources = compose(profiles, overrides)
     return validate(data, sources)

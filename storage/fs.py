@@ -39,10 +39,11 @@ def sha256(data: bytes) -> str:
 
 def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Whole-or-nothing write: temp file + rename locally; a single PUT (atomic per object) elsewhere."""
-    parent = path.rsplit("/", 1)[0]
+    parent, name = path.rsplit("/", 1)
     fs.makedirs(parent, exist_ok=True)
     if isinstance(fs, LocalFileSystem):
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        # A leading '.' keeps a crash's leftover out of Arrow dataset discovery (it skips '.' and '_').
+        tmp = f"{parent}/.tmp-{uuid.uuid4().hex[:8]}-{name}"
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()

@@ -20,7 +20,7 @@ SCHEMA_VERSION = 1
 ROLLOUT_SCHEMA = pa.schema(
     [
         pa.field("run_id", pa.string(), nullable=False),
-        pa.field("step", pa.int64(), nullable=False),
+        pa.field("step", pa.int32(), nullable=False),  # int32: what hive discovery infers from step=N
         pa.field("sample_id", pa.string(), nullable=False),
         pa.field("group_id", pa.string(), nullable=False),
         pa.field("env", pa.string(), nullable=False),
@@ -49,7 +49,12 @@ def rollouts_root(output_root: str) -> str:
 def to_table(rows: list[dict]) -> pa.Table:
     """Rows (dicts keyed by column name) to a table with the rollout schema; missing optional -> null."""
     columns = {f.name: [r.get(f.name) for r in rows] for f in ROLLOUT_SCHEMA}
-    return pa.Table.from_pydict(columns, schema=ROLLOUT_SCHEMA)
+    table = pa.Table.from_pydict(columns, schema=ROLLOUT_SCHEMA)
+    # Arrow does not enforce `nullable=False`; a missing required value would be written as a null.
+    missing = [f.name for f in ROLLOUT_SCHEMA if not f.nullable and table.column(f.name).null_count]
+    if missing:
+        raise ValueError(f"rollout rows lack required column(s): {', '.join(missing)}")
+    return table
 
 
 def _ipc_bytes(table: pa.Table) -> bytes:

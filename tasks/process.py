@@ -63,8 +63,13 @@ def supervise(
         log_file = open(log_path, "a")  # noqa: SIM115 - closed in finally
     tail: collections.deque[str] = collections.deque(maxlen=20)
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
     )
     reader = threading.Thread(target=_pump, args=(proc, emit, log_file, tail), daemon=True)
     reader.start()

@@ -91,7 +91,8 @@ class Engine:
                 self._cv.wait()
             if self._stopped:
                 return None
-            batch, rows = [], 0
+            batch: list[Request] = []
+            rows = 0
             while self._queue and (not batch or rows + self._queue[0].n <= self.max_batch_size):
                 req = self._queue.pop(0)
                 batch.append(req)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import secrets
@@ -89,7 +88,10 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
             for i, c in enumerate(outs)
         ]
         return api.CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name, choices=choices,
+            id=f"cmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=model_name,
+            choices=choices,
             usage=usage(ids, outs),
         )
 
@@ -118,7 +120,10 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
                 )
             )
         return api.ChatResponse(
-            id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name, choices=choices,
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=model_name,
+            choices=choices,
             usage=usage(ids, outs),
         )
 

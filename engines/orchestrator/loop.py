@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
 
@@ -159,7 +157,7 @@ class Orchestrator:
 async def run(cfg: OrchestratorProcessConfig) -> None:
     token = os.environ.get("ROLLFLOW_ADMIN_TOKEN", "")
     async with httpx.AsyncClient(base_url=cfg.inference_url, timeout=httpx.Timeout(600.0)) as client:
-        await wait_healthy(client)
+        await wait_healthy(client, cfg.orchestrator.inference_timeout_s)
         sync = WeightSync(client, cfg.run.output_dir, token, cfg.orchestrator.poll_interval_s)
         await sync.refresh()
         follower = asyncio.create_task(sync.follow())

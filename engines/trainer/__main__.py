@@ -2,8 +2,8 @@
 `--config sft.json` (warm-up); the config's `mode` field picks which."""
 
 import argparse
-
 import logging
+
 from storage.fs import read_json
 
 

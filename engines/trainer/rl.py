@@ -32,9 +32,7 @@ class RLTrainer:
         self.model = build_model(cfg.model, self.tok.vocab_size)
         self.version = self._load_latest_weights()
         o = self.tcfg.optim
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay
-        )
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         self.history = PolicyHistory(self.model, cfg.max_off_policy_steps + 1) if self.tcfg.measure_mismatch else None
         if self.history:
             self.history.add(self.version, self.model)
@@ -61,8 +59,13 @@ class RLTrainer:
         lc = self.tcfg.loss
         for mb in micro_batches(batch, self.tcfg.micro_batch_size):
             out = policy_loss(
-                batch_logprobs(self.model, mb), mb.sampler_logprobs, mb.advantages, mb.loss_mask,
-                lc.mask_low, lc.mask_high, n_tokens,
+                batch_logprobs(self.model, mb),
+                mb.sampler_logprobs,
+                mb.advantages,
+                mb.loss_mask,
+                lc.mask_low,
+                lc.mask_high,
+                n_tokens,
             )
             out.loss.backward()
             loss_sum += float(out.loss)
@@ -84,7 +87,9 @@ class RLTrainer:
         table, manifest = self.wait_for_rollouts(step)
         t1 = time.perf_counter()
         batch = make_batch(table, self.tok.pad_id)
-        mismatch, mismatch_tokens = self.history.mismatch_kl(batch, self.tcfg.micro_batch_size) if self.history else (None, 0)
+        mismatch, mismatch_tokens = (
+            self.history.mismatch_kl(batch, self.tcfg.micro_batch_size) if self.history else (None, 0)
+        )
         stats = self.train_on(batch)
         t2 = time.perf_counter()
         weights.publish(self.fs, self.root, step, self.model.publishable_state_dict())

@@ -1,0 +1,41 @@
+# Fresh-machine entry points. `make run` and `make test` install what they need first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROFILE ?= profiles/tiny-cpu.toml
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: install run test test-fast lint format bench clean
+
+$(STAMP): pyproject.toml requirements/constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and alone: with it absent, dependents pull the multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c requirements/constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/rollflow rl @ $(PROFILE) --overwrite
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+test-fast: install
+	$(BIN)/python -m pytest -q tests/unit
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,241 @@
+"""Config composition, overrides, error messages and the `--dry-run` CLI path (no torch imports)."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from rollflow.cli import main, split_args
+from rollflow.config import (
+    InferenceProcessConfig,
+    OrchestratorProcessConfig,
+    RunConfig,
+    SFTProcessConfig,
+    TrainerProcessConfig,
+)
+from rollflow.loader import ConfigError, load_run_config, parse_value
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "profiles" / "tiny-cpu.toml"
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_profiles_compose_left_to_right(tmp_path):
+    a = _write(
+        tmp_path / "a.toml",
+        'run_name = "a"\nseed = 1\n[trainer.optim]\nlr = 1e-3\nweight_decay = 0.1\n'
+        '[[envs]]\nname = "reverse-text"\n[[envs]]\nname = "sort-letters"\n',
+    )
+    b = _write(tmp_path / "b.toml", 'run_name = "b"\n[trainer.optim]\nlr = 5e-4\n[[envs]]\nname = "sort-letters"\n')
+
+    ab = load_run_config([a, b])
+    assert ab.run_name == "b"  # later file wins
+    assert ab.trainer.optim.lr == 5e-4
+    assert ab.seed == 1  # keys only the earlier file sets survive
+    assert ab.trainer.optim.weight_decay == 0.1  # nested tables merge key by key
+    assert [e.name for e in ab.envs] == ["sort-letters"]  # arrays replace wholesale
+
+    ba = load_run_config([b, a])
+    assert ba.run_name == "a"
+    assert ba.trainer.optim.lr == 1e-3
+    assert [e.name for e in ba.envs] == ["reverse-text", "sort-letters"]
+
+
+def test_split_args_and_dotted_overrides(tmp_path):
+    a = _write(tmp_path / "a.toml", "[trainer.optim]\nlr = 1e-3\n")
+    tokens = [
+        "@", str(TINY), f"@{a}",
+        "--trainer.optim.lr", "3e-4",
+        "--output-dir=runs/x",
+        "--orchestrator.temperature", "0.7",
+        "--trainer.optim.betas", "[0.8, 0.95]",
+        "--dry-run", "--overwrite",
+    ]  # fmt: skip
+    profiles, overrides, flags = split_args(tokens)
+    assert profiles == [str(TINY), str(a)]
+    assert overrides == [
+        ("trainer.optim.lr", "3e-4"),
+        ("output-dir", "runs/x"),
+        ("orchestrator.temperature", "0.7"),
+        ("trainer.optim.betas", "[0.8, 0.95]"),
+    ]
+    assert flags == {"dry-run", "overwrite"}
+
+    cfg = load_run_config(profiles, overrides)
+    assert cfg.trainer.optim.lr == 3e-4  # the override beats both profiles
+    assert cfg.output_dir == "runs/x"  # dashes read as underscores
+    assert cfg.orchestrator.temperature == 0.7
+    assert cfg.trainer.optim.betas == (0.8, 0.95)
+    # untouched keys still come from the profile
+    assert cfg.model.hidden_size == tomllib.loads(TINY.read_text())["model"]["hidden_size"]
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [["@"], ["--seed"], ["--seed", "--dry-run"], ["stray"]],
+)
+def test_split_args_rejects_malformed(tokens):
+    with pytest.raises(ConfigError):
+        split_args(tokens)
+
+
+def test_unknown_key_in_file_names_file_and_valid_keys(tmp_path):
+    bad = _write(tmp_path / "bad.toml", "[trainer]\nmicro_batch = 8\n")
+    with pytest.raises(ConfigError) as exc:
+        load_run_config([TINY, bad])
+    msg = str(exc.value)
+    assert str(bad) in msg
+    assert "trainer.micro_batch" in msg
+    for key in ("micro_batch_size", "num_threads", "optim", "loss", "measure_mismatch"):
+        assert key in msg
+    assert str(TINY) not in msg  # only the file that set the key is blamed
+
+
+def test_unknown_key_on_command_line():
+    with pytest.raises(ConfigError) as exc:
+        load_run_config([TINY], [("orchestrator.group", "4")])
+    msg = str(exc.value)
+    assert "command line" in msg and "--orchestrator.group" in msg
+    assert "group_size" in msg and "batch_size" in msg and "max_new_tokens" in msg
+
+
+def test_unknown_key_inside_env_lists_env_keys():
+    with pytest.raises(ConfigError) as exc:
+        load_run_config([TINY], [("envs", '[{name = "reverse-text", maxchars = 9}]')])
+    msg = str(exc.value)
+    assert "envs.0.maxchars" in msg
+    for key in ("max_chars", "min_chars", "name", "weight"):
+        assert key in msg
+
+
+def test_unknown_top_level_key(tmp_path):
+    bad = _write(tmp_path / "bad.toml", "max_step = 3\n")
+    with pytest.raises(ConfigError) as exc:
+        load_run_config([bad])
+    msg = str(exc.value)
+    assert str(bad) in msg and "'max_step'" in msg and "max_steps" in msg and "async_level" in msg
+
+
+def test_async_level_above_max_off_policy_rejected():
+    with pytest.raises(ConfigError) as exc:
+        load_run_config([TINY], [("async_level", "3"), ("max_off_policy_steps", "2")])
+    msg = str(exc.value)
+    assert "async_level=3" in msg and "max_off_policy_steps=2" in msg
+    # values from the command line must not be blamed on "defaults", nor the whole config dumped
+    assert "defaults" not in msg and "run_name" not in msg
+    # equal is allowed
+    cfg = load_run_config([TINY], [("async_level", "2"), ("max_off_policy_steps", "2")])
+    assert cfg.async_level == 2
+
+
+def test_max_seq_len_too_short_rejected():
+    # tiny-cpu: max_chars 8 + 7 overhead tokens + 12 new tokens = 27
+    with pytest.raises(ConfigError) as exc:
+        load_run_config([TINY], [("model.max_seq_len", "26")])
+    msg = str(exc.value)
+    assert "model.max_seq_len=26" in msg and "orchestrator.max_new_tokens=12" in msg and ">= 27" in msg
+    assert load_run_config([TINY], [("model.max_seq_len", "27")]).model.max_seq_len == 27
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        load_run_config([TINY], [("orchestrator.max_new_tokens", "50")])
+
+
+def test_type_error_names_source_and_key():
+    with pytest.raises(ConfigError) as exc:
+        load_run_config([TINY], [("trainer.micro_batch_size", "many")])
+    msg = str(exc.value)
+    assert "--trainer.micro_batch_size" in msg and "trainer.micro_batch_size" in msg and "'many'" in msg
+
+
+def test_missing_profile_and_invalid_toml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_run_config([tmp_path / "nope.toml"])
+    broken = _write(tmp_path / "broken.toml", "seed = = 1\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_run_config([broken])
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("3e-4", 3e-4),
+        ("42", 42),
+        ("-1", -1),
+        ("true", True),
+        ("false", False),
+        ("[1, 2]", [1, 2]),
+        ('"quoted"', "quoted"),
+        ("runs/a", "runs/a"),
+        ("hello world", "hello world"),
+        ("{a = 1}", {"a": 1}),
+    ],
+)
+def test_parse_value(text, expected):
+    value = parse_value(text)
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+def test_tiny_cpu_profile_validates():
+    cfg = load_run_config([TINY])
+    assert isinstance(cfg, RunConfig)
+    assert cfg.run_name == "tiny-cpu"
+    assert [e.name for e in cfg.envs] == ["reverse-text", "sort-letters"]
+    assert cfg.async_level <= cfg.max_off_policy_steps
+
+
+def test_cli_dry_run_writes_component_configs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "run"
+    rc = main(["rl", "@", "profiles/tiny-cpu.toml", "--output-dir", str(out), "--seed", "7", "--dry-run"])
+    assert rc == 0
+    urls = json.loads(capsys.readouterr().out)
+    assert set(urls) == {"sft", "inference", "orchestrator", "trainer"}
+
+    cfg_dir = out / "config"
+    run = json.loads((cfg_dir / "run.json").read_text())
+    run_id = run.pop("run_id")
+    assert run_id.startswith("tiny-cpu-")
+    resolved = RunConfig.model_validate(run)
+    assert resolved.output_dir == str(out) and resolved.seed == 7
+
+    models = {
+        "sft": SFTProcessConfig,
+        "inference": InferenceProcessConfig,
+        "orchestrator": OrchestratorProcessConfig,
+        "trainer": TrainerProcessConfig,
+    }
+    for name, model in models.items():
+        path = cfg_dir / f"{name}.json"
+        assert urls[name] == str(path)
+        sub = model.model_validate(json.loads(path.read_text()))
+        assert sub.run.run_id == run_id
+        assert sub.run.output_dir == str(out)
+        assert sub.seed == 7
+    trainer = TrainerProcessConfig.model_validate(json.loads((cfg_dir / "trainer.json").read_text()))
+    assert trainer.model == resolved.model and trainer.max_off_policy_steps == resolved.max_off_policy_steps
+    orch = OrchestratorProcessConfig.model_validate(json.loads((cfg_dir / "orchestrator.json").read_text()))
+    assert orch.envs == resolved.envs and orch.async_level == resolved.async_level
+    assert not (out / "weights").exists() and not (out / "rollouts").exists()  # dry run starts nothing
+
+
+def test_cli_bad_key_returns_2_with_message_on_stderr(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main(["rl", "@", str(TINY), "--output-dir", str(out), "--trainer.optim.learning_rate", "1e-3", "--dry-run"])
+    assert rc == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "trainer.optim.learning_rate" in captured.err
+    assert "command line" in captured.err and "lr" in captured.err and "max_grad_norm" in captured.err
+    assert not out.exists()
+
+
+def test_cli_help_returns_0(capsys):
+    assert main(["rl", "--help"]) == 0
+    assert "--dry-run" in capsys.readouterr().out
