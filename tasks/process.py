@@ -31,20 +31,27 @@ def _pump(proc: subprocess.Popen, emit: Callable[[str], None], log_file, tail: c
             log_file.flush()
 
 
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send `sig` to the group; False when no member is left."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
 def terminate_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the process group, wait up to `grace_s`, then SIGKILL it."""
-    if proc.poll() is not None:
-        return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """SIGTERM the whole process group, give it `grace_s` to exit, then SIGKILL what is left.
+
+    The leader exiting is not enough: a child that ignores SIGTERM would outlive it.
+    """
+    pgid = proc.pid  # start_new_session=True makes the child its group's leader
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and (proc.poll() is None or _signal_group(pgid, 0)):
+        time.sleep(0.05)
+    _signal_group(pgid, signal.SIGKILL)
+    proc.wait()
 
 
 def supervise(

@@ -35,11 +35,11 @@ def _auth_dependency(token: str):
 def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_token: str):
     """The FastAPI app around an `Engine`; split from `main` so tests can serve it in-process."""
     import jinja2
-    from fastapi import Depends, FastAPI
+    from fastapi import Depends, FastAPI, HTTPException
 
     from engines.tokenizer import CHAT_TEMPLATE
     from storage import weights
-    from storage.fs import get_fs, step_dir
+    from storage.fs import CorruptError, get_fs, is_committed, step_dir
 
     app = FastAPI(title="rollflow embedded inference")
     admin = Depends(_auth_dependency(admin_token))
@@ -131,7 +131,12 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
     async def update_weights(req: api.UpdateWeightsRequest) -> dict:
         t0 = time.perf_counter()
         directory = step_dir(weights.weights_root(root), req.version)
-        state = await asyncio.to_thread(weights.load, fs, directory)
+        if not await asyncio.to_thread(is_committed, fs, directory):
+            raise HTTPException(status_code=404, detail=f"no committed weights at {directory}")
+        try:
+            state = await asyncio.to_thread(weights.load, fs, directory)
+        except CorruptError as exc:
+            raise HTTPException(status_code=422, detail=str(exc)) from exc
         t1 = time.perf_counter()
         version = await asyncio.to_thread(engine.update_weights, state, req.version)
         t2 = time.perf_counter()

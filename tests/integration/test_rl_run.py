@@ -53,15 +53,21 @@ def _assert_run_is_sound(out: Path, max_steps: int, max_off_policy: int) -> list
     return stale
 
 
-def test_async_run_via_cli_learns(tmp_path):
-    out = tmp_path / "run"
+def _run_cli(out: Path, *extra: str, api_url: str | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "rollflow.cli", "rl"]
     for p in PROFILES:
         cmd += ["@", str(p)]
-    cmd += ["--output-dir", str(out)]
+    cmd += ["--output-dir", str(out), *extra]
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    return subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_async_run_via_cli_learns(tmp_path):
+    out = tmp_path / "run"
+    proc = _run_cli(out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cfg = load_run_config(PROFILES)
     stale = _assert_run_is_sound(out, cfg.max_steps, cfg.max_off_policy_steps)
@@ -79,21 +85,46 @@ def test_async_run_via_cli_learns(tmp_path):
     assert run.data.params["async_level"] == "1"
 
 
-def test_sync_run_in_prefect_harness_is_on_policy(tmp_path):
+@pytest.fixture(scope="module")
+def prefect_api():
+    """A real Prefect API (the test harness's server) that CLI subprocesses report to."""
+    from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.rl import rl
+    with prefect_test_harness():
+        yield PREFECT_API_URL.value()
+
+
+def test_sync_run_reports_to_a_prefect_server_and_is_on_policy(tmp_path, prefect_api):
+    from prefect.client.orchestration import get_client
 
     out = tmp_path / "run"
-    cfg = load_run_config(PROFILES, [("output_dir", str(out)), ("async_level", "0"), ("max_steps", "8")])
-    cfg.tracking.mlflow = False
-    with prefect_test_harness():
-        summary = rl(config=cfg.model_dump(mode="json"))
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as client:
-            artifact = client.read_latest_artifacts()[0]
-    stale = _assert_run_is_sound(out, cfg.max_steps, cfg.max_off_policy_steps)
+    proc = _run_cli(out, "--async-level", "0", "--max-steps", "8", "--tracking.mlflow", "false", api_url=prefect_api)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stale = _assert_run_is_sound(out, 8, load_run_config(PROFILES).max_off_policy_steps)
     assert set(stale) == {0}, "async_level=0 must be fully on-policy"
-    assert summary["staleness_histogram"] == {0: len(stale)}
-    assert artifact.key == "rl-run-summary" and "reward_last5" in artifact.data
+    assert json.loads(proc.stdout[proc.stdout.index("{") :])["staleness_histogram"] == {"0": len(stale)}
+    with get_client(sync_client=True) as client:
+        (flow_run,) = client.read_flow_runs()
+        assert flow_run.state is not None and flow_run.state.is_completed()
+        task_names = {t.name for t in client.read_task_runs()}
+        artifacts = client.read_artifacts()
+    assert {"warmup", "inference", "orchestrator", "trainer"} <= task_names
+    assert any(a.key == "rl-run-summary" and "reward_last5" in str(a.data) for a in artifacts)
+
+
+def test_a_failing_component_stops_the_run_and_every_process(tmp_path, prefect_api):
+    out = tmp_path / "run"
+    # The orchestrator gives up on the engine at once: a real failure the flow must contain.
+    proc = _run_cli(out, "--orchestrator.inference_timeout_s", "0.001", "--sft.steps", "1", api_url=prefect_api)
+    assert proc.returncode != 0
+    assert "orchestrator exited with code 1" in proc.stdout + proc.stderr
+    leftovers = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if str(out) in cmdline:
+            leftovers.append(cmdline)
+    assert leftovers == []

@@ -1,0 +1,141 @@
+"""The embedded inference server as a real subprocess over real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from engines.model import CausalLM, token_logprobs
+from engines.tokenizer import CharTokenizer
+from rollflow.config import ComponentPaths, InferenceConfig, InferenceProcessConfig, ModelConfig
+from storage import weights
+from storage.fs import get_fs
+
+TOKEN = "test-admin-token"
+MODEL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+
+
+def _publish(root: str, version: int, seed: int) -> CausalLM:
+    torch.manual_seed(seed)
+    model = CausalLM(MODEL, CharTokenizer().vocab_size).eval()
+    fs, r = get_fs(root)
+    weights.publish(fs, r, version, model.publishable_state_dict())
+    return model
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("run"))
+    models = {0: _publish(root, 0, seed=1)}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = InferenceProcessConfig(
+        run=ComponentPaths(output_dir=root, run_id="t"), model=MODEL, inference=InferenceConfig(port=port), seed=0
+    )
+    path = f"{root}/inference.json"
+    with open(path, "w") as f:
+        json.dump(cfg.model_dump(mode="json"), f)
+    env = {**os.environ, "ROLLFLOW_ADMIN_TOKEN": TOKEN}
+    proc = subprocess.Popen([sys.executable, "-m", "engines.inference", "--config", path], env=env)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if client.get("/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("inference server did not become healthy")
+    yield client, root, models
+    client.close()
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_completions_return_ids_and_logprobs_that_match_the_model(server):
+    client, _, models = server
+    tok = CharTokenizer()
+    prompt = tok.encode("rev:abc=")
+    body = {"prompt": prompt, "n": 3, "max_tokens": 6, "temperature": 0.8, "logprobs": 1, "return_token_ids": True}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200
+    choices = r.json()["choices"]
+    assert len(choices) == 3
+    for c in choices:
+        assert 1 <= len(c["token_ids"]) <= 6 and len(c["logprobs"]["token_logprobs"]) == len(c["token_ids"])
+        assert c["policy_version"] == c["policy_version_end"] == 0
+        ids = torch.tensor([prompt + c["token_ids"]])
+        with torch.no_grad():
+            expected = token_logprobs(models[0](ids)[:, :-1], ids[:, 1:], 0.8)[0, len(prompt) - 1 :]
+        assert torch.allclose(expected, torch.tensor(c["logprobs"]["token_logprobs"]), atol=1e-4)
+
+
+def test_text_prompt_and_chat_completions(server):
+    client, _, _ = server
+    r = client.post("/v1/completions", json={"prompt": "sort:cba=", "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] is None
+    chat = {"messages": [{"role": "user", "content": "rev:abc"}], "max_tokens": 4, "logprobs": True}
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200
+    choice = r.json()["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert len(choice["logprobs"]["content"]) == r.json()["usage"]["completion_tokens"]
+
+
+def test_admin_routes_need_the_token(server):
+    client, _, _ = server
+    assert client.post("/update_weights", json={"version": 0}).status_code == 401
+    bad = {"Authorization": "Bearer nope"}
+    assert client.post("/update_weights", json={"version": 0}, headers=bad).status_code == 401
+    assert client.post("/shutdown", headers=bad).status_code == 401
+
+
+def test_update_weights_serves_the_new_policy(server):
+    client, root, models = server
+    models[1] = _publish(root, 1, seed=2)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    r = client.post("/update_weights", json={"version": 1}, headers=headers)
+    assert r.status_code == 200 and r.json()["policy_version"] == 1
+    assert client.get("/health").json()["policy_version"] == 1
+    tok = CharTokenizer()
+    prompt = tok.encode("rev:xy=")
+    body = {"prompt": prompt, "max_tokens": 5, "logprobs": 1, "return_token_ids": True}
+    c = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert c["policy_version"] == 1
+    ids = torch.tensor([prompt + c["token_ids"]])
+    with torch.no_grad():
+        expected = token_logprobs(models[1](ids)[:, :-1], ids[:, 1:], 1.0)[0, len(prompt) - 1 :]
+    assert torch.allclose(expected, torch.tensor(c["logprobs"]["token_logprobs"]), atol=1e-4)
+
+
+def test_update_to_a_missing_version_fails_without_changing_the_policy(server):
+    client, _, _ = server
+    before = client.get("/health").json()["policy_version"]
+    r = client.post("/update_weights", json={"version": 99}, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code >= 400
+    assert client.get("/health").json()["policy_version"] == before
+
+
+def test_update_to_corrupt_weights_is_refused_with_the_file_named(server):
+    client, root, _ = server
+    _publish(root, 5, seed=3)
+    path = Path(root) / "weights" / "step=000005" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    before = client.get("/health").json()["policy_version"]
+    r = client.post("/update_weights", json={"version": 5}, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 422 and "model.safetensors" in r.json()["detail"]
+    assert client.get("/health").json()["policy_version"] == before

@@ -1,0 +1,52 @@
+"""tasks/process.py supervising real (tiny) subprocesses."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from tasks.process import ComponentFailed, supervise
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_failure_raises_with_the_last_output_lines(tmp_path):
+    lines: list[str] = []
+    argv = ["bash", "-c", "echo first; echo boom >&2; exit 3"]
+    with pytest.raises(ComponentFailed) as err:
+        supervise("demo", argv, {}, lines.append, threading.Event(), str(tmp_path / "demo.log"))
+    assert "exited with code 3" in str(err.value) and "boom" in str(err.value)
+    assert lines == ["first", "boom"]
+    assert (tmp_path / "demo.log").read_text() == "first\nboom\n"
+
+
+def test_clean_exit_returns_zero_and_passes_env():
+    lines: list[str] = []
+    rc = supervise("demo", ["bash", "-c", "echo $DEMO_VAR"], {"DEMO_VAR": "hello"}, lines.append, threading.Event())
+    assert rc == 0 and lines == ["hello"]
+
+
+def test_stop_kills_the_whole_process_group(tmp_path):
+    pidfile = tmp_path / "child.pid"
+    # The grandchild ignores SIGTERM, so only the SIGKILL after the grace period stops it.
+    argv = ["bash", "-c", f"(trap '' TERM; sleep 60) & echo $! > {pidfile}; wait"]
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    t0 = time.monotonic()
+    rc = supervise("demo", argv, {}, lambda _: None, stop, grace_s=0.5)
+    assert rc != 0 and time.monotonic() - t0 < 10
+    deadline = time.monotonic() + 5
+    child = int(pidfile.read_text())
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
