@@ -31,51 +31,50 @@ class RunExistsError(RuntimeError):
 
 
 def _supervise(futures: dict, stop: threading.Event, logger) -> None:
-    """Wait for the trainer to finish; on any failure, stop the rest and re-raise the first error."""
-    while True:
-        for name, fut in futures.items():
-            state = fut.state
-            if state.is_failed() or state.is_crashed():
+    """Wait until every component task ends. The trainer finishing ends the run (`stop` tells the others
+    to shut down); any component failing stops the rest and re-raises its error."""
+    pending = dict(futures)
+    while pending:
+        for name, fut in list(pending.items()):
+            if not fut.wrapped_future.done():  # local check; `fut.state` would ask the API each poll
+                continue
+            del pending[name]
+            if not fut.state.is_completed():
                 logger.error(f"{name} failed; stopping the other components")
                 stop.set()
-                for other in futures.values():
+                for other in pending.values():
                     other.wait()
                 fut.result()  # raises the component's error
-            if name == "trainer" and state.is_completed():
+            if name == "trainer":
                 stop.set()
-                for other in futures.values():
-                    other.wait()
-                return
         time.sleep(0.2)
 
 
-@flow(name="rl", log_prints=True)
-def rl(config: dict, overwrite: bool = False) -> dict:
-    logger = get_run_logger()
-    t0 = time.time()
-    cfg = RunConfig.model_validate(config)
+def _prepare(cfg: RunConfig, overwrite: bool) -> tuple[str, str | None, str | None, dict[str, str]]:
+    """Claim the output dir, pick the port, open tracking, write configs -> (run_id, uri, mlflow id, urls)."""
     fs, root = get_fs(cfg.output_dir)
     if run_exists(cfg.output_dir):
         if not overwrite:
             raise RunExistsError(f"{cfg.output_dir} already holds a run; pass --overwrite or another --output-dir")
         fs.rm(root, recursive=True)
+    fs.makedirs(root, exist_ok=True)
     run_id = new_run_id(cfg)
-    port = cfg.inference.port or free_port(cfg.inference.host)
-    cfg.inference.port = port
+    cfg.inference.port = cfg.inference.port or free_port(cfg.inference.host)
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri, cfg.output_dir) if cfg.tracking.mlflow else None
     mlflow_run_id = None
     if tracking_uri:
-        fs.makedirs(root, exist_ok=True)
         params = cfg.model_dump(mode="json")
-        mlflow_run_id = start_mlflow_run(
-            tracking_uri, cfg.tracking.experiment, run_id, params, {"rollflow.run_id": run_id}
-        )
-    urls = write_configs(cfg, run_id, f"http://{cfg.inference.host}:{port}", tracking_uri, mlflow_run_id)
-    logger.info(f"run {run_id} -> {cfg.output_dir}")
-    env = {"ROLLFLOW_ADMIN_TOKEN": secrets.token_hex(16)}
+        tags = {"rollflow.run_id": run_id}
+        mlflow_run_id = start_mlflow_run(tracking_uri, cfg.tracking.experiment, run_id, params, tags)
+    inference_url = f"http://{cfg.inference.host}:{cfg.inference.port}"
+    urls = write_configs(cfg, run_id, inference_url, tracking_uri, mlflow_run_id)
+    return run_id, tracking_uri, mlflow_run_id, urls
+
+
+def _run_components(urls: dict[str, str], logs: str, logger) -> None:
+    """Warm-up to completion, then inference, orchestrator and trainer side by side."""
+    env = {"ROLLFLOW_ADMIN_TOKEN": secrets.token_hex(16)}  # per run; never written to disk or logged
     stop = threading.Event()
-    logs = join(root, "logs")
-    status = "FAILED"
     try:
         run_component("warmup", urls["sft"], env, join(logs, "warmup.log"), stop)
         futures = {
@@ -83,9 +82,22 @@ def rl(config: dict, overwrite: bool = False) -> dict:
             for name in ("inference", "orchestrator", "trainer")
         }
         _supervise(futures, stop, logger)
-        status = "FINISHED"
     finally:
         stop.set()
+
+
+@flow(name="rl", log_prints=True)
+def rl(config: dict, overwrite: bool = False) -> dict:
+    logger = get_run_logger()
+    t0 = time.time()
+    cfg = RunConfig.model_validate(config)
+    run_id, tracking_uri, mlflow_run_id, urls = _prepare(cfg, overwrite)
+    logger.info(f"run {run_id} -> {cfg.output_dir}")
+    status = "FAILED"
+    try:
+        _run_components(urls, join(get_fs(cfg.output_dir)[1], "logs"), logger)
+        status = "FINISHED"
+    finally:
         if tracking_uri and mlflow_run_id:
             end_mlflow_run(tracking_uri, mlflow_run_id, status)
     summary = summarize(cfg.output_dir, time.time() - t0)

@@ -36,7 +36,9 @@ class ChatRequest(BaseModel):
 
 
 class UpdateWeightsRequest(BaseModel):
-    version: int = Field(ge=0)  # loads OUTPUT_DIR/weights/step=<version>/ (checksum-verified)
+    version: int = Field(ge=0)  # the policy version the engine reports once these weights serve
+    # a committed publication (safetensors + manifest) to load; default OUTPUT_DIR/weights/step=<version>/
+    path: str | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -130,7 +130,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
     @app.post("/update_weights", dependencies=[admin])
     async def update_weights(req: api.UpdateWeightsRequest) -> dict:
         t0 = time.perf_counter()
-        directory = step_dir(weights.weights_root(root), req.version)
+        directory = req.path or step_dir(weights.weights_root(root), req.version)
         if not await asyncio.to_thread(is_committed, fs, directory):
             raise HTTPException(status_code=404, detail=f"no committed weights at {directory}")
         try:

@@ -101,6 +101,7 @@ class RLTrainer:
         rewards = table.column("reward").to_pylist()
         return {
             "step": step,
+            "time": time.time(),
             "reward_mean": sum(rewards) / len(rewards),
             "mismatch_kl": mismatch,
             "mismatch_tokens": mismatch_tokens,
