@@ -1,4 +1,4 @@
-"""Batched sampling with a KV cache, shared by the inference engine and benchmarks.
+"""Batched sampling with a KV cache: the inference engine's inner loop.
 
 Prompts are left-padded into one batch; prefill runs once, then one decode step per token. Between decode
 steps `between_steps()` may swap the weights (in-flight update) and returns the current policy version,

@@ -169,11 +169,26 @@ class CausalLM(nn.Module):
             sd.pop("lm_head.weight", None)
         return sd
 
+    def check_published(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Raise ValueError unless `state_dict` has exactly this model's published keys and shapes."""
+        expected = {k: tuple(v.shape) for k, v in self.publishable_state_dict().items()}
+        got = {
+            k: tuple(v.shape)
+            for k, v in state_dict.items()
+            if not (k == "lm_head.weight" and self.cfg.tie_word_embeddings)
+        }
+        missing, unexpected = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+        wrong = sorted(k for k in expected.keys() & got.keys() if expected[k] != got[k])
+        if missing or unexpected or wrong:
+            shapes = [f"{k}: {got[k]} vs model {expected[k]}" for k in wrong[:5]]
+            raise ValueError(
+                f"weights do not fit the model: missing={missing[:5]} unexpected={unexpected[:5]} shapes={shapes}"
+            )
+
     def load_published(self, state_dict: dict[str, torch.Tensor]) -> None:
-        missing, unexpected = self.load_state_dict(state_dict, strict=False)
-        allowed_missing = {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
-        if set(missing) - allowed_missing or unexpected:
-            raise ValueError(f"weights do not fit the model: missing={missing} unexpected={unexpected}")
+        """Load published weights; checks everything first so a bad file leaves the model untouched."""
+        self.check_published(state_dict)
+        self.load_state_dict(state_dict, strict=False)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:

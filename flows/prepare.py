@@ -7,9 +7,16 @@ import socket
 import time
 
 from rollflow.config import RunConfig, component_configs
+from rollflow.redact import redact_url
 from storage.fs import get_fs, join, write_json
 
-COMPONENTS = ("sft", "inference", "orchestrator", "trainer")
+# What a run owns inside OUTPUT_DIR; --overwrite removes exactly these, nothing else there.
+RUN_ENTRIES = ("config", "tokenizer", "weights", "rollouts", "checkpoints", "logs", "metrics.jsonl", "mlflow.db")
+DATA_ENTRIES = ("weights", "rollouts", "checkpoints")
+
+
+class RunDirError(RuntimeError):
+    """OUTPUT_DIR cannot be used as asked (holds a run, or data that is not a rollflow run)."""
 
 
 def new_run_id(cfg: RunConfig) -> str:
@@ -23,8 +30,33 @@ def free_port(host: str) -> int:
 
 
 def run_exists(output_dir: str) -> bool:
+    """True when OUTPUT_DIR holds a rollflow run's data (not just the configs a --dry-run wrote)."""
     fs, root = get_fs(output_dir)
-    return any(fs.exists(join(root, d)) for d in ("weights", "rollouts", "checkpoints"))
+    return any(fs.exists(join(root, d)) for d in DATA_ENTRIES)
+
+
+def claim_output_dir(output_dir: str, overwrite: bool) -> None:
+    """Refuse an existing run unless `overwrite`; never delete data that rollflow did not write."""
+    if not run_exists(output_dir):
+        return
+    fs, root = get_fs(output_dir)
+    if not fs.exists(join(root, "config", "run.json")):
+        raise RunDirError(
+            f"{output_dir} holds weights/, rollouts/ or checkpoints/ but no config/run.json: not a rollflow "
+            "run, so it is left alone; choose another --output-dir"
+        )
+    if not overwrite:
+        raise RunDirError(f"{output_dir} already holds a run; pass --overwrite to replace it, or another --output-dir")
+    for entry in RUN_ENTRIES:
+        if fs.exists(join(root, entry)):
+            fs.rm(join(root, entry), recursive=True)
+
+
+def public_config(cfg: RunConfig) -> dict:
+    """The run config as JSON with credentials redacted: what goes to disk and to MLflow params."""
+    data = cfg.model_dump(mode="json")
+    data["tracking"]["tracking_uri"] = redact_url(data["tracking"]["tracking_uri"])
+    return data
 
 
 def write_configs(
@@ -34,8 +66,9 @@ def write_configs(
     fs, root = get_fs(cfg.output_dir)
     slices = component_configs(cfg, run_id, inference_url, mlflow_run_id)
     trainer = slices["trainer"]
-    trainer.tracking = trainer.tracking.model_copy(update={"tracking_uri": tracking_uri})  # type: ignore[attr-defined]
-    write_json(fs, join(root, "config", "run.json"), {"run_id": run_id, **cfg.model_dump(mode="json")})
+    # The trainer gets the full URI through its environment; files on disk keep a redacted copy.
+    trainer.tracking = trainer.tracking.model_copy(update={"tracking_uri": redact_url(tracking_uri)})  # type: ignore[attr-defined]
+    write_json(fs, join(root, "config", "run.json"), {"run_id": run_id, **public_config(cfg)})
     urls = {}
     for name, sub in slices.items():
         path = join(root, "config", f"{name}.json")

@@ -11,14 +11,17 @@ Flow (this process)          subprocess tasks
 
 from __future__ import annotations
 
+import concurrent.futures
 import secrets
 import threading
 import time
+from pathlib import Path
 
+from fsspec.implementations.local import LocalFileSystem
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.prepare import free_port, new_run_id, run_exists, write_configs
+from flows.prepare import claim_output_dir, free_port, new_run_id, public_config, write_configs
 from flows.summary import summarize, to_markdown
 from rollflow.config import RunConfig
 from storage.fs import get_fs, join
@@ -26,44 +29,34 @@ from tasks.components import run_component
 from tasks.tracking import end_mlflow_run, resolve_tracking_uri, start_mlflow_run
 
 
-class RunExistsError(RuntimeError):
-    pass
-
-
 def _supervise(futures: dict, stop: threading.Event, logger) -> None:
     """Wait until every component task ends. The trainer finishing ends the run (`stop` tells the others
     to shut down); any component failing stops the rest and re-raises its error."""
-    pending = dict(futures)
+    pending = {fut.wrapped_future: name for name, fut in futures.items()}  # local futures: no API polling
     while pending:
-        for name, fut in list(pending.items()):
-            if not fut.wrapped_future.done():  # local check; `fut.state` would ask the API each poll
-                continue
-            del pending[name]
-            if not fut.state.is_completed():
+        done, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
+        for inner in done:
+            name = pending.pop(inner)
+            if not futures[name].state.is_completed():
                 logger.error(f"{name} failed; stopping the other components")
                 stop.set()
-                for other in pending.values():
-                    other.wait()
-                fut.result()  # raises the component's error
+                concurrent.futures.wait(list(pending))
+                futures[name].result()  # raises the component's error
             if name == "trainer":
                 stop.set()
-        time.sleep(0.2)
 
 
 def _prepare(cfg: RunConfig, overwrite: bool) -> tuple[str, str | None, str | None, dict[str, str]]:
     """Claim the output dir, pick the port, open tracking, write configs -> (run_id, uri, mlflow id, urls)."""
+    claim_output_dir(cfg.output_dir, overwrite)
     fs, root = get_fs(cfg.output_dir)
-    if run_exists(cfg.output_dir):
-        if not overwrite:
-            raise RunExistsError(f"{cfg.output_dir} already holds a run; pass --overwrite or another --output-dir")
-        fs.rm(root, recursive=True)
     fs.makedirs(root, exist_ok=True)
     run_id = new_run_id(cfg)
     cfg.inference.port = cfg.inference.port or free_port(cfg.inference.host)
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri, cfg.output_dir) if cfg.tracking.mlflow else None
     mlflow_run_id = None
     if tracking_uri:
-        params = cfg.model_dump(mode="json")
+        params = public_config(cfg)
         tags = {"rollflow.run_id": run_id}
         mlflow_run_id = start_mlflow_run(tracking_uri, cfg.tracking.experiment, run_id, params, tags)
     inference_url = f"http://{cfg.inference.host}:{cfg.inference.port}"
@@ -71,14 +64,33 @@ def _prepare(cfg: RunConfig, overwrite: bool) -> tuple[str, str | None, str | No
     return run_id, tracking_uri, mlflow_run_id, urls
 
 
-def _run_components(urls: dict[str, str], logs: str, logger) -> None:
+def _logs_dir(output_dir: str, run_id: str) -> str:
+    """Component logs are appended line by line, which object stores cannot do: keep them on local disk."""
+    fs, root = get_fs(output_dir)
+    if isinstance(fs, LocalFileSystem):
+        return join(root, "logs")
+    return str(Path("rollflow-logs", run_id).resolve())
+
+
+def _secrets_env(tracking_uri: str | None) -> dict[str, dict[str, str]]:
+    """Per-component environment for secrets: never in configs on disk, argv, or logs."""
+    token = {"ROLLFLOW_ADMIN_TOKEN": secrets.token_hex(16)}  # admin routes of this run's engine
+    return {
+        "warmup": {},
+        "inference": token,
+        "orchestrator": token,
+        "trainer": {"MLFLOW_TRACKING_URI": tracking_uri} if tracking_uri else {},
+    }
+
+
+def _run_components(urls: dict[str, str], logs: str, tracking_uri: str | None, logger) -> None:
     """Warm-up to completion, then inference, orchestrator and trainer side by side."""
-    env = {"ROLLFLOW_ADMIN_TOKEN": secrets.token_hex(16)}  # per run; never written to disk or logged
+    env = _secrets_env(tracking_uri)
     stop = threading.Event()
     try:
-        run_component("warmup", urls["sft"], env, join(logs, "warmup.log"), stop)
+        run_component("warmup", urls["sft"], env["warmup"], join(logs, "warmup.log"), stop)
         futures = {
-            name: run_component.submit(name, urls[name], env, join(logs, f"{name}.log"), stop)
+            name: run_component.submit(name, urls[name], env[name], join(logs, f"{name}.log"), stop)
             for name in ("inference", "orchestrator", "trainer")
         }
         _supervise(futures, stop, logger)
@@ -95,7 +107,7 @@ def rl(config: dict, overwrite: bool = False) -> dict:
     logger.info(f"run {run_id} -> {cfg.output_dir}")
     status = "FAILED"
     try:
-        _run_components(urls, join(get_fs(cfg.output_dir)[1], "logs"), logger)
+        _run_components(urls, _logs_dir(cfg.output_dir, run_id), tracking_uri, logger)
         status = "FINISHED"
     finally:
         if tracking_uri and mlflow_run_id:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 
 from rollflow.loader import ConfigError, load_run_config
@@ -57,15 +59,28 @@ def split_args(tokens: list[str]) -> tuple[list[str], list[tuple[str, str]], set
 def cmd_rl(tokens: list[str]) -> int:
     profiles, overrides, flags = split_args(tokens)
     cfg = load_run_config(profiles, overrides)
-    if "dry-run" in flags:
-        from flows.prepare import new_run_id, write_configs
+    from flows.prepare import RunDirError, claim_output_dir, new_run_id, run_exists, write_configs
 
+    try:
+        if "dry-run" in flags:
+            if run_exists(cfg.output_dir):
+                raise RunDirError(f"{cfg.output_dir} already holds a run; --dry-run would overwrite its configs")
+        else:
+            claim_output_dir(cfg.output_dir, overwrite="overwrite" in flags)
+    except RunDirError as exc:
+        raise ConfigError(str(exc)) from None
+    if "dry-run" in flags:
         urls = write_configs(cfg, new_run_id(cfg), f"http://{cfg.inference.host}:{cfg.inference.port}")
         print(json.dumps(urls, indent=2))
         return 0
     from flows.rl import rl
+    from rollflow.redact import redact_url
 
-    summary = rl(config=cfg.model_dump(mode="json"), overwrite="overwrite" in flags)
+    uri = cfg.tracking.tracking_uri
+    if uri and redact_url(uri) != uri:  # credentials travel by environment, not as (stored) flow parameters
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+        cfg.tracking.tracking_uri = None
+    summary = rl(config=cfg.model_dump(mode="json"))
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -84,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command != "rl":
         parser.error(f"unknown command {command!r} (choose from: rl)")
+    # SIGTERM unwinds like Ctrl-C, so the flow's cleanup stops every component it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         return cmd_rl(rest)
     except ConfigError as exc:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fsspec
 
-from storage.fs import commit_dir, is_committed, join, read_manifest, read_verified, step_dir
+from storage.fs import commit_dir, committed_steps, join, read_manifest, read_verified, step_dir
 
 
 def checkpoints_root(output_root: str) -> str:
@@ -25,12 +25,4 @@ def load(fs: fsspec.AbstractFileSystem, output_root: str, step: int, component: 
 
 def checkpoint_steps(fs: fsspec.AbstractFileSystem, output_root: str, component: str = "trainer") -> list[int]:
     """Steps whose `component` checkpoint is committed, ascending."""
-    root = checkpoints_root(output_root)
-    if not fs.exists(root):
-        return []
-    steps = []
-    for entry in fs.ls(root, detail=False):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if name.startswith("step=") and is_committed(fs, join(entry, component)):
-            steps.append(int(name.split("=", 1)[1]))
-    return sorted(steps)
+    return committed_steps(fs, checkpoints_root(output_root), component)

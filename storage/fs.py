@@ -41,30 +41,42 @@ def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
     """Whole-or-nothing write: temp file + rename locally; a single PUT (atomic per object) elsewhere."""
     parent, name = path.rsplit("/", 1)
     fs.makedirs(parent, exist_ok=True)
-    if isinstance(fs, LocalFileSystem):
-        # A leading '.' keeps a crash's leftover out of Arrow dataset discovery (it skips '.' and '_').
-        tmp = f"{parent}/.tmp-{uuid.uuid4().hex[:8]}-{name}"
+    if not isinstance(fs, LocalFileSystem):
+        fs.pipe_file(path, data)
+        return
+    # A leading '.' keeps a crash's leftover out of Arrow dataset discovery (it skips '.' and '_').
+    tmp = f"{parent}/.tmp-{uuid.uuid4().hex[:8]}-{name}"
+    try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    else:
-        fs.pipe_file(path, data)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def commit_dir(fs: fsspec.AbstractFileSystem, directory: str, files: dict[str, bytes], meta: dict) -> dict:
-    """Write `files` into `directory`, then the manifest that commits them. Returns the manifest."""
+    """Write `files` into `directory`, then the manifest that commits them. Returns the manifest.
+
+    Rewriting a committed directory first removes its manifest, so no reader ever pairs the old
+    manifest with new files.
+    """
+    manifest_path = join(directory, MANIFEST)
+    if fs.exists(manifest_path):
+        fs.rm(manifest_path)
     entries = {}
     for name, data in files.items():
         write_bytes_atomic(fs, join(directory, name), data)
         entries[name] = {"bytes": len(data), "sha256": sha256(data)}
     manifest = {**meta, "files": entries}
-    write_bytes_atomic(fs, join(directory, MANIFEST), json.dumps(manifest, indent=1).encode())
+    write_bytes_atomic(fs, manifest_path, json.dumps(manifest, indent=1).encode())
     return manifest
 
 
 def is_committed(fs: fsspec.AbstractFileSystem, directory: str) -> bool:
+    fs.invalidate_cache(directory)  # object-store listings are cached; commits by other processes must show
     return fs.exists(join(directory, MANIFEST))
 
 
@@ -72,8 +84,6 @@ def read_manifest(fs: fsspec.AbstractFileSystem, directory: str) -> dict[str, An
     path = join(directory, MANIFEST)
     try:
         return json.loads(fs.cat_file(path))
-    except FileNotFoundError:
-        raise
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CorruptError(f"{path}: manifest is not valid JSON ({exc})") from exc
 
@@ -96,14 +106,15 @@ def read_verified(fs: fsspec.AbstractFileSystem, directory: str, name: str, mani
     return data
 
 
-def committed_steps(fs: fsspec.AbstractFileSystem, parent: str) -> list[int]:
-    """Steps `N` for which `parent/step=N/` is committed, ascending."""
+def committed_steps(fs: fsspec.AbstractFileSystem, parent: str, sub: str = "") -> list[int]:
+    """Steps `N` for which `parent/step=N/<sub>` is committed, ascending."""
+    fs.invalidate_cache(parent)
     if not fs.exists(parent):
         return []
     steps = []
     for entry in fs.ls(parent, detail=False):
         name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if name.startswith("step=") and is_committed(fs, entry):
+        if name.startswith("step=") and is_committed(fs, join(entry, sub)):
             steps.append(int(name.split("=", 1)[1]))
     return sorted(steps)
 

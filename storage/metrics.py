@@ -30,4 +30,5 @@ class MetricsLog:
 
 
 def read_metrics(fs: fsspec.AbstractFileSystem, output_root: str) -> list[dict]:
-    return [MetricsLog(fs, output_root).rows[s] for s in sorted(MetricsLog(fs, output_root).rows)]
+    rows = MetricsLog(fs, output_root).rows
+    return [rows[s] for s in sorted(rows)]

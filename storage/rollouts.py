@@ -42,6 +42,11 @@ ROLLOUT_SCHEMA = pa.schema(
 )
 
 
+def staleness(consuming_step: int, policy_version: int) -> int:
+    """Policy steps between the weights that sampled and the weights that train (step is 1-based)."""
+    return (consuming_step - 1) - policy_version
+
+
 def rollouts_root(output_root: str) -> str:
     return join(output_root, "rollouts")
 

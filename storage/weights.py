@@ -32,6 +32,11 @@ def latest_version(fs: fsspec.AbstractFileSystem, output_root: str) -> int | Non
     return versions[-1] if versions else None
 
 
+def read_version(fs: fsspec.AbstractFileSystem, directory: str) -> int:
+    """The policy version a committed publication declares in its manifest."""
+    return int(read_manifest(fs, directory)["version"])
+
+
 def load(fs: fsspec.AbstractFileSystem, directory: str) -> dict:
     """Load a committed publication (checksum-verified) as a CPU state dict."""
     from safetensors.torch import load as st_load

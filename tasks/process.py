@@ -21,14 +21,38 @@ class ComponentFailed(RuntimeError):
 
 
 def _pump(proc: subprocess.Popen, emit: Callable[[str], None], log_file, tail: collections.deque) -> None:
+    """Drain the child's output to the end whatever happens downstream: an undrained pipe blocks the child."""
     assert proc.stdout is not None
-    for line in proc.stdout:
-        line = line.rstrip("\n")
+    for raw in proc.stdout:
+        line = raw.rstrip("\n")
         tail.append(line)
-        emit(line)
-        if log_file:
-            log_file.write(line + "\n")
-            log_file.flush()
+        try:
+            emit(line)
+            if log_file:
+                log_file.write(line + "\n")
+                log_file.flush()
+        except Exception:  # noqa: S110 - a logging hiccup must not stop the drain
+            pass
+
+
+def _load_prctl():
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None  # not Linux/glibc: the supervisor's own cleanup still applies
+
+
+# Resolved once in the parent: the child between fork and exec must not load libraries (lock hazards).
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the supervising thread dies, even by SIGKILL."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
@@ -74,7 +98,9 @@ def supervise(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        errors="replace",
         bufsize=1,
+        preexec_fn=_die_with_parent,  # noqa: PLW1509 - only a preloaded C call runs in the child
         env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
         start_new_session=True,
     )
@@ -88,6 +114,8 @@ def supervise(
         reader.join(timeout=5)
         if log_file:
             log_file.close()
-    if proc.returncode != 0 and not stop.is_set():
+    if proc.returncode != 0 and stop.is_set():
+        emit(f"exited with code {proc.returncode} after being asked to stop")
+    elif proc.returncode != 0:
         raise ComponentFailed(f"{name} exited with code {proc.returncode}; last output:\n" + "\n".join(tail))
     return proc.returncode

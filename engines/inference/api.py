@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 
 class CompletionRequest(BaseModel):
@@ -36,9 +36,19 @@ class ChatRequest(BaseModel):
 
 
 class UpdateWeightsRequest(BaseModel):
-    version: int = Field(ge=0)  # the policy version the engine reports once these weights serve
-    # a committed publication (safetensors + manifest) to load; default OUTPUT_DIR/weights/step=<version>/
+    """Name a committed publication by version (OUTPUT_DIR/weights/step=<version>/) or by path.
+
+    The version the engine then reports is the one in the publication's manifest, never the caller's.
+    """
+
+    version: int | None = Field(None, ge=0)
     path: str | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> UpdateWeightsRequest:
+        if (self.version is None) == (self.path is None):
+            raise ValueError("give exactly one of 'version' or 'path'")
+        return self
 
 
 class CompletionLogprobs(BaseModel):

@@ -30,7 +30,7 @@ class Request:
 class _PendingUpdate:
     state_dict: dict
     version: int
-    applied: threading.Event = field(default_factory=threading.Event)
+    applied: Future = field(default_factory=Future)  # resolves to the version served afterwards
 
 
 class Engine:
@@ -42,7 +42,7 @@ class Engine:
         self.generator = torch.Generator().manual_seed(seed)
         self._cv = threading.Condition()
         self._queue: list[Request] = []
-        self._pending: _PendingUpdate | None = None
+        self._pending: list[_PendingUpdate] = []
         self._busy = False
         self._stopped = False
         self.stats = {"batches": 0, "sequences": 0, "tokens": 0, "updates": 0}
@@ -56,15 +56,18 @@ class Engine:
         return request.future
 
     def update_weights(self, state_dict: dict, version: int, timeout: float = 600.0) -> int:
-        """Apply new weights before the next decode step (or now if idle); returns the serving version."""
+        """Apply new weights before the next decode step (or now if idle); returns the serving version.
+
+        The weights are checked against the model first, so a bad publication fails here and the
+        served policy stays as it was. Updates queued while a batch runs collapse into the newest.
+        """
+        self.model.check_published(state_dict)
         update = _PendingUpdate(state_dict, version)
         with self._cv:
-            self._pending = update
+            self._pending.append(update)
             if not self._busy:
                 self._apply_pending_locked()
-        if not update.applied.wait(timeout):
-            raise TimeoutError(f"weights version {version} not applied within {timeout}s")
-        return self.version
+        return update.applied.result(timeout)
 
     def stop(self) -> None:
         with self._cv:
@@ -72,13 +75,21 @@ class Engine:
             self._cv.notify()
 
     def _apply_pending_locked(self) -> None:
-        update, self._pending = self._pending, None
-        if update is None:
+        if not self._pending:
             return
-        self.model.load_published(update.state_dict)
-        self.version = update.version
-        self.stats["updates"] += 1
-        update.applied.set()
+        updates, self._pending = self._pending, []
+        newest = max(updates, key=lambda u: u.version)
+        try:
+            if newest.version > self.version:
+                self.model.load_published(newest.state_dict)
+                self.version = newest.version
+                self.stats["updates"] += 1
+        except Exception as exc:
+            for u in updates:
+                u.applied.set_exception(exc)
+            return
+        for u in updates:
+            u.applied.set_result(self.version)
 
     def _between_steps(self) -> int:
         with self._cv:

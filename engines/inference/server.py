@@ -54,9 +54,22 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
 
     def usage(prompt_ids, outs) -> api.Usage:
         done = sum(len(c.token_ids) for c in outs)
-        return api.Usage(
-            prompt_tokens=len(prompt_ids), completion_tokens=done, total_tokens=len(prompt_ids) * len(outs) + done
-        )
+        return api.Usage(prompt_tokens=len(prompt_ids), completion_tokens=done, total_tokens=len(prompt_ids) + done)
+
+    def check_request(ids: list[int], max_tokens: int, n: int) -> None:
+        """Refuse (400) what would fail or blow up inside a shared batch, before it is queued."""
+        cfg = engine.model.cfg
+        problem = None
+        if not ids:
+            problem = "prompt is empty"
+        elif min(ids) < 0 or max(ids) >= engine.model.vocab_size:
+            problem = f"prompt token ids must be in [0, {engine.model.vocab_size})"
+        elif len(ids) + max_tokens > cfg.max_seq_len:
+            problem = f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len {cfg.max_seq_len}"
+        elif n > engine.max_batch_size:
+            problem = f"n={n} exceeds the engine's max_batch_size {engine.max_batch_size}"
+        if problem:
+            raise HTTPException(status_code=400, detail=problem)
 
     @app.get("/health")
     def health() -> dict:
@@ -69,6 +82,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
     @app.post("/v1/completions")
     async def completions(req: api.CompletionRequest) -> api.CompletionResponse:
         ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        check_request(ids, req.max_tokens, req.n)
         outs = await sample(ids, req.n, req.max_tokens, req.temperature)
         choices = [
             api.CompletionChoice(
@@ -101,6 +115,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
             messages=[m.model_dump() for m in req.messages], bos_token="<bos>", add_generation_prompt=True
         )
         ids = [tokenizer.bos_id, *tokenizer.encode(text.removeprefix("<bos>"), bos=False)]
+        check_request(ids, req.max_tokens, req.n)
         outs = await sample(ids, req.n, req.max_tokens, req.temperature)
         choices = []
         for i, c in enumerate(outs):
@@ -130,24 +145,26 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
     @app.post("/update_weights", dependencies=[admin])
     async def update_weights(req: api.UpdateWeightsRequest) -> dict:
         t0 = time.perf_counter()
-        directory = req.path or step_dir(weights.weights_root(root), req.version)
+        directory = req.path or step_dir(weights.weights_root(root), req.version or 0)
         if not await asyncio.to_thread(is_committed, fs, directory):
             raise HTTPException(status_code=404, detail=f"no committed weights at {directory}")
         try:
+            version = await asyncio.to_thread(weights.read_version, fs, directory)
+            if version < engine.version:
+                raise HTTPException(409, f"{directory} holds version {version}, older than served {engine.version}")
             state = await asyncio.to_thread(weights.load, fs, directory)
-        except CorruptError as exc:
+            t1 = time.perf_counter()
+            served = await asyncio.to_thread(engine.update_weights, state, version)
+        except (CorruptError, ValueError) as exc:
             raise HTTPException(status_code=422, detail=str(exc)) from exc
-        t1 = time.perf_counter()
-        version = await asyncio.to_thread(engine.update_weights, state, req.version)
-        t2 = time.perf_counter()
-        return {"policy_version": version, "load_s": t1 - t0, "apply_s": t2 - t1}
+        return {"policy_version": served, "load_s": t1 - t0, "apply_s": time.perf_counter() - t1}
 
     @app.post("/shutdown", dependencies=[admin])
     async def shutdown() -> dict:
-        app.state.should_exit = True
+        if server := getattr(app.state, "server", None):
+            server.should_exit = True
         return {"status": "shutting down"}
 
-    app.state.should_exit = False
     return app
 
 
@@ -189,17 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     token = os.environ.get("ROLLFLOW_ADMIN_TOKEN") or secrets.token_hex(16)
     app = build_app(engine, tokenizer, cfg.run.output_dir, f"rollflow/{cfg.run.run_id}", token)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.inference.host, port=cfg.inference.port, log_level="warning"))
-
-    async def watch_shutdown() -> None:
-        while not app.state.should_exit:
-            await asyncio.sleep(0.1)
-        server.should_exit = True
-
-    async def serve() -> None:
-        watcher = asyncio.create_task(watch_shutdown())
-        log.info(f"serving policy version {engine.version} on http://{cfg.inference.host}:{cfg.inference.port}")
-        await server.serve()
-        watcher.cancel()
-
-    asyncio.run(serve())
+    app.state.server = server  # /shutdown sets server.should_exit
+    log.info(f"serving policy version {engine.version} on http://{cfg.inference.host}:{cfg.inference.port}")
+    server.run()
     engine.stop()

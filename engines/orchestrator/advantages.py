@@ -1,4 +1,4 @@
-"""Group-relative advantages (GRPO-style, critic-free) and the staleness rule."""
+"""Group-relative advantages (GRPO-style, critic-free)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,3 @@ def group_advantages(rewards: list[float], normalize: bool, eps: float = 1e-4) -
         return centred
     std = statistics.pstdev(rewards)
     return [c / (std + eps) for c in centred]
-
-
-def staleness(consuming_step: int, policy_version: int) -> int:
-    """Policy steps between the weights that sampled and the weights that train (step is 1-based)."""
-    return (consuming_step - 1) - policy_version

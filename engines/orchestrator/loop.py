@@ -19,11 +19,12 @@ from collections import Counter
 import httpx
 
 from engines.envs import EnvMix, Task
-from engines.orchestrator.advantages import group_advantages, staleness
+from engines.orchestrator.advantages import group_advantages
 from engines.tokenizer import CharTokenizer
 from rollflow.config import OrchestratorProcessConfig
 from storage import rollouts, weights
 from storage.fs import get_fs, read_json
+from storage.rollouts import staleness
 
 log = logging.getLogger("rollflow.orchestrator")
 
@@ -37,6 +38,7 @@ class WeightSync:
         self.headers = {"Authorization": f"Bearer {token}"}
         self.engine_version = -1
         self.changed = asyncio.Event()
+        self.follower: asyncio.Task
 
     async def refresh(self) -> None:
         r = await self.client.get("/health")
@@ -57,12 +59,24 @@ class WeightSync:
             await self.push_latest()
             await asyncio.sleep(self.poll_s)
 
+    def start(self) -> None:
+        self.follower = asyncio.create_task(self.follow())
+
     async def wait_for(self, version: int) -> float:
-        """Block until the engine serves `version` or newer; returns seconds waited."""
+        """Block until the engine serves `version` or newer; returns seconds waited.
+
+        Waits on the follower too: if it dies (engine refused an update, storage error), its error
+        surfaces here instead of the orchestrator waiting forever for a version that never comes.
+        """
         t0 = time.perf_counter()
         while self.engine_version < version:
             self.changed.clear()
-            await self.changed.wait()
+            changed = asyncio.create_task(self.changed.wait())
+            await asyncio.wait({changed, self.follower}, return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
+            if self.follower.done():
+                self.follower.result()
+                raise RuntimeError("weight follower stopped")
         return time.perf_counter() - t0
 
 
@@ -160,15 +174,15 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
         await wait_healthy(client, cfg.orchestrator.inference_timeout_s)
         sync = WeightSync(client, cfg.run.output_dir, token, cfg.orchestrator.poll_interval_s)
         await sync.refresh()
-        follower = asyncio.create_task(sync.follow())
+        sync.start()
         orch = Orchestrator(cfg, client, sync)
         try:
             for step in range(orch.first_step(), cfg.max_steps + 1):
-                if follower.done():
-                    follower.result()  # surfaces the follower's error
+                if sync.follower.done():
+                    sync.follower.result()  # surfaces the follower's error
                 await orch.run_step(step)
         finally:
-            follower.cancel()
+            sync.follower.cancel()
     log.info("all rollout steps committed")
 
 

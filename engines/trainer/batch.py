@@ -26,19 +26,22 @@ class Batch:
         return Batch(**{k: v[idx] for k, v in self.__dict__.items()})
 
 
+def right_pad(seqs: list[list[int]], pad_id: int) -> torch.Tensor:
+    ids = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        ids[i, : len(seq)] = torch.tensor(seq)
+    return ids
+
+
 def make_batch(table: pa.Table, pad_id: int) -> Batch:
     cols = table.select(
         ["prompt_ids", "completion_ids", "completion_logprobs", "advantage", "temperature"]
         + ["policy_version", "policy_version_end"]
     ).to_pydict()
-    seqs = [p + c for p, c in zip(cols["prompt_ids"], cols["completion_ids"], strict=True)]
-    width = max(len(s) for s in seqs)
-    b = len(seqs)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, width - 1))
-    sampler = torch.zeros((b, width - 1))
-    for i, (seq, p, lps) in enumerate(zip(seqs, cols["prompt_ids"], cols["completion_logprobs"], strict=True)):
-        ids[i, : len(seq)] = torch.tensor(seq)
+    ids = right_pad([p + c for p, c in zip(cols["prompt_ids"], cols["completion_ids"], strict=True)], pad_id)
+    mask = torch.zeros((ids.shape[0], ids.shape[1] - 1))
+    sampler = torch.zeros_like(mask)
+    for i, (p, lps) in enumerate(zip(cols["prompt_ids"], cols["completion_logprobs"], strict=True)):
         start = len(p) - 1  # target index of the first completion token
         mask[i, start : start + len(lps)] = 1.0
         sampler[i, start : start + len(lps)] = torch.tensor(lps)

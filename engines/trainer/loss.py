@@ -33,19 +33,12 @@ def policy_loss(
     normalizer: float,
 ) -> LossOutput:
     """All [B, T] except advantages [B]; `normalizer` is the step's total completion tokens."""
-    log_ratio = (logprobs - sampler_logprobs) * loss_mask
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp((logprobs - sampler_logprobs) * loss_mask)
     with torch.no_grad():
-        in_region = (ratio >= mask_low) & (ratio <= mask_high)
-        keep = loss_mask * in_region
-        k3 = (ratio - 1 - log_ratio) * loss_mask
+        keep = loss_mask * ((ratio >= mask_low) & (ratio <= mask_high))
+        kl_sum, tokens = k3_kl(logprobs, sampler_logprobs, loss_mask)
     loss = -(ratio * advantages[:, None] * keep).sum() / normalizer
-    return LossOutput(
-        loss=loss,
-        masked_tokens=float((loss_mask - keep).sum()),
-        tokens=float(loss_mask.sum()),
-        sampler_kl_sum=float(k3.sum()),
-    )
+    return LossOutput(loss=loss, masked_tokens=float((loss_mask - keep).sum()), tokens=tokens, sampler_kl_sum=kl_sum)
 
 
 def k3_kl(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:

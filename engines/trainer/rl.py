@@ -11,7 +11,6 @@ import time
 
 import torch
 
-from engines.orchestrator.advantages import staleness
 from engines.tokenizer import CharTokenizer
 from engines.trainer.batch import Batch, make_batch, micro_batches
 from engines.trainer.common import batch_logprobs, build_model, log, seed_everything
@@ -21,6 +20,7 @@ from engines.trainer.tracking import Tracker
 from rollflow.config import TrainerProcessConfig
 from storage import checkpoints, rollouts, weights
 from storage.fs import get_fs, is_committed, step_dir
+from storage.rollouts import staleness
 
 
 class RLTrainer:

@@ -11,6 +11,7 @@ import torch
 
 from engines.envs import EnvMix
 from engines.tokenizer import CharTokenizer
+from engines.trainer.batch import right_pad
 from engines.trainer.common import build_model, log, seed_everything
 from rollflow.config import SFTProcessConfig
 from storage import weights
@@ -25,11 +26,9 @@ def sft_batch(mix: EnvMix, tok: CharTokenizer, step: int, size: int) -> tuple[to
         prompt = tok.encode(task.prompt)
         seqs.append(prompt + tok.encode(task.answer, bos=False) + [tok.eos_id])
         starts.append(len(prompt) - 1)
-    width = max(len(s) for s in seqs)
-    ids = torch.full((size, width), tok.pad_id, dtype=torch.long)
-    mask = torch.zeros((size, width - 1))
+    ids = right_pad(seqs, tok.pad_id)
+    mask = torch.zeros((size, ids.shape[1] - 1))
     for i, (s, start) in enumerate(zip(seqs, starts, strict=True)):
-        ids[i, : len(s)] = torch.tensor(s)
         mask[i, start : len(s) - 1] = 1.0
     return ids, mask
 

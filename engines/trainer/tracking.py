@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 
 from storage.metrics import MetricsLog
@@ -16,6 +17,7 @@ class Tracker:
         self.metrics = MetricsLog(fs, output_root)
         self.client = None
         self.run_id = mlflow_run_id
+        tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or tracking_uri  # the flow passes the full URI here
         if tracking_uri and mlflow_run_id:
             from mlflow.tracking import MlflowClient
 

@@ -139,3 +139,33 @@ def test_update_to_corrupt_weights_is_refused_with_the_file_named(server):
     r = client.post("/update_weights", json={"version": 5}, headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 422 and "model.safetensors" in r.json()["detail"]
     assert client.get("/health").json()["policy_version"] == before
+
+
+def test_bad_requests_are_refused_before_they_reach_a_batch(server):
+    client, _, _ = server
+    for body in (
+        {"prompt": [], "max_tokens": 4},
+        {"prompt": [1, 10_000], "max_tokens": 4},
+        {"prompt": [1, 5], "max_tokens": MODEL.max_seq_len},
+        {"prompt": [1, 5], "max_tokens": 4, "n": 100_000},
+    ):
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400, body
+    assert client.post("/v1/completions", json={"prompt": [1, 5], "max_tokens": 2}).status_code == 200
+
+
+def test_weights_that_do_not_fit_are_refused_and_an_older_version_is_not_served(server, tmp_path):
+    client, root, _ = server
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    before = client.get("/health").json()["policy_version"]
+    other = CausalLM(MODEL.model_copy(update={"hidden_size": 32, "intermediate_size": 64}), CharTokenizer().vocab_size)
+    fs, r = get_fs(str(tmp_path))
+    directory = weights.publish(fs, r, before + 10, other.publishable_state_dict())
+    resp = client.post("/update_weights", json={"path": directory}, headers=headers)
+    assert resp.status_code == 422 and "do not fit" in resp.json()["detail"]
+    older = weights.publish(fs, r, 0, _publish(str(tmp_path / "x"), 0, seed=9).publishable_state_dict())
+    assert before > 0
+    assert client.post("/update_weights", json={"path": older}, headers=headers).status_code == 409
+    assert client.get("/health").json()["policy_version"] == before
+    r2 = client.post("/v1/completions", json={"prompt": [1, 5], "max_tokens": 2, "return_token_ids": True})
+    assert r2.json()["choices"][0]["policy_version"] == before

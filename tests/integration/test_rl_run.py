@@ -16,8 +16,8 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-from engines.orchestrator.advantages import staleness
 from rollflow.loader import load_run_config
+from storage.rollouts import staleness
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = [ROOT / "profiles/tiny-cpu.toml", ROOT / "tests/profiles/ci-short.toml"]

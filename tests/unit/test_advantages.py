@@ -6,7 +6,8 @@ import statistics
 
 import pytest
 
-from engines.orchestrator.advantages import group_advantages, staleness
+from engines.orchestrator.advantages import group_advantages
+from storage.rollouts import staleness
 
 
 @pytest.mark.parametrize("rewards", [[0.0, 1.0], [0.1, 0.5, 0.9, 0.2], [1.0, 1.0, 1.0, 0.0, 0.3, 0.7, 0.25, 0.6]])
