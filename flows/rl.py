@@ -37,13 +37,17 @@ def _supervise(futures: dict, stop: threading.Event, logger) -> None:
         done, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
         for inner in done:
             name = pending.pop(inner)
-            if not futures[name].state.is_completed():
+            fut = futures[name]
+            fut.wait()  # records the final state locally; `fut.state` before this asks the API, which may lag
+            if not fut.state.is_completed():
                 logger.error(f"{name} failed; stopping the other components")
                 stop.set()
                 concurrent.futures.wait(list(pending))
-                futures[name].result()  # raises the component's error
+                fut.result()  # raises the component's error
             if name == "trainer":
                 stop.set()
+                if fut.result() != 0:
+                    raise RuntimeError(f"the trainer was stopped before finishing (exit code {fut.result()})")
 
 
 def _prepare(cfg: RunConfig, overwrite: bool) -> tuple[str, str | None, str | None, dict[str, str]]:
