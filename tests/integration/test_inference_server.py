@@ -32,6 +32,14 @@ def _publish(root: str, version: int, seed: int) -> CausalLM:
     return model
 
 
+def _assert_logprobs_match(model: CausalLM, prompt: list[int], choice: dict, temperature: float) -> None:
+    """The server's per-token logprobs equal a full forward of the same weights over prompt + completion."""
+    ids = torch.tensor([prompt + choice["token_ids"]])
+    with torch.no_grad():
+        expected = token_logprobs(model(ids)[:, :-1], ids[:, 1:], temperature)[0, len(prompt) - 1 :]
+    assert torch.allclose(expected, torch.tensor(choice["logprobs"]["token_logprobs"]), atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("run"))
@@ -76,10 +84,7 @@ def test_completions_return_ids_and_logprobs_that_match_the_model(server):
     for c in choices:
         assert 1 <= len(c["token_ids"]) <= 6 and len(c["logprobs"]["token_logprobs"]) == len(c["token_ids"])
         assert c["policy_version"] == c["policy_version_end"] == 0
-        ids = torch.tensor([prompt + c["token_ids"]])
-        with torch.no_grad():
-            expected = token_logprobs(models[0](ids)[:, :-1], ids[:, 1:], 0.8)[0, len(prompt) - 1 :]
-        assert torch.allclose(expected, torch.tensor(c["logprobs"]["token_logprobs"]), atol=1e-4)
+        _assert_logprobs_match(models[0], prompt, c, 0.8)
 
 
 def test_text_prompt_and_chat_completions(server):
@@ -114,10 +119,7 @@ def test_update_weights_serves_the_new_policy(server):
     body = {"prompt": prompt, "max_tokens": 5, "logprobs": 1, "return_token_ids": True}
     c = client.post("/v1/completions", json=body).json()["choices"][0]
     assert c["policy_version"] == 1
-    ids = torch.tensor([prompt + c["token_ids"]])
-    with torch.no_grad():
-        expected = token_logprobs(models[1](ids)[:, :-1], ids[:, 1:], 1.0)[0, len(prompt) - 1 :]
-    assert torch.allclose(expected, torch.tensor(c["logprobs"]["token_logprobs"]), atol=1e-4)
+    _assert_logprobs_match(models[1], prompt, c, 1.0)
 
 
 def test_update_to_a_missing_version_fails_without_changing_the_policy(server):
