@@ -68,7 +68,7 @@ class RLTrainer:
                 n_tokens,
             )
             out.loss.backward()
-            loss_sum += float(out.loss)
+            loss_sum += float(out.loss.detach())
             masked += out.masked_tokens
             kl_sum += out.sampler_kl_sum
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.optim.max_grad_norm)
