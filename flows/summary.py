@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from storage.fs import get_fs, read_manifest, step_dir
+from storage.fs import get_fs, read_manifest
 from storage.metrics import read_metrics
-from storage.rollouts import committed_rollout_steps, rollouts_root, staleness
+from storage.rollouts import committed_rollout_steps, staleness, step_path
 
 
 def summarize(output_dir: str, wall_s: float) -> dict:
@@ -14,7 +14,7 @@ def summarize(output_dir: str, wall_s: float) -> dict:
     rows = read_metrics(fs, root)
     hist: Counter[int] = Counter()
     for step in committed_rollout_steps(fs, root):
-        manifest = read_manifest(fs, step_dir(rollouts_root(root), step))
+        manifest = read_manifest(fs, step_path(root, step))
         hist.update({staleness(step, int(v)): n for v, n in manifest["versions"].items()})
     rewards = [r["reward_mean"] for r in rows]
     kls = [r["mismatch_kl"] for r in rows if r.get("mismatch_kl") is not None]

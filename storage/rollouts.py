@@ -51,6 +51,10 @@ def rollouts_root(output_root: str) -> str:
     return join(output_root, "rollouts")
 
 
+def step_path(output_root: str, step: int) -> str:
+    return step_dir(rollouts_root(output_root), step)
+
+
 def to_table(rows: list[dict]) -> pa.Table:
     """Rows (dicts keyed by column name) to a table with the rollout schema; missing optional -> null."""
     columns = {f.name: [r.get(f.name) for r in rows] for f in ROLLOUT_SCHEMA}
@@ -75,12 +79,12 @@ def write_step(fs: fsspec.AbstractFileSystem, output_root: str, step: int, table
         table = table.cast(ROLLOUT_SCHEMA)
     files = {"part-00000.arrow": _ipc_bytes(table)}
     info = {"step": step, "rows": table.num_rows, "schema_version": SCHEMA_VERSION, **meta}
-    return commit_dir(fs, step_dir(rollouts_root(output_root), step), files, info)
+    return commit_dir(fs, step_path(output_root, step), files, info)
 
 
 def read_step(fs: fsspec.AbstractFileSystem, output_root: str, step: int) -> tuple[pa.Table, dict]:
     """Read a committed step, verifying every shard against its manifest."""
-    directory = step_dir(rollouts_root(output_root), step)
+    directory = step_path(output_root, step)
     manifest = read_manifest(fs, directory)
     tables = []
     for name in sorted(manifest["files"]):

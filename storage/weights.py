@@ -17,12 +17,16 @@ def weights_root(output_root: str) -> str:
     return join(output_root, "weights")
 
 
+def version_dir(output_root: str, version: int) -> str:
+    return step_dir(weights_root(output_root), version)
+
+
 def publish(fs: fsspec.AbstractFileSystem, output_root: str, version: int, state_dict: dict) -> str:
     """Serialize and commit a state dict as policy `version`; returns the publication's directory."""
     from safetensors.torch import save
 
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    directory = step_dir(weights_root(output_root), version)
+    directory = version_dir(output_root, version)
     commit_dir(fs, directory, {WEIGHTS_FILE: save(tensors)}, {"version": version})
     return directory
 
@@ -43,3 +47,11 @@ def load(fs: fsspec.AbstractFileSystem, directory: str) -> dict:
 
     manifest = read_manifest(fs, directory)
     return st_load(read_verified(fs, directory, WEIGHTS_FILE, manifest))
+
+
+def load_latest(fs: fsspec.AbstractFileSystem, output_root: str) -> tuple[int, dict] | None:
+    """(version, state dict) of the newest committed publication, or None when there is none."""
+    version = latest_version(fs, output_root)
+    if version is None:
+        return None
+    return version, load(fs, version_dir(output_root, version))

@@ -39,7 +39,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
 
     from engines.tokenizer import CHAT_TEMPLATE
     from storage import weights
-    from storage.fs import CorruptError, get_fs, is_committed, step_dir
+    from storage.fs import CorruptError, get_fs, is_committed
 
     app = FastAPI(title="rollflow embedded inference")
     admin = Depends(_auth_dependency(admin_token))
@@ -145,7 +145,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
     @app.post("/update_weights", dependencies=[admin])
     async def update_weights(req: api.UpdateWeightsRequest) -> dict:
         t0 = time.perf_counter()
-        directory = req.path or step_dir(weights.weights_root(root), req.version or 0)
+        directory = req.path or weights.version_dir(root, req.version or 0)
         if not await asyncio.to_thread(is_committed, fs, directory):
             raise HTTPException(status_code=404, detail=f"no committed weights at {directory}")
         try:
@@ -176,16 +176,17 @@ def load_engine(cfg, output_root_url: str):
     from engines.model import CausalLM
     from engines.tokenizer import CharTokenizer
     from storage import weights
-    from storage.fs import get_fs, step_dir
+    from storage.fs import get_fs
 
     torch.set_num_threads(cfg.inference.num_threads)
     tokenizer = CharTokenizer()
     fs, root = get_fs(output_root_url)
-    version = weights.latest_version(fs, root)
-    if version is None:
+    latest = weights.load_latest(fs, root)
+    if latest is None:
         raise SystemExit(f"no committed weights under {weights.weights_root(output_root_url)}; run the warm-up first")
     model = CausalLM(cfg.model, tokenizer.vocab_size)
-    model.load_published(weights.load(fs, step_dir(weights.weights_root(root), version)))
+    version, state = latest
+    model.load_published(state)
     engine = Engine(model, version, tokenizer.eos_id, tokenizer.pad_id, cfg.inference.max_batch_size, cfg.seed)
     return engine, tokenizer
 

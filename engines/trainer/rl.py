@@ -19,7 +19,7 @@ from engines.trainer.mismatch import PolicyHistory
 from engines.trainer.tracking import Tracker
 from rollflow.config import TrainerProcessConfig
 from storage import checkpoints, rollouts, weights
-from storage.fs import get_fs, is_committed, step_dir
+from storage.fs import get_fs, is_committed
 from storage.rollouts import staleness
 
 
@@ -39,14 +39,15 @@ class RLTrainer:
         self.tracker = Tracker(self.fs, self.root, cfg.tracking.tracking_uri, cfg.mlflow_run_id)
 
     def _load_latest_weights(self) -> int:
-        version = weights.latest_version(self.fs, self.root)
-        if version is None:
+        latest = weights.load_latest(self.fs, self.root)
+        if latest is None:
             raise SystemExit("no committed weights to start from; the warm-up publishes version 0")
-        self.model.load_published(weights.load(self.fs, step_dir(weights.weights_root(self.root), version)))
+        version, state = latest
+        self.model.load_published(state)
         return version
 
     def wait_for_rollouts(self, step: int):
-        directory = step_dir(rollouts.rollouts_root(self.root), step)
+        directory = rollouts.step_path(self.root, step)
         while not is_committed(self.fs, directory):
             time.sleep(0.05)
         return rollouts.read_step(self.fs, self.root, step)

@@ -169,43 +169,34 @@ def _hf_parity(hf_model, cfg: ModelConfig) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
+def _hf_config_kwargs(cfg: ModelConfig) -> dict:
+    """The HF config fields our ModelConfig maps to, shared by the Llama and Qwen3 parity tests."""
+    return {
+        "vocab_size": TOK.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+    }
+
+
 def test_llama_checkpoint_loads_with_equal_logits():
     transformers = pytest.importorskip("transformers")
     cfg = CFG.model_copy(update={"rms_norm_eps": 1e-5})
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=TOK.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_seq_len,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        mlp_bias=False,
-    )
+    hf_cfg = transformers.LlamaConfig(**_hf_config_kwargs(cfg), mlp_bias=False)
     _hf_parity(transformers.LlamaForCausalLM(hf_cfg), cfg)
 
 
 def test_qwen3_checkpoint_loads_with_equal_logits():
     transformers = pytest.importorskip("transformers")
     cfg = CFG.model_copy(update={"qk_norm": True, "rope_theta": 1000.0})
-    hf_cfg = transformers.Qwen3Config(
-        vocab_size=TOK.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.hidden_size // cfg.num_heads,
-        max_position_embeddings=cfg.max_seq_len,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=True,
-        attention_bias=False,
-    )
+    hf_cfg = transformers.Qwen3Config(**_hf_config_kwargs(cfg), head_dim=cfg.hidden_size // cfg.num_heads)
     hf = transformers.Qwen3ForCausalLM(hf_cfg)
     assert any("q_norm" in k for k in hf.state_dict())
     _hf_parity(hf, cfg)
