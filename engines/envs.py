@@ -35,15 +35,26 @@ def similarity(a: str, b: str) -> float:
     return difflib.SequenceMatcher(None, a, b).ratio()
 
 
+# Pareto shape of long-tail payload lengths: P(extra chars >= k) ~ (k + 1) ** -1.2, so a step of a few
+# hundred samples almost always holds a max-length one. That straggler sets a static batch's decode time.
+LONG_TAIL_ALPHA = 1.2
+
+
 @dataclass
 class _StringTask:
     name: str
     tag: str
     min_chars: int
     max_chars: int
+    lengths: str = "uniform"
+
+    def _length(self, rng: random.Random) -> int:
+        if self.lengths == "long-tail":
+            return min(self.max_chars, self.min_chars - 1 + int(rng.paretovariate(LONG_TAIL_ALPHA)))
+        return rng.randint(self.min_chars, self.max_chars)
 
     def _payload(self, rng: random.Random) -> str:
-        n = rng.randint(self.min_chars, self.max_chars)
+        n = self._length(rng)
         return "".join(rng.choice(string.ascii_lowercase) for _ in range(n))
 
     def sample(self, rng: random.Random) -> Task:
@@ -72,7 +83,7 @@ REGISTRY = {"reverse-text": (ReverseText, "rev"), "sort-letters": (SortLetters, 
 
 def build(spec: EnvSpec) -> Environment:
     cls, tag = REGISTRY[spec.name]
-    return cls(spec.name, tag, spec.min_chars, spec.max_chars)
+    return cls(spec.name, tag, spec.min_chars, spec.max_chars, spec.lengths)
 
 
 class EnvMix:

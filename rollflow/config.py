@@ -53,6 +53,9 @@ class EnvSpec(_Strict):
     weight: float = Field(1.0, gt=0)
     min_chars: int = Field(3, gt=0)
     max_chars: int = Field(8, gt=0)
+    lengths: Literal["uniform", "long-tail"] = Field(
+        "uniform", description="payload length distribution; long-tail: mostly min_chars, rarely max_chars"
+    )
 
     @model_validator(mode="after")
     def _range(self) -> EnvSpec:
@@ -106,6 +109,9 @@ class TrainerConfig(_Strict):
     loss: LossConfig = LossConfig()
     num_threads: int = Field(1, gt=0)
     micro_batch_size: int = Field(64, gt=0)
+    packing: bool = Field(
+        False, description="pack several samples per row (block-diagonal attention) instead of padding each"
+    )
     measure_mismatch: bool = Field(
         True, description="keep recent policies in memory to measure mismatch_kl on stale samples"
     )

@@ -1,8 +1,13 @@
-"""Turn a step's rollout table into right-padded training tensors, split into micro-batches."""
+"""Turn a step's rollout table into right-padded training tensors, split into micro-batches.
+
+`pack_batch` repacks the same samples several to a row (`trainer.packing`), which removes most padding
+when completion lengths vary.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pyarrow as pa
 import torch
@@ -57,5 +62,98 @@ def make_batch(table: pa.Table, pad_id: int) -> Batch:
     )
 
 
-def micro_batches(batch: Batch, size: int) -> list[Batch]:
+@dataclass
+class PackedBatch:
+    """Several samples per row, so rows carry little padding; per-token tensors replace per-sample ones.
+
+    A sample occupies one contiguous span of a row. Positions restart at 0 in every span and
+    `segments` (span index, -1 for padding) drives a block-diagonal causal mask, so each token attends
+    only to earlier tokens of its own sample: logprobs equal the padded batch's.
+    """
+
+    input_ids: torch.Tensor  # [R, L]
+    positions: torch.Tensor  # [R, L] position within the sample
+    segments: torch.Tensor  # [R, L] sample index within the row, -1 on padding
+    targets: torch.Tensor  # [R, L] next token of the same sample (pad where there is none)
+    loss_mask: torch.Tensor  # [R, L] 1.0 where the target is a completion token
+    sampler_logprobs: torch.Tensor  # [R, L]
+    advantages: torch.Tensor  # [R, L] the sample's advantage on each of its tokens
+    temperatures: torch.Tensor  # [R, L] the sample's temperature on each of its tokens
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: torch.Tensor | slice) -> PackedBatch:
+        return PackedBatch(**{k: v[idx] for k, v in self.__dict__.items()})
+
+    def attention_mask(self) -> torch.Tensor:
+        """[R, 1, L, L] bool: causal within a sample, nothing across samples."""
+        seg = self.segments
+        length = seg.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
+        # Padding queries attend to themselves so no softmax row is empty (which would give NaN).
+        return ((same & causal) | torch.eye(length, dtype=torch.bool))[:, None]
+
+
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: sample indices per row, each row's lengths summing to <= capacity."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if lengths[i] > capacity:
+            raise ValueError(f"sample {i} has {lengths[i]} tokens, more than the row capacity {capacity}")
+        slot = next((r for r, f in enumerate(free) if f >= lengths[i]), None)
+        if slot is None:
+            rows.append([])
+            free.append(capacity)
+            slot = len(rows) - 1
+        rows[slot].append(i)
+        free[slot] -= lengths[i]
+    return rows
+
+
+def sample_lengths(batch: Batch) -> list[int]:
+    """Prompt + completion tokens per sample: the last completion target sits at index length - 2.
+
+    Read from the loss mask, not from pad ids: a sampler may emit the pad token inside a completion.
+    """
+    last = torch.arange(batch.loss_mask.shape[1]) * (batch.loss_mask > 0)
+    return (last.max(-1).values + 2).tolist()
+
+
+def pack_batch(batch: Batch, pad_id: int, capacity: int | None = None) -> PackedBatch:
+    """Pack a right-padded `Batch` into rows of `capacity` tokens (default: its longest sample)."""
+    lengths = sample_lengths(batch)
+    capacity = capacity or max(lengths)
+    rows = pack_rows(lengths, capacity)
+    shape = (len(rows), capacity)
+    ids = torch.full(shape, pad_id, dtype=torch.long)
+    targets = torch.full(shape, pad_id, dtype=torch.long)
+    positions = torch.zeros(shape, dtype=torch.long)
+    segments = torch.full(shape, -1, dtype=torch.long)
+    floats = {k: torch.zeros(shape) for k in ("loss_mask", "sampler_logprobs", "advantages", "temperatures")}
+    floats["temperatures"].fill_(1.0)
+    for r, members in enumerate(rows):
+        start = 0
+        for s, i in enumerate(members):
+            n = lengths[i]
+            span = slice(start, start + n)
+            ids[r, span] = batch.input_ids[i, :n]
+            targets[r, start : start + n - 1] = batch.targets[i, : n - 1]  # the last token has no target
+            positions[r, span] = torch.arange(n)
+            segments[r, span] = s
+            floats["loss_mask"][r, start : start + n - 1] = batch.loss_mask[i, : n - 1]
+            floats["sampler_logprobs"][r, start : start + n - 1] = batch.sampler_logprobs[i, : n - 1]
+            floats["advantages"][r, span] = batch.advantages[i]
+            floats["temperatures"][r, span] = batch.temperatures[i]
+            start += n
+    return PackedBatch(input_ids=ids, positions=positions, segments=segments, targets=targets, **floats)
+
+
+B = TypeVar("B", Batch, PackedBatch)
+
+
+def micro_batches(batch: B, size: int) -> list[B]:
+    """Consecutive slices of `size` rows (samples, or packed rows of several samples)."""
     return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]

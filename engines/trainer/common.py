@@ -8,7 +8,7 @@ import random
 import torch
 
 from engines.model import CausalLM, token_logprobs
-from engines.trainer.batch import Batch
+from engines.trainer.batch import Batch, PackedBatch
 from rollflow.config import ModelConfig
 
 log = logging.getLogger("rollflow.trainer")
@@ -31,3 +31,15 @@ def batch_logprobs(model: CausalLM, batch: Batch) -> torch.Tensor:
     """Trainer logprobs of every target token under the per-sample sampling temperature, [B, T-1]."""
     logits = model(batch.input_ids)[:, :-1]
     return token_logprobs(logits, batch.targets, batch.temperatures)
+
+
+def packed_logprobs(model: CausalLM, batch: PackedBatch) -> torch.Tensor:
+    """Trainer logprobs of every target of a packed batch, [R, L]; equal to `batch_logprobs` per sample."""
+    logits = model(batch.input_ids, batch.positions, batch.attention_mask())
+    logp = torch.log_softmax(logits.float() / batch.temperatures[..., None], dim=-1)
+    return logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+
+
+def train_logprobs(model: CausalLM, batch: Batch | PackedBatch) -> torch.Tensor:
+    """Logprobs for the loss, whichever layout the trainer chose (`trainer.packing`)."""
+    return packed_logprobs(model, batch) if isinstance(batch, PackedBatch) else batch_logprobs(model, batch)

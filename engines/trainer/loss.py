@@ -32,12 +32,14 @@ def policy_loss(
     mask_high: float,
     normalizer: float,
 ) -> LossOutput:
-    """All [B, T] except advantages [B]; `normalizer` is the step's total completion tokens."""
+    """All [B, T]; advantages [B] (one per sample) or [B, T] (per token, packed batches); `normalizer` is
+    the step's total completion tokens."""
     ratio = torch.exp((logprobs - sampler_logprobs) * loss_mask)
     with torch.no_grad():
         keep = loss_mask * ((ratio >= mask_low) & (ratio <= mask_high))
         kl_sum, tokens = k3_kl(logprobs, sampler_logprobs, loss_mask)
-    loss = -(ratio * advantages[:, None] * keep).sum() / normalizer
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]
+    loss = -(ratio * adv * keep).sum() / normalizer
     return LossOutput(loss=loss, masked_tokens=float((loss_mask - keep).sum()), tokens=tokens, sampler_kl_sum=kl_sum)
 
 

@@ -12,8 +12,8 @@ import time
 import torch
 
 from engines.tokenizer import CharTokenizer
-from engines.trainer.batch import Batch, make_batch, micro_batches
-from engines.trainer.common import batch_logprobs, build_model, log, seed_everything
+from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
+from engines.trainer.common import build_model, log, seed_everything, train_logprobs
 from engines.trainer.loss import policy_loss
 from engines.trainer.mismatch import PolicyHistory
 from engines.trainer.tracking import Tracker
@@ -52,15 +52,20 @@ class RLTrainer:
             time.sleep(0.05)
         return rollouts.read_step(self.fs, self.root, step)
 
+    def train_micro_batches(self, batch: Batch) -> list[Batch] | list[PackedBatch]:
+        """`micro_batch_size` rows each; with `trainer.packing` a row holds several samples."""
+        rows = pack_batch(batch, self.tok.pad_id) if self.tcfg.packing else batch
+        return micro_batches(rows, self.tcfg.micro_batch_size)
+
     def train_on(self, batch: Batch) -> dict:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         n_tokens = float(batch.loss_mask.sum().clamp(min=1))
         loss_sum = masked = kl_sum = 0.0
         lc = self.tcfg.loss
-        for mb in micro_batches(batch, self.tcfg.micro_batch_size):
+        for mb in self.train_micro_batches(batch):
             out = policy_loss(
-                batch_logprobs(self.model, mb),
+                train_logprobs(self.model, mb),
                 mb.sampler_logprobs,
                 mb.advantages,
                 mb.loss_mask,
