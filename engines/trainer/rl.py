@@ -54,8 +54,9 @@ class RLTrainer:
 
     def train_micro_batches(self, batch: Batch) -> list[Batch] | list[PackedBatch]:
         """`micro_batch_size` rows each; with `trainer.packing` a row holds several samples."""
-        rows = pack_batch(batch, self.tok.pad_id) if self.tcfg.packing else batch
-        return micro_batches(rows, self.tcfg.micro_batch_size)
+        if self.tcfg.packing:
+            return micro_batches(pack_batch(batch, self.tok.pad_id), self.tcfg.micro_batch_size)
+        return micro_batches(batch, self.tcfg.micro_batch_size)
 
     def train_on(self, batch: Batch) -> dict:
         self.model.train()
