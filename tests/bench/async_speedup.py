@@ -1,0 +1,86 @@
+"""Benchmark 1: async speedup. The same workload (fixed steps, long-tailed completion lengths) with
+async_level 0, 1 and 2, interleaved per repeat; the speedup against async_level 0 of the same repeat,
+and the ideal speedup from that synchronous run's own generation and training times."""
+
+from __future__ import annotations
+
+import statistics
+
+from tests.bench.harness import RunTimes, Stats, Workspace, ratio_stats, repeats, table
+
+TITLE = "1. Async speedup"
+LEVELS = (0, 1, 2)
+
+
+def measure(ws: Workspace, n: int) -> dict[int, list[RunTimes]]:
+    runs: dict[int, list[RunTimes]] = {lvl: [] for lvl in LEVELS}
+    for r in range(n):
+        for lvl in LEVELS:
+            runs[lvl].append(RunTimes.read(ws.run(f"async{lvl}-r{r}", async_level=lvl)))
+    return runs
+
+
+def ideal(t: RunTimes) -> float:
+    """(gen + train) / max(gen, train): perfect overlap of the two on separate hardware."""
+    return (t.gen + t.train) / max(t.gen, t.train)
+
+
+def report(runs: dict[int, list[RunTimes]]) -> str:
+    sync = runs[0]
+    ideals = Stats([ideal(t) for t in sync])
+    rows = []
+    for lvl in LEVELS:
+        ts = runs[lvl]
+        speedup = ratio_stats([t.wall_per_step for t in sync], [t.wall_per_step for t in ts])
+        of_ideal = Stats([s / ideal(t0) for s, t0 in zip(speedup.values, sync, strict=True)])
+        rows.append(
+            [
+                lvl,
+                Stats([t.wall_per_step for t in ts]).fmt(unit=" s"),
+                Stats([t.gen for t in ts]).fmt(unit=" s"),
+                Stats([t.train for t in ts]).fmt(unit=" s"),
+                speedup.fmt() + "x",
+                "-" if lvl == 0 else of_ideal.fmt(),
+                Stats([t.trainer_idle for t in ts]).fmt(2),
+                Stats([t.inference_idle for t in ts]).fmt(2),
+            ]
+        )
+    lengths = sorted(x for t in sync for x in t.completion_lengths)
+    pct = [lengths[int(q * (len(lengths) - 1))] for q in (0.5, 0.9, 0.99)]
+    headers = [
+        "async_level",
+        "wall / step",
+        "gen / step",
+        "train / step",
+        "speedup vs 0",
+        "fraction of ideal",
+        "trainer idle",
+        "inference idle",
+    ]
+    return "\n\n".join(
+        [
+            table(headers, rows),
+            f"Ideal speedup from each repeat's synchronous run, (gen + train) / max(gen, train): "
+            f"{ideals.fmt()}x. Target: fraction of ideal >= 0.9.",
+            f"Completion lengths (tokens, synchronous runs): median {pct[0]}, p90 {pct[1]}, p99 {pct[2]}, "
+            f"max {lengths[-1]}, mean {statistics.mean(lengths):.1f}.",
+        ]
+    )
+
+
+DEFINITIONS = """\
+Workload: `profiles/tiny-cpu.toml` + `tests/bench/bench.toml` (32 prompts x 8 samples per step,
+payload lengths long-tailed between 2 and 24 letters, `max_new_tokens = 26`); each run starts from the
+same warm-up weights and runs the real inference server, orchestrator and trainer processes, supervised
+as the flow does but without Prefect (benchmark 5 measures Prefect). Steady state: step 1 is left out.
+- wall / step: (metrics.jsonl `time` of the last step - that of step 1) / (steps - 1).
+- gen: the orchestrator's first request to last response for a step (manifest `gen_s`); train: the
+  trainer's `train_s + publish_s` (read rollouts excluded, publish included). Medians over steps.
+- speedup: async_level 0's wall / step over this level's, within the same repeat.
+- trainer idle: the trainer's `wait_s` (waiting for committed rollouts) over wall time.
+- inference idle: 1 - (sum of `gen_s`) / wall time; the engine has no work outside a step's generation.
+"""
+
+
+def run(ws: Workspace) -> str:
+    return DEFINITIONS + "\n" + report(measure(ws, repeats(3)))
