@@ -56,10 +56,17 @@ class Stats:
         """`median (min-max)`; a single value is shown alone."""
         if not self.values:
             return "n/a"
-        med = f"{self.median:.{digits}g}{unit}"
+        med = num(self.median, digits) + unit
         if len(self.values) == 1:
             return med
-        return f"{med} ({min(self.values):.{digits}g}-{max(self.values):.{digits}g})"
+        return f"{med} ({num(min(self.values), digits)}-{num(max(self.values), digits)})"
+
+
+def num(v: float, digits: int = 3) -> str:
+    """`digits` significant digits, without exponent notation for the magnitudes shown here."""
+    if abs(v) >= 10**digits:
+        return f"{v:,.0f}"
+    return f"{v:#.{digits}g}".rstrip(".") if v else "0"
 
 
 def ratio_stats(numerators: Sequence[float], denominators: Sequence[float]) -> Stats:
