@@ -20,6 +20,7 @@ import httpx
 
 from engines.envs import EnvMix, Task
 from engines.orchestrator.advantages import group_advantages
+from engines.sampling import derive_seed
 from engines.tokenizer import CharTokenizer
 from rollflow.config import OrchestratorProcessConfig
 from storage import rollouts, weights
@@ -112,6 +113,8 @@ class Orchestrator:
             "temperature": self.ocfg.temperature,
             "logprobs": 1,
             "return_token_ids": True,
+            # a pure function of (seed, step, group): a resumed run redraws exactly these samples
+            "seed": derive_seed(self.cfg.seed, step, group),
         }
         async with self.limit:
             r = await self.client.post("/v1/completions", json=body)
