@@ -37,13 +37,15 @@ DEFAULT_ANALYSIS = f"{ANALYSIS_MARKER}\n\n## Analysis\n\n(not written yet)\n"
 
 def run_module(name: str, ws: harness.Workspace) -> tuple[str, str, float]:
     """(title, markdown, seconds); a failing benchmark reports its error instead of sinking the rest."""
-    module = importlib.import_module(MODULES[name])
     t0 = time.perf_counter()
+    title = name
     try:
+        module = importlib.import_module(MODULES[name])
+        title = module.TITLE
         body = module.run(ws)
     except Exception:
         body = "**Failed:**\n\n```text\n" + traceback.format_exc()[-3000:] + "```"
-    return module.TITLE, body, time.perf_counter() - t0
+    return title, body, time.perf_counter() - t0
 
 
 def run_storage() -> tuple[str, str, float] | None:

@@ -69,7 +69,7 @@ class Step:
         t0 = time.perf_counter()
         outs = generate(
             self.model, self.prompts, max_new_tokens=[self.length] * n, temperatures=[1.0] * n,
-            eos_id=-1, pad_id=self.tok.pad_id, generator=torch.Generator().manual_seed(0),
+            eos_id=-1, pad_id=self.tok.pad_id, seeds=list(range(n)),
         )  # fmt: skip
         t1 = time.perf_counter()
         batch = make_batch(

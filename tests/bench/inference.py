@@ -1,0 +1,195 @@
+"""Benchmark 2: the embedded engine's generation against Hugging Face transformers' `generate()`.
+
+Same model (our CausalLM's weights loaded into `LlamaForCausalLM`, which the parity tests show gives
+equal logits), same prompts, same batch (each prompt repeated `group_size` times, as the orchestrator
+asks), same sampling (temperature 1, no top-k/top-p), same fixed number of new tokens (end-of-sequence
+disabled on both sides so both produce exactly the same token count), one torch thread each.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from tests.bench.harness import QUICK, Stats, Workspace, bench_config, ratio_stats, repeats, table
+
+TITLE = "2. Inference engine vs Hugging Face generate()"
+WIDE = {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "intermediate_size": 1536}
+
+
+@dataclass
+class Case:
+    label: str
+    prompts: int
+    group: int
+    workload: bool = False  # warm-up weights, stop at end-of-sequence, the workload's max_new_tokens
+    model: dict = field(default_factory=dict)  # overrides of the workload's model shape
+
+
+CASES = [
+    Case("workload: warm-up weights, 32 prompts x 8, stop at eos", 32, 8, workload=True),
+    Case("fixed 24 tokens, 32 prompts x 8", 32, 8),
+    Case("fixed 24 tokens, 1 prompt x 1", 1, 1),
+    Case("fixed 24 tokens, wide model, 8 prompts x 8", 8, 8, model=WIDE),
+]
+NEW_TOKENS = 24
+
+
+class Pair:
+    """Our model and the HF Llama with the same weights, plus the batch both sample."""
+
+    def __init__(self, ws: Workspace, case: Case):
+        import torch
+        import transformers
+
+        from engines.envs import EnvMix
+        from engines.model import CausalLM
+        from engines.tokenizer import CharTokenizer
+        from storage import weights
+        from storage.fs import get_fs
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        torch.set_num_threads(1)
+        cfg = bench_config(ws.root / "inference")
+        mc = cfg.model.model_copy(update=case.model)
+        self.tok = CharTokenizer()
+        torch.manual_seed(0)
+        self.ours = CausalLM(mc, self.tok.vocab_size).eval()
+        if case.workload:
+            fs, root = get_fs(str(ws.template()))
+            self.ours.load_published(weights.load(fs, weights.version_dir(root, 0)))
+        self.eos = self.tok.eos_id if case.workload else -1
+        self.new_tokens = cfg.orchestrator.max_new_tokens if case.workload else NEW_TOKENS
+        self.hf = transformers.LlamaForCausalLM(hf_config(mc, self.tok.vocab_size)).eval()
+        self.hf.load_state_dict(self.ours.publishable_state_dict(), strict=False)  # lm_head is tied
+        # eos off means fixed-length outputs on both sides (eos_id=-1 on ours)
+        self.hf.generation_config.eos_token_id = self.tok.eos_id if case.workload else None
+        self.hf.generation_config.pad_token_id = self.tok.pad_id
+        mix = EnvMix(cfg.envs, cfg.seed)
+        texts = [mix.task(f"bench/{i}").prompt for i in range(case.prompts)]
+        self.prompts = [self.tok.encode(t) for t in texts for _ in range(case.group)]
+
+    def ours_generate(self, new_tokens: int) -> tuple[float, int]:
+        """(seconds, tokens generated)."""
+        from engines.generate import generate
+
+        n = len(self.prompts)
+        t0 = time.perf_counter()
+        outs = generate(
+            self.ours, self.prompts, max_new_tokens=[new_tokens] * n, temperatures=[1.0] * n,
+            eos_id=self.eos, pad_id=self.tok.pad_id, seeds=list(range(n)),
+        )  # fmt: skip
+        return time.perf_counter() - t0, sum(len(c.token_ids) for c in outs)
+
+    def hf_generate(self, new_tokens: int) -> tuple[float, int]:
+        """(seconds, tokens generated: each row's up to and including its first eos)."""
+        import torch
+
+        from engines.generate import _left_pad
+
+        ids, valid = _left_pad(self.prompts, self.tok.pad_id)
+        fixed = self.eos < 0
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.hf.generate(
+                input_ids=ids, attention_mask=valid.long(), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                max_new_tokens=new_tokens, min_new_tokens=new_tokens if fixed else None,
+            )  # fmt: skip
+        elapsed = time.perf_counter() - t0
+        new = out[:, ids.shape[1] :]
+        if fixed:
+            return elapsed, new.numel()
+        is_eos = (new == self.eos).int()
+        ended = is_eos.cumsum(-1) - is_eos > 0  # positions after a row's first eos are padding
+        return elapsed, int((~ended).sum())
+
+
+def hf_config(mc, vocab_size: int):
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_layers,
+        num_attention_heads=mc.num_heads,
+        num_key_value_heads=mc.num_kv_heads,
+        max_position_embeddings=mc.max_seq_len,
+        rope_theta=mc.rope_theta,
+        rms_norm_eps=mc.rms_norm_eps,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+
+
+def measure(ws: Workspace, n: int) -> list[dict]:
+    results = []
+    for case in CASES[:2] if QUICK else CASES:
+        pair = Pair(ws, case)
+        pair.ours_generate(2), pair.hf_generate(2)  # first calls pay one-time set-up
+        calls = {
+            "ours": (pair.ours_generate, pair.new_tokens),
+            "hf": (pair.hf_generate, pair.new_tokens),
+            "ours_ttft": (pair.ours_generate, 1),
+            "hf_ttft": (pair.hf_generate, 1),
+        }
+        r: dict = {"case": case, "rows": len(pair.prompts), **{k: [] for k in calls}}
+        r.update({k + "_tokens": [] for k in calls})
+        for _ in range(n):
+            for key, (fn, tokens) in calls.items():
+                seconds, count = fn(tokens)
+                r[key].append(seconds)
+                r[key + "_tokens"].append(count)
+        results.append(r)
+    return results
+
+
+def report(results: list[dict]) -> str:
+    rows = []
+    for r in results:
+        ours = [k / t for k, t in zip(r["ours_tokens"], r["ours"], strict=True)]
+        hf = [k / t for k, t in zip(r["hf_tokens"], r["hf"], strict=True)]
+        rows.append(
+            [
+                r["case"].label,
+                Stats(ours).fmt(),
+                Stats(hf).fmt(),
+                "**" + ratio_stats(ours, hf).fmt() + "x**",
+                Stats([t * 1000 for t in r["ours_ttft"]]).fmt(unit=" ms"),
+                Stats([t * 1000 for t in r["hf_ttft"]]).fmt(unit=" ms"),
+                ratio_stats(r["hf_ttft"], r["ours_ttft"]).fmt() + "x",
+                " / ".join(f"{statistics.mean(r[k]) / r['rows']:.1f}" for k in ("ours_tokens", "hf_tokens")),
+            ]
+        )
+    headers = [
+        "case",
+        "engine tokens/s",
+        "HF tokens/s (baseline)",
+        "speedup",
+        "engine TTFT",
+        "HF TTFT",
+        "TTFT speedup",
+        "tokens / row (engine / HF)",
+    ]
+    return table(headers, rows) + "\n\nTarget: speedup >= 3x for batched sampling with groups (first two rows)."
+
+
+DEFINITIONS = f"""\
+Engine: `engines.generate.generate`, the function the engine's worker runs on each batch; the HTTP layer
+and the queue are not included. HF: `LlamaForCausalLM.generate(do_sample=True, temperature=1.0, top_k=0,
+top_p=1.0)` with its dynamic KV cache and SDPA attention. tokens/s = tokens generated / time, where a
+row's tokens end at its first end-of-sequence. Workload row: the benchmark warm-up's weights and prompts
+(long-tailed lengths), `max_new_tokens` = 26, both stop a row at end-of-sequence, so token counts differ
+a little by chance (last column). Fixed rows: random weights, end-of-sequence disabled on both sides
+(exactly {NEW_TOKENS} tokens per row). TTFT (time to first token) = the same call with one new token:
+prefill of the whole batch plus one sampling step (the engine does not stream, so a request's first token
+is returned only with its batch; this is the compute floor). wide = hidden 512, 4 layers, MLP 1536
+(12.6M parameters); tiny = the workload's model (1.2M).
+"""
+
+
+def run(ws: Workspace) -> str:
+    return __doc__.split("\n\n", 1)[1] + "\n" + DEFINITIONS + "\n" + report(measure(ws, repeats(3)))
