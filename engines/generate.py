@@ -4,6 +4,10 @@ Prompts are left-padded into one batch; prefill runs once, then one decode step 
 steps `between_steps()` may swap the weights (in-flight update) and returns the current policy version,
 so each sequence records the version that produced its first and its last completion token. Each row
 samples with its own seed (engines/sampling.py), so its tokens do not depend on the rest of the batch.
+
+Two savings that matter for RL batches (docs/benchmarks.md, benchmark 2): identical prompts (a group's
+samples) are prefilled once and their cache rows copied, and finished rows leave the batch (the cache is
+compacted once enough have finished) instead of decoding padding until the longest row ends.
 """
 
 from __future__ import annotations
@@ -43,6 +47,51 @@ def _prefill_mask(valid: torch.Tensor) -> torch.Tensor:
     return (causal & valid[:, None, :]) | torch.eye(t, dtype=torch.bool)
 
 
+def _unique_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Distinct prompts in first-seen order, and each row's index among them."""
+    index: dict[tuple[int, ...], int] = {}
+    rows = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    return [list(k) for k in index], rows
+
+
+@dataclass
+class _Rows:
+    """Per-row decode state of the rows still in the batch; `origin` maps a batch row to its request row."""
+
+    origin: torch.Tensor
+    live: torch.Tensor  # False once the row has finished (its slot stays until the next compaction)
+    valid: torch.Tensor  # [rows, cached positions] which cache slots hold real tokens
+    next_pos: torch.Tensor
+    temps: torch.Tensor
+    seeds: torch.Tensor
+    limits: torch.Tensor
+
+    def select(self, rows: torch.Tensor) -> _Rows:
+        return _Rows(**{k: v.index_select(0, rows) for k, v in self.__dict__.items()})
+
+
+def _prefill(model: CausalLM, prompts: list[list[int]], pad_id: int, capacity: int):
+    """Prefill each distinct prompt once, then give every row its own copy of the cache.
+
+    The rows of a group share their prompt, so a batch of G samples per prompt does 1/G of the prefill.
+    Returns (last-position logits per row, cache, valid mask per row, next position per row).
+    """
+    unique, row_of = _unique_prompts(prompts)
+    ids, valid = _left_pad(unique, pad_id)
+    cache = KVCache.empty(model.cfg, len(unique), capacity, next(model.parameters()).dtype)
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(ids, positions, _prefill_mask(valid)[:, None], cache)[:, -1]
+    expand = torch.tensor(row_of, dtype=torch.long)
+    if len(unique) < len(prompts):
+        cache.select_rows(expand)
+    return logits[expand], cache, valid[expand], positions[expand, -1] + 1
+
+
+# Finished rows keep costing a full decode step until they leave the batch; compacting copies the cache,
+# so it waits until this fraction of the batch has finished (a handful of copies per batch).
+COMPACT_FRACTION = 0.125
+
+
 @torch.no_grad()
 def generate(
     model: CausalLM,
@@ -55,39 +104,52 @@ def generate(
     seeds: list[int],
     between_steps: Callable[[], int] = lambda: 0,
 ) -> list[Completion]:
-    ids, valid = _left_pad(prompts, pad_id)
-    batch, width = ids.shape
-    temps = torch.tensor(temperatures, dtype=torch.float32)[:, None]
-    cache = KVCache.empty(model.cfg, batch, width + max(max_new_tokens), next(model.parameters()).dtype)
-    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    batch = len(prompts)
+    capacity = max(len(p) for p in prompts) + max(max_new_tokens)
     version = between_steps()  # the version whose forward produces the logits sampled next
-    logits = model(ids, positions, _prefill_mask(valid)[:, None], cache)[:, -1]
-    next_pos = positions[:, -1] + 1
+    logits, cache, valid, next_pos = _prefill(model, prompts, pad_id, capacity)
+    rows = _Rows(
+        origin=torch.arange(batch),
+        live=torch.ones(batch, dtype=torch.bool),
+        valid=valid,
+        next_pos=next_pos,
+        temps=torch.tensor(temperatures, dtype=torch.float32)[:, None],
+        seeds=torch.tensor(seeds, dtype=torch.int64),
+        limits=torch.tensor(max_new_tokens),
+    )
     out = [Completion() for _ in range(batch)]
-    done = torch.zeros(batch, dtype=torch.bool)
-    row_seeds = torch.tensor(seeds, dtype=torch.int64)
     for t in range(max(max_new_tokens)):
-        logp = torch.log_softmax(logits.float() / temps, dim=-1)
-        tokens = sample(logp, row_seeds, t)
+        logp = torch.log_softmax(logits.float() / rows.temps, dim=-1)
+        tokens = sample(logp, rows.seeds, t)  # noise depends on (seed, t) only: compaction changes nothing
         chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
-        for i in torch.nonzero(~done).flatten().tolist():
-            c = out[i]
-            c.token_ids.append(int(tokens[i]))
-            c.logprobs.append(float(chosen[i]))
-            if c.policy_version < 0:
-                c.policy_version = version
-            c.policy_version_end = version
-            if tokens[i] == eos_id:
-                c.finish_reason, done[i] = "stop", True
-            elif len(c.token_ids) >= max_new_tokens[i]:
-                done[i] = True
-        if bool(done.all()):
+        _record(out, rows, tokens.tolist(), chosen.tolist(), version, eos_id)
+        rows.live &= (tokens != eos_id) & (rows.limits > t + 1)
+        if not bool(rows.live.any()):
             break
-        valid = torch.cat([valid, ~done[:, None]], dim=1)
-        step_ids = torch.where(done, pad_id, tokens)[:, None]
-        mask = valid.clone()
+        if (~rows.live).sum() >= max(1, COMPACT_FRACTION * len(rows.live)):
+            keep = torch.nonzero(rows.live).flatten()
+            rows, tokens = rows.select(keep), tokens.index_select(0, keep)
+            cache.select_rows(keep)
+        rows.valid = torch.cat([rows.valid, rows.live[:, None]], dim=1)
+        step_ids = torch.where(rows.live, tokens, pad_id)[:, None]
+        mask = rows.valid.clone()
         mask[:, -1] = True  # finished rows attend to their own pad token: harmless, never NaN
         version = between_steps()
-        logits = model(step_ids, next_pos[:, None], mask[:, None, None, :], cache)[:, -1]
-        next_pos = next_pos + 1
+        logits = model(step_ids, rows.next_pos[:, None], mask[:, None, None, :], cache)[:, -1]
+        rows.next_pos = rows.next_pos + 1
     return out
+
+
+def _record(out: list[Completion], rows: _Rows, tokens: list[int], logprobs: list[float], version: int, eos: int):
+    """Append this step's token to every live row's completion (plain Python lists: no tensor indexing)."""
+    for origin, live, token, lp in zip(rows.origin.tolist(), rows.live.tolist(), tokens, logprobs, strict=True):
+        if not live:
+            continue
+        c = out[origin]
+        c.token_ids.append(token)
+        c.logprobs.append(lp)
+        if c.policy_version < 0:
+            c.policy_version = version
+        c.policy_version_end = version
+        if token == eos:
+            c.finish_reason = "stop"

@@ -63,6 +63,11 @@ class KVCache:
             values=[torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)],
         )
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep (or repeat) batch rows `rows` of every layer's keys and values, in that order."""
+        self.keys = [k.index_select(0, rows) for k in self.keys]
+        self.values = [v.index_select(0, rows) for v in self.values]
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
