@@ -33,6 +33,10 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Runs every benchmark against its baseline (tests/bench/) and rewrites docs/benchmarks.md (~10 min on 2 cores).
+bench: install
+	ROLLFLOW_BENCH_COMMAND="make bench" $(BIN)/python -m tests.bench
+
 format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
