@@ -124,6 +124,20 @@ def exponent(time_ratio: float, factor: float) -> float:
     return math.log(time_ratio) / math.log(factor)
 
 
+# The exponent compute-bound code would show: work grows with group size and length, and with the
+# square of the width (parameters ~ width^2).
+EXPECTED_K = {"group_size": 1.0, "length": 1.0, "width": 2.0}
+
+
+def shape(key: str, k: float) -> str:
+    r = k / EXPECTED_K[key]
+    if r < 0.75:
+        return "sublinear in work: fixed per-step costs dominate"
+    if r > 1.25:
+        return "superlinear in work"
+    return "linear in work"
+
+
 def report(points: list[dict]) -> str:
     rows = [
         [
@@ -134,10 +148,20 @@ def report(points: list[dict]) -> str:
             p["train"].fmt() + "x",
             p["step"].fmt() + "x",
             f"{exponent(p['gen'].median, p['work']):.2f} / {exponent(p['train'].median, p['work']):.2f}",
+            shape(p["key"], exponent(p["step"].median, p["work"])),
         ]
         for p in points
     ]
-    headers = ["point", "factor", "sequence tokens", "gen time", "train time", "step time", "exponent k (gen / train)"]
+    headers = [
+        "point",
+        "factor",
+        "sequence tokens",
+        "gen time",
+        "train time",
+        "step time",
+        "exponent k (gen / train)",
+        "step time is",
+    ]
     return table(headers, rows)
 
 
@@ -148,5 +172,6 @@ def run(ws: Workspace) -> str:
         f"{intro}\nBaseline: {PROMPTS} prompts, {base} (hidden size; MLP 8/3 x width, 3 layers). Each figure "
         "is the point's time over the baseline's, per repeat; exponent k = log(time ratio) / log(factor) "
         "(k = 1: linear; for width the factor is the width, so parameters grow ~ factor^2 and compute-bound "
-        "code would show k ~ 2).\n\n" + report(measure(repeats(3)))
+        "code would show k ~ 2). 'step time is' compares the step's k with that compute-bound k.\n\n"
+        + report(measure(repeats(3)))
     )
