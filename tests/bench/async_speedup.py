@@ -21,13 +21,24 @@ def measure(ws: Workspace, n: int) -> dict[int, list[RunTimes]]:
 
 
 def ideal(t: RunTimes) -> float:
-    """(gen + train) / max(gen, train): perfect overlap of the two on separate hardware."""
+    """(gen + train) / max(gen, train) with gen = what the synchronous trainer waits for per step.
+
+    That wait is generation plus the hand-offs around it (weights noticed and loaded, shard committed
+    and noticed), all of which async overlaps with training; with `gen_s` alone, measured speedups
+    exceed the "ideal".
+    """
+    return (t.wait + t.train) / max(t.wait, t.train)
+
+
+def ideal_gen_only(t: RunTimes) -> float:
+    """The issue's formula with the orchestrator's generation time alone (no hand-offs)."""
     return (t.gen + t.train) / max(t.gen, t.train)
 
 
 def report(runs: dict[int, list[RunTimes]]) -> str:
     sync = runs[0]
     ideals = Stats([ideal(t) for t in sync])
+    ideals_gen = Stats([ideal_gen_only(t) for t in sync])
     rows = []
     for lvl in LEVELS:
         ts = runs[lvl]
@@ -60,8 +71,10 @@ def report(runs: dict[int, list[RunTimes]]) -> str:
     return "\n\n".join(
         [
             table(headers, rows),
-            f"Ideal speedup from each repeat's synchronous run, (gen + train) / max(gen, train): "
-            f"{ideals.fmt()}x. Target: fraction of ideal >= 0.9.",
+            f"Ideal speedup from each repeat's synchronous run, (wait + train) / max(wait, train), where wait "
+            f"is the synchronous trainer's wait for rollouts (generation plus hand-offs): **{ideals.fmt()}x**; "
+            f"with the orchestrator's `gen_s` in place of the wait: {ideals_gen.fmt()}x. Fraction of ideal "
+            "uses the first. Target: fraction of ideal >= 0.9.",
             f"Completion lengths (tokens, synchronous runs): median {pct[0]}, p90 {pct[1]}, p99 {pct[2]}, "
             f"max {lengths[-1]}, mean {statistics.mean(lengths):.1f}.",
         ]

@@ -235,6 +235,7 @@ class RunTimes:
     wall_per_step: float  # (time of last step - time of first step) / (steps - 1)
     gen: float  # orchestrator: first request to last response, per step (median)
     train: float  # trainer: rollouts read to weights published, per step (median)
+    wait: float  # trainer: waiting for the step's committed rollouts, per step (median)
     trainer_idle: float  # trainer's wait for rollouts / its wall time, steady state
     inference_idle: float  # 1 - sum(gen) / wall, steady state (the engine is busy only while a step generates)
     completion_lengths: list[int]
@@ -253,6 +254,7 @@ class RunTimes:
             wall_per_step=wall / len(steady),
             gen=statistics.median(gens),
             train=statistics.median(trains),
+            wait=statistics.median(r["wait_s"] for r in steady),
             trainer_idle=sum(r["wait_s"] for r in steady) / max(wall, 1e-9),
             inference_idle=max(0.0, 1 - sum(gens) / max(wall, 1e-9)),
             completion_lengths=[len(c) for c in lengths.column("completion_ids").to_pylist()],

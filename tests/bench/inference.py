@@ -187,7 +187,7 @@ a little by chance (last column). Fixed rows: random weights, end-of-sequence di
 (exactly {NEW_TOKENS} tokens per row). TTFT (time to first token) = the same call with one new token:
 prefill of the whole batch plus one sampling step (the engine does not stream, so a request's first token
 is returned only with its batch; this is the compute floor). wide = hidden 512, 4 layers, MLP 1536
-(12.6M parameters); tiny = the workload's model (1.2M).
+(12.1M parameters); tiny = the workload's model (1.2M).
 """
 
 
