@@ -14,8 +14,8 @@ import copy
 import torch
 
 from engines.model import CausalLM
-from engines.trainer.batch import Batch, micro_batches
-from engines.trainer.common import batch_logprobs
+from engines.trainer.batch import Batch, micro_batches, pack_batch
+from engines.trainer.common import batch_logprobs, packed_logprobs
 from engines.trainer.loss import k3_kl
 
 
@@ -36,15 +36,27 @@ class PolicyHistory:
             del self.states[old]
 
     @torch.no_grad()
-    def mismatch_kl(self, batch: Batch, micro_batch_size: int) -> tuple[float | None, int]:
-        """Token-mean k3 KL(sampler || same-policy trainer); None when no sample qualifies."""
+    def mismatch_kl(
+        self, batch: Batch, micro_batch_size: int, pack_pad_id: int | None = None
+    ) -> tuple[float | None, int]:
+        """Token-mean k3 KL(sampler || same-policy trainer); None when no sample qualifies.
+
+        With `pack_pad_id` (trainer.packing) the samples are packed first, as for the loss: same numbers,
+        a fraction of the padded forward's work when lengths vary.
+        """
         total, tokens = 0.0, 0.0
         for version, state in self.states.items():
             rows = torch.nonzero((batch.versions == version) & (batch.versions_end == version)).flatten()
             if len(rows) == 0:
                 continue
             self.scratch.load_state_dict(state)
-            for mb in micro_batches(batch.select(rows), micro_batch_size):
+            selected = batch.select(rows)
+            if pack_pad_id is not None:
+                for pmb in micro_batches(pack_batch(selected, pack_pad_id), micro_batch_size):
+                    s, n = k3_kl(packed_logprobs(self.scratch, pmb), pmb.sampler_logprobs, pmb.loss_mask)
+                    total, tokens = total + s, tokens + n
+                continue
+            for mb in micro_batches(selected, micro_batch_size):
                 s, n = k3_kl(batch_logprobs(self.scratch, mb), mb.sampler_logprobs, mb.loss_mask)
                 total, tokens = total + s, tokens + n
         return (total / tokens if tokens else None), int(tokens)

@@ -116,7 +116,9 @@ class RLTrainer:
         t1 = time.perf_counter()
         batch = make_batch(table, self.tok.pad_id)
         mismatch, mismatch_tokens = (
-            self.history.mismatch_kl(batch, self.tcfg.micro_batch_size) if self.history else (None, 0)
+            self.history.mismatch_kl(batch, self.tcfg.micro_batch_size, self.tok.pad_id if self.tcfg.packing else None)
+            if self.history
+            else (None, 0)
         )
         stats = self.train_on(batch)
         t2 = time.perf_counter()

@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := sorted(set(names) - set(MODULES)):
         parser.error(f"unknown benchmark(s) {unknown}; choose from {list(MODULES)}")
     command = os.environ.get("ROLLFLOW_BENCH_COMMAND") or "python -m tests.bench " + shlex.join(argv or sys.argv[1:])
+    # SIGTERM unwinds like Ctrl-C: the scratch directory is removed and the components are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     t0 = time.perf_counter()
     sections = []
     with tempfile.TemporaryDirectory(prefix="rollflow-bench-") as tmp:

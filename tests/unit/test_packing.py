@@ -99,3 +99,16 @@ def test_packed_loss_and_gradients_equal_padded():
     assert loss_packed == pytest.approx(loss_padded, abs=1e-6)
     for a, b in zip(g_packed, g_padded, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_mismatch_kl_is_the_same_packed_or_padded():
+    from engines.trainer.mismatch import PolicyHistory
+
+    batch = make_batch(_table(seed=2), TOK.pad_id)
+    model = _model().eval()
+    history = PolicyHistory(model, keep=2)
+    history.add(0, model)
+    padded = history.mismatch_kl(batch, 4)
+    packed = history.mismatch_kl(batch, 4, pack_pad_id=TOK.pad_id)
+    assert padded[1] == packed[1] > 0
+    assert packed[0] == pytest.approx(padded[0], rel=1e-5)
