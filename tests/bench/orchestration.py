@@ -57,16 +57,17 @@ def _proc_table() -> dict[int, tuple[int, str, float]]:
 
 
 def cpu_by_role(root: int) -> dict[str, float]:
-    """CPU seconds of `root` and its descendants: the components vs everything else (Prefect, the flow)."""
+    """CPU seconds of `root` and its descendants: the components, the flow process (`root`: the CLI, the
+    flow, its supervisor threads and log forwarding) and the rest (Prefect's temporary API server)."""
     procs = _proc_table()
     tree, frontier = set(), {root}
     while frontier:
         tree |= frontier
         frontier = {pid for pid, (ppid, _, _) in procs.items() if ppid in frontier} - tree
-    out = {"components": 0.0, "prefect": 0.0}
+    out = {"components": 0.0, "flow": 0.0, "api": 0.0}
     for pid in tree & procs.keys():
         _, cmd, cpu = procs[pid]
-        out["components" if " -m engines." in cmd else "prefect"] += cpu
+        out["components" if " -m engines." in cmd else "flow" if pid == root else "api"] += cpu
     return out
 
 
@@ -175,18 +176,18 @@ def report(m: dict) -> str:
     overhead = Stats([(pp - dd) / dd for pp, dd in zip(p, d, strict=True)])
     fixed = Stats([r["wall"] - r["warmup"] - r["phase"] for r in m["prefect"]])
     cpus = [r["cpu"] for r in m["prefect"] if r["cpu"]]
-    share = Stats([c["prefect"] / (c["prefect"] + c["components"]) for c in cpus])
-    per_step = Stats([c["prefect"] / (m["steps"] - 1) for c in cpus])
+    share = Stats([(c["flow"] + c["api"]) / sum(c.values()) for c in cpus])
+    per_step = {k: Stats([c[k] / (m["steps"] - 1) for c in cpus]) for k in ("flow", "api")}
     rows = [
         ["direct supervision (baseline)", Stats(d).fmt(unit=" s"), "-"],
         ["Prefect flow (`rollflow rl`)", Stats(p).fmt(unit=" s"), ratio_stats(p, d).fmt() + "x"],
     ]
     prefect_text = [
         table(["supervision", "wall / step", "ratio"], rows),
-        f"CPU used by the flow process and Prefect's temporary API server during the steady steps: "
-        f"{per_step.fmt(unit=' s')} per step, **{share.fmt(2)}** of all CPU the run used (the components: the "
-        "rest). This is what Prefect supervision takes from the steps on a machine where cores are shared; "
-        "target <= 2%.",
+        f"CPU used during the steady steps by the flow process ({per_step['flow'].fmt(unit=' s')} per step) and "
+        f"Prefect's temporary API server ({per_step['api'].fmt(unit=' s')} per step): **{share.fmt(2)}** of all "
+        "CPU the run used (the components used the rest). This is what Prefect supervision takes from the "
+        "steps on a machine whose cores are shared; target <= 2%.",
         f"Wall-time view, (Prefect - direct) / direct per repeat: {overhead.fmt(2)} (the difference of two "
         "noisy runs; on this shared machine it swings by more than Prefect's CPU share explains). Fixed cost "
         "per run outside the RL phase (interpreter and Prefect start, the temporary API, flow set-up, "
