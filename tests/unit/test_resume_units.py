@@ -18,7 +18,7 @@ from rollflow.config import RunConfig, resume_changes
 from storage import checkpoints, rollouts, runstate, weights
 from storage.fs import get_fs
 from storage.metrics import MetricsLog, read_metrics
-from storage.resume import resume_point, rollback
+from storage.resume import repair, resume_point, rollback
 
 TINY = Path(__file__).resolve().parents[2] / "profiles" / "tiny-cpu.toml"
 
@@ -128,3 +128,27 @@ def test_rollback_keeps_committed_rollouts_and_drops_what_the_checkpoint_does_no
     assert [r["step"] for r in read_metrics(fs, root)] == [1, 2]
     assert len(removed) == 4  # weights 3 and 4, the partial rollout step, the metrics rows
     assert rollback(fs, root, 2) == []  # idempotent
+
+
+def test_repair_resamples_a_corrupt_rollout_step_and_rewrites_corrupt_weights_from_the_checkpoint(tmp_path):
+    from safetensors.torch import save
+
+    fs, root = get_fs(str(tmp_path))
+    good = {"w": torch.arange(3.0)}
+    weights.publish(fs, root, 2, good)
+    checkpoints.save(fs, root, 2, "trainer", {"model.safetensors": save(good), "trainer_state.pt": b"s"})
+    for step in (1, 2, 3, 4):
+        rollouts.write_step(fs, root, step, rollouts.to_table([]), {})
+    shard = tmp_path / "rollouts" / "step=000003" / "part-00000.arrow"
+    shard.write_bytes(shard.read_bytes()[:-7])
+    wfile = tmp_path / "weights" / "step=000002" / "model.safetensors"
+    wfile.write_bytes(b"x" * wfile.stat().st_size)  # same size, wrong bytes
+    said: list[str] = []
+    repair(fs, root, 2, said.append)
+    assert rollouts.committed_rollout_steps(fs, root) == [1, 2, 4]
+    assert any(str(shard) in s and "sampled again" in s for s in said)
+    assert any(str(wfile) in s and "rewriting it from checkpoint step=2" in s for s in said)
+    assert torch.equal(weights.load(fs, weights.version_dir(root, 2))["w"], good["w"])
+    said.clear()
+    repair(fs, root, 2, said.append)
+    assert said == []
