@@ -209,3 +209,29 @@ def test_a_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path, prefect
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     print(f"final weights: max |difference| = {worst:.2e}")
     assert worst <= 1e-5  # the documented tolerance (docs/resume.md)
+
+
+def test_killing_the_flow_process_leaves_nothing_running_even_its_local_prefect_api(tmp_path):
+    out, log = tmp_path / "run", tmp_path / "cli.log"
+    cli = start_cli(tmp_path, log, None, *RL_ARGS, "--output-dir", str(out), "--max-steps", "4")
+    deadline = time.monotonic() + 120
+    while _component_pid(cli.pid, "orchestrator") is None:
+        assert cli.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    tree = descendants(cli.pid)
+    assert any("uvicorn" in Path(f"/proc/{p}/cmdline").read_text(errors="replace") for p in tree)
+    os.kill(cli.pid, signal.SIGKILL)
+    cli.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p for p in tree if _alive(p)] == []
+    assert start_cli(tmp_path, log, None, "resume", str(out)).wait(300) == 0, log.read_text()[-3000:]
+    assert json.loads((out / "state.json").read_text())["status"] == "finished"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
