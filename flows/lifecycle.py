@@ -51,8 +51,8 @@ def start_new_run(cfg: RunConfig, overwrite: bool) -> RunHandle:
     claim_output_dir(cfg.output_dir, overwrite)
     fs, root = get_fs(cfg.output_dir)
     fs.makedirs(root, exist_ok=True)
-    run = RunHandle(new_run_id(cfg), _tracking_uri(cfg), runstate.RunState(run_id="", mlflow_run_id=None))
-    run.state.run_id = run.run_id
+    run_id = new_run_id(cfg)
+    run = RunHandle(run_id, _tracking_uri(cfg), runstate.RunState(run_id=run_id, mlflow_run_id=None))
     write_run_config(cfg, run.run_id)
     runstate.write_state(fs, root, run.state)
     _ensure_mlflow_run(cfg, run)
