@@ -104,6 +104,12 @@ def public_config(cfg: RunConfig) -> dict:
     return data
 
 
+def write_run_config(cfg: RunConfig, run_id: str) -> None:
+    """`config/run.json`: what `rollflow resume` restarts with, and what a resume is compared against."""
+    fs, root = get_fs(cfg.output_dir)
+    write_json(fs, join(root, "config", "run.json"), {"run_id": run_id, **public_config(cfg)})
+
+
 def write_configs(
     cfg: RunConfig,
     run_id: str,
@@ -118,7 +124,7 @@ def write_configs(
     trainer = slices["trainer"]
     # The trainer gets the full URI through its environment; files on disk keep a redacted copy.
     trainer.tracking = trainer.tracking.model_copy(update={"tracking_uri": redact_url(tracking_uri)})  # type: ignore[attr-defined]
-    write_json(fs, join(root, "config", "run.json"), {"run_id": run_id, **public_config(cfg)})
+    write_run_config(cfg, run_id)
     urls = {}
     for name, sub in slices.items():
         path = join(root, "config", f"{name}.json")

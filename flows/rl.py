@@ -29,6 +29,7 @@ from flows.lifecycle import RunHandle, close_run, reopen_run, start_new_run
 from flows.summary import summarize, to_markdown
 from rollflow.config import RunConfig
 from storage.fs import get_fs, join
+from storage.runstate import write_state
 from tasks.components import run_component
 from tasks.process import ComponentFailed
 from tasks.resume import Attempt, prepare_attempt
@@ -101,6 +102,8 @@ def _attempts(cfg: RunConfig, run: RunHandle, logger) -> None:
     logs = _logs_dir(cfg.output_dir, run.run_id)
     while True:
         attempt = prepare_attempt(cfg, run.run_id, run.tracking_uri, run.state.mlflow_run_id)
+        run.state.attempts += 1
+        write_state(*get_fs(cfg.output_dir), run.state)
         start = -1 if attempt.resume_step is None else attempt.resume_step
         failures = 0 if start > last_start else failures
         last_start = start

@@ -90,15 +90,27 @@ def _precheck(cfg: RunConfig, flags: set[str]) -> None:
         raise ConfigError(str(exc)) from None
 
 
+def _run_flow(cfg: RunConfig, flags: set[str]) -> dict:
+    from flows.rl import rl  # imports Prefect, which reads PREFECT_API_URL now
+
+    return rl(config=cfg.model_dump(mode="json"), overwrite="overwrite" in flags, resume="resume" in flags)
+
+
 def _launch(cfg: RunConfig, flags: set[str]) -> int:
-    from flows.rl import rl
     from rollflow.redact import redact_url
 
     uri = cfg.tracking.tracking_uri
     if uri and redact_url(uri) != uri:  # credentials travel by environment, not as (stored) flow parameters
         os.environ["MLFLOW_TRACKING_URI"] = uri
         cfg.tracking.tracking_uri = None
-    summary = rl(config=cfg.model_dump(mode="json"), overwrite="overwrite" in flags, resume="resume" in flags)
+    if os.environ.get("PREFECT_API_URL"):
+        summary = _run_flow(cfg, flags)
+    else:
+        from flows.local_api import local_prefect_api
+
+        with local_prefect_api() as url:
+            os.environ["PREFECT_API_URL"] = url
+            summary = _run_flow(cfg, flags)
     print(json.dumps(summary, indent=2))
     return 0
 

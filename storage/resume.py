@@ -8,6 +8,9 @@ a corrupt one is reported by path and the previous one is tried. Rolling back to
 - directories without a manifest (a write cut short by the failure) are removed everywhere;
 - committed rollout steps are all kept: they are valid samples within the staleness bound, and
   throwing them away is what loses buffered rollouts in other frameworks.
+`repair` then checks what the restarted components will read first: the rollout steps after C (a
+corrupt one is reported by path and removed, so the orchestrator samples that step again) and the
+publication the engine will load (a corrupt one is rewritten from the checkpoint's copy of the weights).
 """
 
 from __future__ import annotations
@@ -16,10 +19,9 @@ from collections.abc import Callable
 
 import fsspec
 
-from storage import checkpoints, weights
-from storage.fs import MANIFEST, CorruptError, join
+from storage import checkpoints, rollouts, weights
+from storage.fs import MANIFEST, CorruptError, commit_dir, join, read_manifest, read_verified
 from storage.metrics import MetricsLog
-from storage.rollouts import rollouts_root
 
 
 def resume_point(fs: fsspec.AbstractFileSystem, root: str, log: Callable[[str], None]) -> int | None:
@@ -67,7 +69,7 @@ def rollback(fs: fsspec.AbstractFileSystem, root: str, step: int | None) -> list
         if version > keep_up_to or not _has_manifest(fs, directory):
             remove_dir(fs, directory)
             removed.append(directory)
-    for _, directory in _step_dirs(fs, rollouts_root(root)).items():
+    for _, directory in _step_dirs(fs, rollouts.rollouts_root(root)).items():
         if not _has_manifest(fs, directory):
             remove_dir(fs, directory)
             removed.append(directory)
@@ -80,3 +82,29 @@ def rollback(fs: fsspec.AbstractFileSystem, root: str, step: int | None) -> list
         metrics.truncate_after(keep_up_to)
         removed.append(f"{metrics.path} rows after step {keep_up_to}")
     return removed
+
+
+def repair(fs: fsspec.AbstractFileSystem, root: str, step: int | None, log: Callable[[str], None]) -> None:
+    """Verify what a restart from checkpoint `step` reads first; fix what can be fixed, say what was found."""
+    start = step or 0
+    for later in rollouts.committed_rollout_steps(fs, root):
+        if later <= start:
+            continue
+        try:
+            rollouts.read_step(fs, root, later)
+        except CorruptError as exc:
+            log(f"rollout step {later} is corrupt: {exc}; removing it so it is sampled again")
+            remove_dir(fs, rollouts.step_path(root, later))
+    directory = weights.version_dir(root, start)
+    if not fs.exists(join(directory, MANIFEST)):
+        return
+    try:
+        read_verified(fs, directory, weights.WEIGHTS_FILE, read_manifest(fs, directory))
+    except CorruptError as exc:
+        if step is None:
+            log(f"policy version 0 is corrupt: {exc}; removing it so the warm-up runs again")
+            remove_dir(fs, directory)
+            return
+        log(f"policy version {step} is corrupt: {exc}; rewriting it from checkpoint step={step}")
+        data = checkpoints.load(fs, root, step, "trainer")["model.safetensors"]
+        commit_dir(fs, directory, {weights.WEIGHTS_FILE: data}, {"version": step})

@@ -12,7 +12,7 @@ from flows.prepare import free_port, write_configs
 from rollflow.config import RunConfig
 from storage import weights
 from storage.fs import get_fs, is_committed
-from storage.resume import resume_point, rollback
+from storage.resume import repair, resume_point, rollback
 
 
 @dataclass
@@ -29,6 +29,7 @@ def prepare_attempt(cfg: RunConfig, run_id: str, tracking_uri: str | None, mlflo
     step = resume_point(fs, root, logger.warning)
     for what in rollback(fs, root, step):
         logger.info(f"rolled back: removed {what}")
+    repair(fs, root, step, logger.warning)
     attempt_cfg = cfg.model_copy(deep=True)
     attempt_cfg.inference.port = cfg.inference.port or free_port(cfg.inference.host)
     url = f"http://{cfg.inference.host}:{attempt_cfg.inference.port}"

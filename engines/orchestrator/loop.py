@@ -1,6 +1,6 @@
 """Entry module of the orchestrator process: `python -m engines.orchestrator --config orchestrator.json`.
 
-Per step N: wait until the engine serves a policy no older than N-1-async_level, draw `batch_size`
+Per step N not yet committed: wait until the engine serves a policy no older than N-1-async_level, draw `batch_size`
 prompts (a pure function of seed and step), request `group_size` samples each over HTTP, score them,
 compute group advantages, drop samples older than `max_off_policy_steps`, and commit
 `rollouts/step=N/`. A background task follows `weights/` and pushes each new publication to the engine
@@ -166,9 +166,10 @@ class Orchestrator:
             f"gen {gen_s:.2f}s, waited {waited:.2f}s"
         )
 
-    def first_step(self) -> int:
-        done = rollouts.committed_rollout_steps(self.fs, self.root)
-        return (done[-1] + 1) if done else 1
+    def pending_steps(self) -> list[int]:
+        """Steps not yet committed, in order; after a resume this includes any step removed as corrupt."""
+        done = set(rollouts.committed_rollout_steps(self.fs, self.root))
+        return [s for s in range(1, self.cfg.max_steps + 1) if s not in done]
 
 
 async def run(cfg: OrchestratorProcessConfig) -> None:
@@ -180,7 +181,7 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
         sync.start()
         orch = Orchestrator(cfg, client, sync)
         try:
-            for step in range(orch.first_step(), cfg.max_steps + 1):
+            for step in orch.pending_steps():
                 if sync.follower.done():
                     sync.follower.result()  # surfaces the follower's error
                 await orch.run_step(step)
