@@ -130,12 +130,13 @@ EXPECTED_K = {"group_size": 1.0, "length": 1.0, "width": 2.0}
 
 
 def shape(key: str, k: float) -> str:
+    """k against the compute-bound exponent: below it, per-step and per-operation overheads dominate."""
     r = k / EXPECTED_K[key]
     if r < 0.75:
-        return "sublinear in work: fixed per-step costs dominate"
+        return "sublinear"
     if r > 1.25:
-        return "superlinear in work"
-    return "linear in work"
+        return "superlinear"
+    return "linear"
 
 
 def report(points: list[dict]) -> str:
@@ -148,7 +149,9 @@ def report(points: list[dict]) -> str:
             p["train"].fmt() + "x",
             p["step"].fmt() + "x",
             f"{exponent(p['gen'].median, p['work']):.2f} / {exponent(p['train'].median, p['work']):.2f}",
-            shape(p["key"], exponent(p["step"].median, p["work"])),
+            # generation grows with the new tokens, training with the sequence tokens (prompts stay)
+            f"{shape(p['key'], exponent(p['gen'].median, p['work']))} / "
+            f"{shape(p['key'], exponent(p['train'].median, p['seq'] if p['key'] == 'length' else p['work']))}",
         ]
         for p in points
     ]
