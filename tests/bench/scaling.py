@@ -163,7 +163,7 @@ def report(points: list[dict]) -> str:
         "train time",
         "step time",
         "exponent k (gen / train)",
-        "step time is",
+        "gen / train are",
     ]
     return table(headers, rows)
 
@@ -175,6 +175,7 @@ def run(ws: Workspace) -> str:
         f"{intro}\nBaseline: {PROMPTS} prompts, {base} (hidden size; MLP 8/3 x width, 3 layers). Each figure "
         "is the point's time over the baseline's, per repeat; exponent k = log(time ratio) / log(factor) "
         "(k = 1: linear; for width the factor is the width, so parameters grow ~ factor^2 and compute-bound "
-        "code would show k ~ 2). 'step time is' compares the step's k with that compute-bound k.\n\n"
-        + report(measure(repeats(3)))
+        "code would show k ~ 2). 'gen / train are' compares each k with that compute-bound k (for length, "
+        "training's k is over the sequence tokens, since prompts stay the same); sublinear means per-step "
+        "or per-operation overheads dominate.\n\n" + report(measure(repeats(3)))
     )
