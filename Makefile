@@ -33,7 +33,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# Runs every benchmark against its baseline (tests/bench/) and rewrites docs/benchmarks.md (~10 min on 2 cores).
+# Runs every benchmark against its baseline (tests/bench/) and rewrites docs/benchmarks.md (~6-7 min on 2 cores).
 bench: install
 	ROLLFLOW_BENCH_COMMAND="make bench" $(BIN)/python -m tests.bench
 

@@ -139,22 +139,24 @@ def shape(key: str, k: float) -> str:
     return "linear"
 
 
-def report(points: list[dict]) -> str:
-    rows = [
-        [
-            f"{p['key']} = {p['value']}",
-            f"x{num(p['work'], 2)}",
-            f"x{num(p['seq'], 2)}",
-            p["gen"].fmt() + "x",
-            p["train"].fmt() + "x",
-            p["step"].fmt() + "x",
-            f"{exponent(p['gen'].median, p['work']):.2f} / {exponent(p['train'].median, p['work']):.2f}",
-            # generation grows with the new tokens, training with the sequence tokens (prompts stay)
-            f"{shape(p['key'], exponent(p['gen'].median, p['work']))} / "
-            f"{shape(p['key'], exponent(p['train'].median, p['seq'] if p['key'] == 'length' else p['work']))}",
-        ]
-        for p in points
+def _row(p: dict) -> list[str]:
+    k_gen = exponent(p["gen"].median, p["work"])
+    # generation grows with the new tokens, training with the sequence tokens (the prompts stay)
+    k_train = exponent(p["train"].median, p["seq"] if p["key"] == "length" else p["work"])
+    return [
+        f"{p['key']} = {p['value']}",
+        f"x{num(p['work'], 2)}",
+        f"x{num(p['seq'], 2)}",
+        p["gen"].fmt() + "x",
+        p["train"].fmt() + "x",
+        p["step"].fmt() + "x",
+        f"{k_gen:.2f} / {k_train:.2f}",
+        f"{shape(p['key'], k_gen)} / {shape(p['key'], k_train)}",
     ]
+
+
+def report(points: list[dict]) -> str:
+    rows = [_row(p) for p in points]
     headers = [
         "point",
         "factor",
