@@ -24,6 +24,7 @@ from prefect.artifacts import create_markdown_artifact
 from flows.prepare import claim_output_dir, free_port, new_run_id, public_config, write_configs
 from flows.summary import summarize, to_markdown
 from rollflow.config import RunConfig
+from storage.fs import configure as configure_storage
 from storage.fs import get_fs, join
 from tasks.components import run_component
 from tasks.tracking import end_mlflow_run, resolve_tracking_uri, start_mlflow_run
@@ -107,6 +108,7 @@ def rl(config: dict, overwrite: bool = False) -> dict:
     logger = get_run_logger()
     t0 = time.time()
     cfg = RunConfig.model_validate(config)
+    configure_storage(cfg.storage.model_dump(mode="json"))  # exported to the components' environment
     run_id, tracking_uri, mlflow_run_id, urls = _prepare(cfg, overwrite)
     logger.info(f"run {run_id} -> {cfg.output_dir}")
     status = "FAILED"

@@ -59,6 +59,9 @@ def split_args(tokens: list[str]) -> tuple[list[str], list[tuple[str, str]], set
 def cmd_rl(tokens: list[str]) -> int:
     profiles, overrides, flags = split_args(tokens)
     cfg = load_run_config(profiles, overrides)
+    from storage.fs import configure
+
+    configure(cfg.storage.model_dump(mode="json"))  # endpoint, timeouts, retries for the run-dir check
     from flows.prepare import RunDirError, claim_output_dir, new_run_id, run_exists, write_configs
 
     try:

@@ -84,9 +84,11 @@ _settings: StorageSettings | None = None
 
 
 def configure(data: dict[str, Any] | None) -> StorageSettings:
-    """Set this process's storage settings (the flow and the CLI call this; components read the env)."""
+    """Set this process's storage settings and export them as `ROLLFLOW_STORAGE`, so that the component
+    processes it starts (which inherit the environment) use the same ones. The CLI and the flow call this."""
     global _settings
     _settings = StorageSettings.from_dict(data or {})
+    os.environ[ENV_VAR] = json.dumps(data or {}, sort_keys=True)
     _fs_cache.clear()
     return _settings
 
@@ -102,7 +104,8 @@ def settings() -> StorageSettings:
 
 def storage_options(protocol: str, s: StorageSettings | None = None) -> dict[str, Any]:
     """fsspec keyword arguments for `protocol`. For s3, botocore's and s3fs's own retries are switched
-    off so that one layer (ours) owns backoff and the budget; timeouts bound a stalled request."""
+    off (s3fs's in `get_fs`) so that one layer, ours, owns backoff and the budget; timeouts bound a
+    stalled request."""
     s = s or settings()
     if protocol not in ("s3", "s3a"):
         return dict(s.options)
@@ -116,7 +119,7 @@ def storage_options(protocol: str, s: StorageSettings | None = None) -> dict[str
         "read_timeout": s.timeout_s,
         "retries": {"total_max_attempts": 1},
     }
-    return {"client_kwargs": client_kwargs, "config_kwargs": config_kwargs, "retries": 1, **s.options}
+    return {"client_kwargs": client_kwargs, "config_kwargs": config_kwargs, **s.options}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -148,7 +151,9 @@ def _transient_types() -> tuple[type[BaseException], ...]:
     try:
         import botocore.exceptions as bex
 
-        types += [bex.HTTPClientError, bex.ConnectionError, bex.IncompleteReadError, bex.ResponseParserError]
+        from botocore.parsers import ResponseParserError
+
+        types += [bex.HTTPClientError, bex.ConnectionError, bex.IncompleteReadError, ResponseParserError]
     except ImportError:
         pass
     try:
@@ -275,6 +280,8 @@ def get_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     if not isinstance(fs, LocalFileSystem):
         key = f"{protocol}:{id(fs)}"
         if key not in _fs_cache:  # one wrapper per fsspec instance (fsspec caches instances too)
+            if hasattr(fs, "retries"):
+                fs.retries = 1  # s3fs retries some errors itself (a class attribute, not an option)
             _fs_cache[key] = cast(fsspec.AbstractFileSystem, RetryingFileSystem(fs))
         fs = _fs_cache[key]
     return fs, root.rstrip("/")
