@@ -152,6 +152,12 @@ class StorageConfig(_Strict):
                 "be stored in config/run.json and MLflow); set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / "
                 "AWS_SESSION_TOKEN or AWS_PROFILE in the environment instead"
             )
+        for kind in ("weights", "checkpoints"):
+            if getattr(self, f"keep_every_{kind}") is not None and getattr(self, f"keep_last_{kind}") is None:
+                raise ValueError(
+                    f"storage.keep_every_{kind} only applies together with storage.keep_last_{kind} "
+                    f"(without it every {kind} entry is kept anyway); set storage.keep_last_{kind}"
+                )
         if self.endpoint_url and "@" in self.endpoint_url.split("://", 1)[-1].split("/", 1)[0]:
             raise ValueError(
                 "storage.endpoint_url must not carry user:password@; set AWS_ACCESS_KEY_ID / "

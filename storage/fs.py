@@ -150,7 +150,6 @@ def _transient_types() -> tuple[type[BaseException], ...]:
         pass
     try:
         import botocore.exceptions as bex
-
         from botocore.parsers import ResponseParserError
 
         types += [bex.HTTPClientError, bex.ConnectionError, bex.IncompleteReadError, ResponseParserError]
