@@ -3,6 +3,7 @@ so `--help`, validation and `--dry-run` are instant.
 
     rollflow rl @ profiles/tiny-cpu.toml [@ more.toml] [--trainer.optim.lr 3e-4] [--output-dir DIR]
                 [--dry-run] [--overwrite]
+    rollflow lake OUTPUT_DIR [--json] [--export FILE ...] [--plot DIR]   (rollflow/lake.py)
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rollflow", description="Asynchronous RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("rl", help="run RL from profiles and overrides", usage=USAGE, add_help=False)
+    sub.add_parser("lake", help="inspect a run's rollouts, weights and checkpoints (rollflow lake -h)", add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
@@ -100,8 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     if command == "rl" and rest and rest[0] in ("-h", "--help"):
         print("usage: " + USAGE)
         return 0
+    if command == "lake":
+        from rollflow.lake import main as lake_main
+
+        return lake_main(rest)
     if command != "rl":
-        parser.error(f"unknown command {command!r} (choose from: rl)")
+        parser.error(f"unknown command {command!r} (choose from: rl, lake)")
     # SIGTERM unwinds like Ctrl-C, so the flow's cleanup stops every component it started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:

@@ -73,7 +73,7 @@ def publish(fs: fsspec.AbstractFileSystem, output_root: str, version: int, state
         _published[output_root] = (version, {k: v.clone() for k, v in tensors.items()})  # params change in place
     from storage import retention
 
-    retention.remember_base(directory, meta.get("base_version"))
+    retention.remember_base(directory, base[0] if meta["encoding"] == "delta" and base else None)
     retention.enforce(fs, output_root)
     return directory
 
