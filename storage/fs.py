@@ -110,8 +110,11 @@ def storage_options(protocol: str, s: StorageSettings | None = None) -> dict[str
     if protocol not in ("s3", "s3a"):
         return dict(s.options)
     client_kwargs: dict[str, Any] = {}
-    if s.endpoint_url:
-        client_kwargs["endpoint_url"] = s.endpoint_url
+    # botocore would read AWS_ENDPOINT_URL itself; passing it makes it part of fsspec's instance cache key,
+    # so a changed endpoint never reuses a client bound to the old one.
+    endpoint = s.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        client_kwargs["endpoint_url"] = endpoint
     if s.region:
         client_kwargs["region_name"] = s.region
     config_kwargs = {

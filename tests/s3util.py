@@ -67,7 +67,7 @@ class FaultProxy:
         self.requests = 0
         self.injected: dict[str, int] = {}
         self._next: list[str] = []
-        self._every: tuple[int, str] | None = None
+        self._every: tuple[int, list[str]] | None = None
         self._outage: str | None = None
         proxy = self
 
@@ -152,7 +152,8 @@ class FaultProxy:
             elif self._next:
                 fault = self._next.pop(0)
             elif self._every and self.requests % self._every[0] == 0:
-                fault = self._every[1]
+                kinds = self._every[1]
+                fault = kinds[(self.requests // self._every[0]) % len(kinds)]
             if fault:
                 self.injected[fault] = self.injected.get(fault, 0) + 1
             return fault
@@ -161,9 +162,10 @@ class FaultProxy:
         with self.lock:
             self._next = [kind] * n
 
-    def fail_every(self, k: int, kind: str = "503") -> None:
+    def fail_every(self, k: int, *kinds: str) -> None:
+        """Fault every k-th request, cycling through `kinds` (default "503")."""
         with self.lock:
-            self._every = (k, kind)
+            self._every = (k, list(kinds or ["503"]))
 
     def outage(self, kind: str = "503") -> None:
         with self.lock:
