@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from storage import rollouts
 from storage import fs as sfs
+from storage import rollouts
 from storage.fs import CorruptError, StorageUnavailable, commit_dir, get_fs, read_manifest, read_verified
 from tests.s3util import BUCKET, CREDENTIALS, FaultProxy, moto_s3
 from tests.unit.test_rollouts import _rows
