@@ -91,13 +91,18 @@ def read_version(fs: fsspec.AbstractFileSystem, directory: str) -> int:
 def load(fs: fsspec.AbstractFileSystem, directory: str) -> dict:
     """Load a committed publication (checksum-verified; a delta is rebuilt from its base chain and checked
     against `model_sha256`) as a CPU state dict. Callers must not modify the tensors in place."""
+    return _load(fs, directory.rstrip("/"), from_cache=False)
+
+
+def _load(fs: fsspec.AbstractFileSystem, directory: str, from_cache: bool) -> dict:
+    # The publication asked for is always read and verified; only delta bases, verified when they were
+    # loaded, may come from the cache (an engine following versions in order rebuilds from the last one).
     from safetensors.torch import load as st_load
     from safetensors.torch import save
 
-    directory = directory.rstrip("/")
     manifest = read_manifest(fs, directory)
     key = f"{directory}#{manifest.get('model_sha256') or manifest.get(MANIFEST_CHECKSUM)}"  # a rewrite misses
-    if key in _loaded:
+    if from_cache and key in _loaded:
         return dict(_loaded[key])
     if manifest.get("encoding") != "delta":
         state = st_load(read_verified(fs, directory, WEIGHTS_FILE, manifest))
@@ -107,7 +112,7 @@ def load(fs: fsspec.AbstractFileSystem, directory: str) -> dict:
         payload = read_verified(fs, directory, DELTA_FILE, manifest)
         base_dir = _sibling(directory, int(manifest["base_version"]))
         try:
-            state = delta.decode(load(fs, base_dir), payload)
+            state = delta.decode(_load(fs, base_dir, from_cache=True), payload)
         except (ValueError, FileNotFoundError) as exc:
             raise CorruptError(f"{directory}: cannot rebuild from its base {base_dir}: {exc}") from exc
         if sha256(save(state)) != manifest["model_sha256"]:
