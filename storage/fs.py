@@ -331,11 +331,18 @@ def _manifest_digest(manifest: dict) -> str:
     return sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
-def commit_dir(fs: fsspec.AbstractFileSystem, directory: str, files: dict[str, bytes], meta: dict) -> dict:
+def commit_dir(
+    fs: fsspec.AbstractFileSystem,
+    directory: str,
+    files: dict[str, bytes],
+    meta: dict,
+    digests: dict[str, str] | None = None,
+) -> dict:
     """Write `files` into `directory`, then the manifest that commits them. Returns the manifest.
 
     Rewriting a committed directory first removes its manifest, so no reader ever pairs the old
     manifest with new files. The manifest carries a checksum of its own content (`manifest_sha256`).
+    `digests` are sha256s the caller already computed (hashing is the dearest part of a local commit).
     """
     manifest_path = join(directory, MANIFEST)
     if fs.exists(manifest_path):
@@ -343,7 +350,7 @@ def commit_dir(fs: fsspec.AbstractFileSystem, directory: str, files: dict[str, b
     entries = {}
     for name, data in files.items():
         write_bytes_atomic(fs, join(directory, name), data)
-        entries[name] = {"bytes": len(data), "sha256": sha256(data)}
+        entries[name] = {"bytes": len(data), "sha256": (digests or {}).get(name) or sha256(data)}
     manifest = {**meta, "files": entries}
     manifest[MANIFEST_CHECKSUM] = _manifest_digest(manifest)
     write_bytes_atomic(fs, manifest_path, json.dumps(manifest, indent=1).encode())

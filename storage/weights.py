@@ -68,7 +68,7 @@ def publish(fs: fsspec.AbstractFileSystem, output_root: str, version: int, state
         commit_dir(fs, directory, {DELTA_FILE: payload}, meta)
     else:
         meta.update(encoding="full", payload_bytes=len(full))
-        commit_dir(fs, directory, {WEIGHTS_FILE: full}, meta)
+        commit_dir(fs, directory, {WEIGHTS_FILE: full}, meta, digests={WEIGHTS_FILE: str(meta["model_sha256"])})
     if s.weights_delta:
         _published[output_root] = (version, {k: v.clone() for k, v in tensors.items()})  # params change in place
     from storage import retention
