@@ -70,6 +70,7 @@ class StorageSettings:
     keep_every_checkpoints: int | None = None
     weights_delta: bool = False
     weights_full_every: int = 10
+    fsync: bool = True
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StorageSettings:
@@ -319,7 +320,8 @@ def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if settings().fsync:  # durable across power loss; a process crash is covered by the rename
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -13,7 +13,9 @@ Prints markdown tables (min / median / max over repeats):
 3. Delta publication payload ratio for the tiny profile's model: successive AdamW steps (the profile's
    lr) on the environments' data, published with `storage.weights_delta`; payload bytes / full bytes.
 
-"s3" is a moto S3 server on 127.0.0.1 (tests/s3util.py): it measures the protocol's request overhead
+Backends: "local" (a temporary folder; `BENCH_TMP` picks where), "local-nofsync" (the same with
+`storage.fsync = false`, which is what raw pyarrow does), and "s3", a moto S3 server on 127.0.0.1
+(tests/s3util.py): it measures the protocol's request overhead
 against an in-process Python server, not a real object store's bandwidth.
 """
 
@@ -75,18 +77,37 @@ def fmt3(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
     return f"{mid:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
 
 
-def timed(fn: Callable[[], object]) -> float:
+def timed(fn: Callable[..., object], *args: object) -> float:
     t0 = time.perf_counter()
-    fn()
+    fn(*args)
     return time.perf_counter() - t0
+
+
+def raw_write(pa_fs: pafs.FileSystem, path: str, table: pa.Table) -> None:
+    with pa_fs.open_output_stream(path) as sink, pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+
+
+def raw_read(pa_fs: pafs.FileSystem, path: str) -> pa.Table:
+    with pa_fs.open_input_file(path) as src:
+        return pa.ipc.open_file(src).read_all()
+
+
+def check_and_read(fs, root: str, step: int) -> None:
+    sfs.is_committed(fs, rollouts.step_path(root, step))
+    rollouts.read_step(fs, root, step)
+
+
+def list_and_load(fs, root: str) -> None:
+    weights.load(fs, weights.version_dir(root, weights.latest_version(fs, root) or 0))
 
 
 @contextlib.contextmanager
 def backend(name: str) -> Iterator[tuple[str, pafs.FileSystem, str]]:
     """(rollflow URL root, pyarrow filesystem, pyarrow path root) for one storage backend."""
-    if name == "local":
+    if name.startswith("local"):
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
-            sfs.configure({})
+            sfs.configure({"fsync": name != "local-nofsync"})
             yield tmp, pafs.LocalFileSystem(), tmp
         return
     from tests.s3util import BUCKET, CREDENTIALS, moto_s3
@@ -108,30 +129,20 @@ def throughput(name: str, tables: dict[str, pa.Table], repeats: int) -> list[str
             for i in range(repeats):
                 step = i + 1
                 raw_path = f"{pa_root}/raw-{label}/part-{i:05d}.arrow"
-                if name == "local":
+                if name.startswith("local"):
                     pa_fs.create_dir(f"{pa_root}/raw-{label}", recursive=True)
-
-                def raw_write(path=raw_path):
-                    with pa_fs.open_output_stream(path) as sink, pa.ipc.new_file(sink, table.schema) as w:
-                        w.write_table(table)
-
-                def raw_read(path=raw_path):
-                    with pa_fs.open_input_file(path) as src:
-                        return pa.ipc.open_file(src).read_all()
-
+                ours = root + f"/{label}"
                 # alternate the order so neither side always runs on a warmer cache
                 if i % 2:
-                    w_raw.append(timed(raw_write))
-                    w_rf.append(timed(lambda s=step: rollouts.write_step(fs, root + f"/{label}", s, table, {})))
+                    w_raw.append(timed(raw_write, pa_fs, raw_path, table))
+                    w_rf.append(timed(rollouts.write_step, fs, ours, step, table, {}))
+                    r_raw.append(timed(raw_read, pa_fs, raw_path))
+                    r_rf.append(timed(rollouts.read_step, fs, ours, step))
                 else:
-                    w_rf.append(timed(lambda s=step: rollouts.write_step(fs, root + f"/{label}", s, table, {})))
-                    w_raw.append(timed(raw_write))
-                if i % 2:
-                    r_raw.append(timed(raw_read))
-                    r_rf.append(timed(lambda s=step: rollouts.read_step(fs, root + f"/{label}", s)))
-                else:
-                    r_rf.append(timed(lambda s=step: rollouts.read_step(fs, root + f"/{label}", s)))
-                    r_raw.append(timed(raw_read))
+                    w_rf.append(timed(rollouts.write_step, fs, ours, step, table, {}))
+                    w_raw.append(timed(raw_write, pa_fs, raw_path, table))
+                    r_rf.append(timed(rollouts.read_step, fs, ours, step))
+                    r_raw.append(timed(raw_read, pa_fs, raw_path))
                 mb = pa_fs.get_file_info(raw_path).size / 1e6
             assert mb is not None
             w_ratio = [raw / rf for raw, rf in zip(w_raw, w_rf, strict=True)]
@@ -176,15 +187,10 @@ def step_overhead(name: str, repeats: int, step_s: float) -> list[str]:
                     for p in model.parameters():
                         p.add_(torch.randn_like(p) * 1e-3)
                 t = [
-                    timed(lambda st=step: rollouts.write_step(fs, root, st, table, {"gen_s": 0.1})),
-                    timed(
-                        lambda st=step: (
-                            sfs.is_committed(fs, rollouts.step_path(root, st)),
-                            rollouts.read_step(fs, root, st),
-                        )
-                    ),
-                    timed(lambda st=step: weights.publish(fs, root, st, model.publishable_state_dict())),
-                    timed(lambda: weights.load(fs, weights.version_dir(root, weights.latest_version(fs, root) or 0))),
+                    timed(rollouts.write_step, fs, root, step, table, {"gen_s": 0.1}),
+                    timed(check_and_read, fs, root, step),
+                    timed(weights.publish, fs, root, step, model.publishable_state_dict()),
+                    timed(list_and_load, fs, root),
                 ]
                 for key, v in zip(parts, t, strict=True):
                     parts[key].append(v)
@@ -246,7 +252,7 @@ def delta_ratio(steps: int) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m tests.bench.storage", description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--backends", default="local,s3")
+    p.add_argument("--backends", default="local,local-nofsync,s3", help="local (fsync on), local-nofsync, s3 (moto)")
     p.add_argument("--step-s", type=float, default=0.93, help="step time the overhead is a fraction of")
     p.add_argument("--metrics", help="a run's metrics.jsonl: use its median step_s instead of --step-s")
     p.add_argument("--large-rows", type=int, default=65536)
