@@ -109,7 +109,7 @@ def storage_options(protocol: str, s: StorageSettings | None = None) -> dict[str
     stalled request."""
     s = s or settings()
     if protocol not in ("s3", "s3a"):
-        return dict(s.options)
+        return {}  # the settings describe the object store; local paths (configs, exports) need none
     client_kwargs: dict[str, Any] = {}
     # botocore would read AWS_ENDPOINT_URL itself; passing it makes it part of fsspec's instance cache key,
     # so a changed endpoint never reuses a client bound to the old one.

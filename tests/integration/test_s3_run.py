@@ -40,6 +40,14 @@ def s3(tmp_path_factory):
         yield endpoint, env
 
 
+@pytest.fixture(autouse=True)
+def _restore_storage_settings():
+    """This test process reads the bucket with `configure()`d settings; later tests must not inherit them."""
+    yield
+    sfs.configure({})
+    os.environ.pop(sfs.ENV_VAR, None)
+
+
 def _rollflow(cwd: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "rollflow.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
