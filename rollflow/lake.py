@@ -6,6 +6,7 @@
     rollflow lake OUTPUT_DIR --export out.jsonl [--steps 3:5] [--env reverse-text] [--min-reward 0.5]
                              [--max-reward 1] [--limit 100]      selected samples, one JSON object a line
     rollflow lake OUTPUT_DIR --plot DIR            reward_by_step.png and staleness.png
+    rollflow lake OUTPUT_DIR --verify              also check every weight publication and checkpoint
 
 Only committed steps are read (through their manifests) and every shard is checked against its
 checksum. A corrupted shard or manifest is reported with its path and the command exits 1; it is never
@@ -82,6 +83,39 @@ def _weights_summary(fs, root: str, errors: list[dict]) -> dict[str, Any]:
         "full_bytes": full,
         "payload_ratio": payload / full if full else None,
     }
+
+
+def verify_stored(output_dir: str) -> tuple[int, list[dict]]:
+    """Check every committed weight publication (rebuilding deltas against `model_sha256`) and every
+    checkpoint file against its manifest -> (files checked, errors by path)."""
+    from storage import checkpoints, weights
+    from storage.fs import CorruptError, committed_steps, get_fs, join, read_manifest, read_verified
+
+    fs, root = get_fs(output_dir)
+    errors: list[dict] = []
+    checked = 0
+    for v in committed_steps(fs, weights.weights_root(root)):
+        directory = weights.version_dir(root, v)
+        try:
+            weights.load(fs, directory)
+            checked += 1
+        except (CorruptError, ValueError) as exc:
+            errors.append({"path": directory, "error": str(exc)})
+    ck_root = checkpoints.checkpoints_root(root)
+    for step in committed_steps(fs, ck_root, "trainer"):
+        step_path = f"{ck_root}/step={step:06d}"
+        for component in fs.ls(step_path, detail=False):
+            directory = join(step_path, component.rstrip("/").rsplit("/", 1)[-1])
+            try:
+                manifest = read_manifest(fs, directory)
+                for name in manifest["files"]:
+                    read_verified(fs, directory, name, manifest)
+                    checked += 1
+            except FileNotFoundError:
+                continue  # a component folder without a manifest: not committed, not trusted
+            except CorruptError as exc:
+                errors.append({"path": directory, "error": str(exc)})
+    return checked, errors
 
 
 def inspect(output_dir: str) -> dict[str, Any]:
@@ -182,6 +216,8 @@ def render(report: dict[str, Any]) -> str:
     enc = ", ".join(f"{k} {n}" for k, n in sorted(w["encodings"].items()))
     lines += ["", f"weight publications: {len(w['versions'])} ({enc or 'none'}){ratio}"]
     lines.append(f"checkpoints: {report['checkpoints'] or 'none'}")
+    if "verified_files" in report:
+        lines.append(f"verified weight and checkpoint files: {report['verified_files']}")
     if report["errors"]:
         lines += ["", f"ERRORS ({len(report['errors'])}): corrupted or unreadable committed data"]
         lines += [f"  {e['path']}: {e['error']}" for e in report["errors"]]
@@ -300,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-reward", type=float, help="with --export: reward <= X")
     p.add_argument("--limit", type=int, help="with --export: at most N samples")
     p.add_argument("--plot", metavar="DIR", help="write reward_by_step.png and staleness.png into DIR")
+    p.add_argument("--verify", action="store_true", help="also check every weight publication and checkpoint file")
     return p
 
 
@@ -323,6 +360,10 @@ def main(argv: list[str]) -> int:
             return EXIT_USAGE
         print(f"exported {n} samples to {args.export}", file=sys.stderr)
     report = inspect(args.output_dir)
+    if args.verify:
+        checked, errors = verify_stored(args.output_dir)
+        report["verified_files"] = checked
+        report["errors"] += errors
     print(json.dumps(report, indent=1) if args.json else render(report))
     if args.plot:
         for path in plot(report, args.plot):

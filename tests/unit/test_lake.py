@@ -128,3 +128,21 @@ def test_routed_experts_of_the_wrong_shape_are_refused():
     rows[1]["routed_experts"][0][0] = [1, 2, 3]  # top_k 3 in one token
     with pytest.raises(ValueError, match="top_k"):
         rollouts.to_table(rows)
+
+
+def test_verify_checks_weights_and_checkpoints_and_names_the_bad_one(tmp_path, capsys):
+    import torch
+
+    from storage import checkpoints, weights
+
+    out = _lake(tmp_path)
+    fs, root = get_fs(out)
+    for v in range(3):
+        weights.publish(fs, root, v, {"w": torch.full((8,), float(v))})
+    checkpoints.save(fs, root, 2, "trainer", {"model.safetensors": b"m" * 64, "optimizer.pt": b"o" * 64})
+    assert cli_main(["lake", out, "--verify"]) == 0
+    assert "verified weight and checkpoint files: 5" in capsys.readouterr().out
+    bad = tmp_path / "run" / "checkpoints" / "step=000002" / "trainer" / "optimizer.pt"
+    bad.write_bytes(b"o" * 63)
+    assert cli_main(["lake", out, "--verify"]) == lake.EXIT_CORRUPT
+    assert str(bad) in capsys.readouterr().out
