@@ -16,6 +16,7 @@ through the usual AWS environment variables or profiles that botocore reads itse
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -347,8 +348,7 @@ def commit_dir(
     `digests` are sha256s the caller already computed (hashing is the dearest part of a local commit).
     """
     manifest_path = join(directory, MANIFEST)
-    if fs.exists(manifest_path):
-        fs.rm(manifest_path)
+    _remove_if_present(fs, manifest_path)
     entries = {}
     for name, data in files.items():
         write_bytes_atomic(fs, join(directory, name), data)
@@ -359,9 +359,23 @@ def commit_dir(
     return manifest
 
 
+def _remove_if_present(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """One DELETE on an object store (deleting a missing key succeeds there), where exists()+rm() costs a
+    HEAD, a LIST (s3fs looks for a "directory" after a 404) and a DELETE."""
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(path)
+    fs.invalidate_cache(path.rsplit("/", 1)[0])
+
+
 def is_committed(fs: fsspec.AbstractFileSystem, directory: str) -> bool:
+    """Whether `directory` has a manifest. One GET of the (small) manifest: on an object store, exists()
+    on a missing key costs a HEAD and a LIST, and pollers ask this many times."""
     fs.invalidate_cache(directory)  # object-store listings are cached; commits by other processes must show
-    return fs.exists(join(directory, MANIFEST))
+    try:
+        fs.cat_file(join(directory, MANIFEST))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
 
 
 def read_manifest(fs: fsspec.AbstractFileSystem, directory: str) -> dict[str, Any]:
