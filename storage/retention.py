@@ -7,7 +7,8 @@ set, the writer (the trainer, after each publication and checkpoint) calls `enfo
 - the newest `keep_last_*` committed entries, and those whose step is a multiple of `keep_every_*`;
 - always the newest complete checkpoint C (a resume restarts from it);
 - always the publication at C and every publication newer than C (a resume deletes and regenerates
-  those newer ones itself), or publication 0 when there is no checkpoint yet;
+  those newer ones itself), or publication 0 when there is no checkpoint yet; and the publication at
+  every other kept checkpoint (a resume falls back to an older checkpoint when the newest is corrupt);
 - every publication a kept delta publication is rebuilt from (its `base_version` chain).
 
 The decisions are pure functions over lists of committed steps (`checkpoints_to_keep`,
@@ -19,7 +20,7 @@ are never touched.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import fsspec
@@ -49,9 +50,11 @@ def weights_to_keep(
     keep_last: int | None,
     keep_every: int | None = None,
     base_of: Callable[[int], int | None] = lambda v: None,
+    kept_checkpoints: Iterable[int] = (),
 ) -> set[int]:
     """Committed publication versions to keep (see the module docstring); `base_of(v)` is the version a
-    delta publication is rebuilt from, None for a full one."""
+    delta publication is rebuilt from, None for a full one. The publication at every kept checkpoint
+    stays too: a resume falls back to an older checkpoint when the newest one is corrupt."""
     if keep_last is None:
         return set(versions)
     keep = _last_and_every(versions, max(keep_last, 1), keep_every)
@@ -59,6 +62,7 @@ def weights_to_keep(
         keep |= {v for v in versions if v == 0}
     else:
         keep |= {v for v in versions if v >= newest_checkpoint}
+    keep |= set(versions) & set(kept_checkpoints)
     todo = sorted(keep)
     while todo:  # close over delta bases: a kept delta is useless without its chain
         base = base_of(todo.pop())
@@ -101,7 +105,7 @@ def plan(fs: fsspec.AbstractFileSystem, root: str, s: StorageSettings | None = N
     newest = ckpts[-1] if ckpts else None
     versions = committed_steps(fs, join(root, "weights"))
     keep_w = weights_to_keep(
-        versions, newest, s.keep_last_weights, s.keep_every_weights, base_of=_base_reader(fs, root)
+        versions, newest, s.keep_last_weights, s.keep_every_weights, _base_reader(fs, root), keep_c
     )
     return Plan(weights=[v for v in versions if v not in keep_w], checkpoints=[c for c in ckpts if c not in keep_c])
 

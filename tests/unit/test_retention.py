@@ -31,6 +31,10 @@ def test_weights_keep_the_checkpoint_version_and_everything_newer():
     assert weights_to_keep(list(range(10)), 8, 1, keep_every=3) == {0, 3, 6, 8, 9}
 
 
+def test_weights_keep_the_publication_of_every_kept_checkpoint():
+    assert weights_to_keep(list(range(10)), 8, 1, kept_checkpoints=[4, 8]) == {4, 8, 9}
+
+
 def test_weights_keep_the_delta_chain_of_kept_versions():
     # full publications at 0 and 5; every other version is a delta on the previous one
     bases = {v: (None if v in (0, 5) else v - 1) for v in range(10)}
