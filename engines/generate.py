@@ -2,7 +2,8 @@
 
 Prompts are left-padded into one batch; prefill runs once, then one decode step per token. Between decode
 steps `between_steps()` may swap the weights (in-flight update) and returns the current policy version,
-so each sequence records the version that produced its first and its last completion token.
+so each sequence records the version that produced its first and its last completion token. Each row
+samples with its own seed (engines/sampling.py), so its tokens do not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.model import CausalLM, KVCache
+from engines.sampling import sample
 
 
 @dataclass
@@ -50,7 +52,7 @@ def generate(
     temperatures: list[float],
     eos_id: int,
     pad_id: int,
-    generator: torch.Generator | None = None,
+    seeds: list[int],
     between_steps: Callable[[], int] = lambda: 0,
 ) -> list[Completion]:
     ids, valid = _left_pad(prompts, pad_id)
@@ -63,9 +65,10 @@ def generate(
     next_pos = positions[:, -1] + 1
     out = [Completion() for _ in range(batch)]
     done = torch.zeros(batch, dtype=torch.bool)
-    for _ in range(max(max_new_tokens)):
+    row_seeds = torch.tensor(seeds, dtype=torch.int64)
+    for t in range(max(max_new_tokens)):
         logp = torch.log_softmax(logits.float() / temps, dim=-1)
-        tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        tokens = sample(logp, row_seeds, t)
         chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
         for i in torch.nonzero(~done).flatten().tolist():
             c = out[i]

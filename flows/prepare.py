@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 import socket
 import time
 
-from rollflow.config import RunConfig, component_configs
+from rollflow.config import RunConfig, component_configs, resume_changes
 from rollflow.redact import redact_url
+from storage import runstate
 from storage.fs import get_fs, join, write_json
 
-# What a run owns inside OUTPUT_DIR; --overwrite removes exactly these, nothing else there.
-RUN_ENTRIES = ("config", "tokenizer", "weights", "rollouts", "checkpoints", "logs", "metrics.jsonl", "mlflow.db")
+# What a run owns inside OUTPUT_DIR; --overwrite removes exactly these, nothing else there (the lease
+# stays: it belongs to whoever is claiming the directory right now).
+RUN_ENTRIES = (
+    "config",
+    "tokenizer",
+    "weights",
+    "rollouts",
+    "checkpoints",
+    "logs",
+    "metrics.jsonl",
+    "mlflow.db",
+    runstate.STATE_FILE,
+)
 DATA_ENTRIES = ("weights", "rollouts", "checkpoints")
 
 
@@ -35,6 +48,15 @@ def run_exists(output_dir: str) -> bool:
     return any(fs.exists(join(root, d)) for d in DATA_ENTRIES)
 
 
+def refuse_if_running(output_dir: str) -> None:
+    """The CLI's early check; the flow itself relies on acquiring the lease."""
+    fs, root = get_fs(output_dir)
+    lease = runstate.read_lease(fs, root)
+    if runstate.is_live(lease):
+        assert lease is not None
+        raise RunDirError(f"{output_dir} is being run right now ({runstate.describe(lease)}); refusing to touch it")
+
+
 def claim_output_dir(output_dir: str, overwrite: bool) -> None:
     """Refuse an existing run unless `overwrite`; never delete data that rollflow did not write."""
     if not run_exists(output_dir):
@@ -52,6 +74,29 @@ def claim_output_dir(output_dir: str, overwrite: bool) -> None:
             fs.rm(join(root, entry), recursive=True)
 
 
+def stored_config(output_dir: str) -> dict:
+    """The run config a run was last started with (`config/run.json`, credentials redacted)."""
+    fs, root = get_fs(output_dir)
+    path = join(root, "config", "run.json")
+    if not fs.exists(path) or runstate.read_state(fs, root) is None:
+        raise RunDirError(f"{output_dir} holds no rollflow run to resume (no config/run.json and state.json)")
+    return json.loads(fs.cat_file(path))
+
+
+def check_resumable(cfg: RunConfig) -> dict[str, tuple]:
+    """Refuse a resume when incompatible settings changed; returns the compatible changes (to record)."""
+    stored = stored_config(cfg.output_dir)
+    stored.pop("run_id", None)
+    bad, ok = resume_changes(stored, public_config(cfg))
+    if bad:
+        lines = "\n".join(f"  {k}: {old!r} -> {new!r}" for k, (old, new) in bad.items())
+        raise RunDirError(
+            f"cannot resume {cfg.output_dir}: these settings differ from the run's and cannot change mid-run:\n"
+            f"{lines}\nstart a new run (another --output-dir) to use them"
+        )
+    return ok
+
+
 def public_config(cfg: RunConfig) -> dict:
     """The run config as JSON with credentials redacted: what goes to disk and to MLflow params."""
     data = cfg.model_dump(mode="json")
@@ -59,16 +104,27 @@ def public_config(cfg: RunConfig) -> dict:
     return data
 
 
+def write_run_config(cfg: RunConfig, run_id: str) -> None:
+    """`config/run.json`: what `rollflow resume` restarts with, and what a resume is compared against."""
+    fs, root = get_fs(cfg.output_dir)
+    write_json(fs, join(root, "config", "run.json"), {"run_id": run_id, **public_config(cfg)})
+
+
 def write_configs(
-    cfg: RunConfig, run_id: str, inference_url: str, tracking_uri: str | None = None, mlflow_run_id: str | None = None
+    cfg: RunConfig,
+    run_id: str,
+    inference_url: str,
+    tracking_uri: str | None = None,
+    mlflow_run_id: str | None = None,
+    resume_step: int | None = None,
 ) -> dict[str, str]:
     """Write `config/run.json` and one resolved config per component; returns component -> config URL."""
     fs, root = get_fs(cfg.output_dir)
-    slices = component_configs(cfg, run_id, inference_url, mlflow_run_id)
+    slices = component_configs(cfg, run_id, inference_url, mlflow_run_id, resume_step)
     trainer = slices["trainer"]
     # The trainer gets the full URI through its environment; files on disk keep a redacted copy.
     trainer.tracking = trainer.tracking.model_copy(update={"tracking_uri": redact_url(tracking_uri)})  # type: ignore[attr-defined]
-    write_json(fs, join(root, "config", "run.json"), {"run_id": run_id, **public_config(cfg)})
+    write_run_config(cfg, run_id)
     urls = {}
     for name, sub in slices.items():
         path = join(root, "config", f"{name}.json")

@@ -1,12 +1,15 @@
-"""The `rl` flow: warm up, then run inference, orchestrator and trainer side by side until the trainer
-finishes `max_steps`; stop everything cleanly if any component fails; end with a summary artifact.
+"""The `rl` flow: run inference, orchestrator and trainer side by side until the trainer finishes
+`max_steps`, restarting them from the last complete checkpoint when one dies; end with a summary.
 
-Flow (this process)          subprocess tasks
-  prepare run dir, configs
-  warmup ------------------> python -m engines.trainer --config config/sft.json   (publishes version 0)
-  inference, orchestrator, -> python -m engines.{inference,orchestrator,trainer} --config config/<name>.json
-  trainer (concurrently)
-  summary artifact, MLflow run closed
+Flow (this process)               subprocess tasks
+  lease held for the whole run
+  open or reopen the run
+  attempt: prepare_attempt        (resume point, rollback, per-attempt configs)
+           warm-up if needed ---> python -m engines.trainer --config config/sft.json   (version 0)
+           components ----------> python -m engines.{inference,orchestrator,trainer} --config ...
+  on a component failure: stop the rest, back off, next attempt (bounded by restart.max_restarts
+  attempts in a row that make no checkpoint progress)
+  close the run: state.json, MLflow status, summary artifact
 """
 
 from __future__ import annotations
@@ -21,13 +24,20 @@ from fsspec.implementations.local import LocalFileSystem
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.prepare import claim_output_dir, free_port, new_run_id, public_config, write_configs
+from flows.lease import hold_lease
+from flows.lifecycle import RunHandle, close_run, reopen_run, start_new_run
 from flows.summary import summarize, to_markdown
 from rollflow.config import RunConfig
 from storage.fs import configure as configure_storage
 from storage.fs import get_fs, join
+from storage.runstate import write_state
 from tasks.components import run_component
-from tasks.tracking import end_mlflow_run, resolve_tracking_uri, start_mlflow_run
+from tasks.process import ComponentFailed
+from tasks.resume import Attempt, prepare_attempt
+
+
+class RestartsExhausted(RuntimeError):
+    """Components kept failing without the run making checkpoint progress."""
 
 
 def _supervise(futures: dict, stop: threading.Event, logger) -> None:
@@ -48,25 +58,7 @@ def _supervise(futures: dict, stop: threading.Event, logger) -> None:
             if name == "trainer":
                 stop.set()
                 if fut.result() != 0:
-                    raise RuntimeError(f"the trainer was stopped before finishing (exit code {fut.result()})")
-
-
-def _prepare(cfg: RunConfig, overwrite: bool) -> tuple[str, str | None, str | None, dict[str, str]]:
-    """Claim the output dir, pick the port, open tracking, write configs -> (run_id, uri, mlflow id, urls)."""
-    claim_output_dir(cfg.output_dir, overwrite)
-    fs, root = get_fs(cfg.output_dir)
-    fs.makedirs(root, exist_ok=True)
-    run_id = new_run_id(cfg)
-    cfg.inference.port = cfg.inference.port or free_port(cfg.inference.host)
-    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri, cfg.output_dir) if cfg.tracking.mlflow else None
-    mlflow_run_id = None
-    if tracking_uri:
-        params = public_config(cfg)
-        tags = {"rollflow.run_id": run_id}
-        mlflow_run_id = start_mlflow_run(tracking_uri, cfg.tracking.experiment, run_id, params, tags)
-    inference_url = f"http://{cfg.inference.host}:{cfg.inference.port}"
-    urls = write_configs(cfg, run_id, inference_url, tracking_uri, mlflow_run_id)
-    return run_id, tracking_uri, mlflow_run_id, urls
+                    raise ComponentFailed(f"the trainer was stopped before finishing (exit code {fut.result()})")
 
 
 def _logs_dir(output_dir: str, run_id: str) -> str:
@@ -79,7 +71,7 @@ def _logs_dir(output_dir: str, run_id: str) -> str:
 
 def _secrets_env(tracking_uri: str | None) -> dict[str, dict[str, str]]:
     """Per-component environment for secrets: never in configs on disk, argv, or logs."""
-    token = {"ROLLFLOW_ADMIN_TOKEN": secrets.token_hex(16)}  # admin routes of this run's engine
+    token = {"ROLLFLOW_ADMIN_TOKEN": secrets.token_hex(16)}  # admin routes of this attempt's engine
     return {
         "warmup": {},
         "inference": token,
@@ -88,14 +80,15 @@ def _secrets_env(tracking_uri: str | None) -> dict[str, dict[str, str]]:
     }
 
 
-def _run_components(urls: dict[str, str], logs: str, tracking_uri: str | None, logger) -> None:
-    """Warm-up to completion, then inference, orchestrator and trainer side by side."""
+def _run_components(attempt: Attempt, logs: str, tracking_uri: str | None, logger) -> None:
+    """Warm-up to completion if needed, then inference, orchestrator and trainer side by side."""
     env = _secrets_env(tracking_uri)
     stop = threading.Event()
     try:
-        run_component("warmup", urls["sft"], env["warmup"], join(logs, "warmup.log"), stop)
+        if attempt.needs_warmup:
+            run_component("warmup", attempt.urls["sft"], env["warmup"], join(logs, "warmup.log"), stop)
         futures = {
-            name: run_component.submit(name, urls[name], env[name], join(logs, f"{name}.log"), stop)
+            name: run_component.submit(name, attempt.urls[name], env[name], join(logs, f"{name}.log"), stop)
             for name in ("inference", "orchestrator", "trainer")
         }
         _supervise(futures, stop, logger)
@@ -103,22 +96,51 @@ def _run_components(urls: dict[str, str], logs: str, tracking_uri: str | None, l
         stop.set()
 
 
+def _attempts(cfg: RunConfig, run: RunHandle, logger) -> None:
+    """Attempt after attempt until the trainer finishes; give up after `max_restarts` failures in a row
+    that each restarted from the same checkpoint."""
+    rcfg, failures, last_start = cfg.restart, 0, -2
+    logs = _logs_dir(cfg.output_dir, run.run_id)
+    while True:
+        attempt = prepare_attempt(cfg, run.run_id, run.tracking_uri, run.state.mlflow_run_id)
+        run.state.attempts += 1
+        write_state(*get_fs(cfg.output_dir), run.state)
+        start = -1 if attempt.resume_step is None else attempt.resume_step
+        failures = 0 if start > last_start else failures
+        last_start = start
+        try:
+            _run_components(attempt, logs, run.tracking_uri, logger)
+            return
+        except ComponentFailed as exc:
+            failures += 1
+            if failures > rcfg.max_restarts:
+                raise RestartsExhausted(
+                    f"{failures} failures in a row without checkpoint progress (restart.max_restarts="
+                    f"{rcfg.max_restarts}); last: {exc}"
+                ) from exc
+            delay = min(rcfg.backoff_s * 2 ** (failures - 1), rcfg.backoff_max_s)
+            logger.warning(f"{exc}\nrestart {failures}/{rcfg.max_restarts} from the last checkpoint in {delay:.1f}s")
+            time.sleep(delay)
+
+
 @flow(name="rl", log_prints=True)
-def rl(config: dict, overwrite: bool = False) -> dict:
+def rl(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
     logger = get_run_logger()
     t0 = time.time()
     cfg = RunConfig.model_validate(config)
     configure_storage(cfg.storage.model_dump(mode="json"))  # exported to the components' environment
-    run_id, tracking_uri, mlflow_run_id, urls = _prepare(cfg, overwrite)
-    logger.info(f"run {run_id} -> {cfg.output_dir}")
-    status = "FAILED"
-    try:
-        _run_components(urls, _logs_dir(cfg.output_dir, run_id), tracking_uri, logger)
-        status = "FINISHED"
-    finally:
-        if tracking_uri and mlflow_run_id:
-            end_mlflow_run(tracking_uri, mlflow_run_id, status)
+    fs, root = get_fs(cfg.output_dir)
+    fs.makedirs(root, exist_ok=True)
+    with hold_lease(fs, root, cfg.restart.lease_ttl_s, logger):
+        run = reopen_run(cfg, logger) if resume else start_new_run(cfg, overwrite)
+        logger.info(f"run {run.run_id} -> {cfg.output_dir}" + (" (resumed)" if resume else ""))
+        finished = False
+        try:
+            _attempts(cfg, run, logger)
+            finished = True
+        finally:
+            close_run(cfg, run, finished)
     summary = summarize(cfg.output_dir, time.time() - t0)
-    create_markdown_artifact(to_markdown(summary), key="rl-run-summary", description=f"run {run_id}")
+    create_markdown_artifact(to_markdown(summary), key="rl-run-summary", description=f"run {run.run_id}")
     logger.info("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
     return summary

@@ -2,8 +2,9 @@
 so `--help`, validation and `--dry-run` are instant.
 
     rollflow rl @ profiles/tiny-cpu.toml [@ more.toml] [--trainer.optim.lr 3e-4] [--output-dir DIR]
-                [--dry-run] [--overwrite]
-    rollflow lake OUTPUT_DIR [--json] [--export FILE ...] [--plot DIR]   (rollflow/lake.py)
+                [--dry-run] [--overwrite | --resume]
+    rollflow resume OUTPUT_DIR [--KEY VALUE ...]
+    rollflow lake OUTPUT_DIR [--json] [--export FILE ...] [--plot DIR] [--verify]   (rollflow/lake.py)
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import os
 import signal
 import sys
 
-from rollflow.loader import ConfigError, load_run_config
+from rollflow.config import RunConfig
+from rollflow.loader import ConfigError, load_run_config, load_stored_config
 
-USAGE = """rollflow rl [@ PROFILE.toml ...] [--KEY VALUE ...] [--dry-run] [--overwrite]
+USAGE = """rollflow rl [@ PROFILE.toml ...] [--KEY VALUE ...] [--dry-run] [--overwrite | --resume]
 
   @ FILE          a TOML profile; several compose left to right (later wins)
   --KEY VALUE     a dotted override applied after the profiles, e.g. --trainer.optim.lr 3e-4,
@@ -24,8 +26,23 @@ USAGE = """rollflow rl [@ PROFILE.toml ...] [--KEY VALUE ...] [--dry-run] [--ove
                   when it parses as one (3e-4, true, [1, 2]), a string otherwise
   --dry-run       validate, write the resolved per-component configs to OUTPUT_DIR/config/, exit
   --overwrite     replace an existing run in OUTPUT_DIR instead of refusing to start
+  --resume        continue the run in OUTPUT_DIR from its last complete checkpoint; settings that
+                  cannot change mid-run (model, envs, seed, group size, warm-up) must match
 
 Keys are documented in docs/configuration.md."""
+
+RESUME_USAGE = """rollflow resume OUTPUT_DIR [--KEY VALUE ...]
+
+  Continue the run in OUTPUT_DIR (a path or URL) from its last complete checkpoint, with the config it
+  was started with plus any overrides (e.g. --max-steps 200). Refused while another process runs it.
+  docs/resume.md explains what is kept and what is redone."""
+
+LAKE_USAGE = """rollflow lake OUTPUT_DIR [--json] [--export FILE [--steps A:B] [--env NAME] [--min-reward X]
+                     [--max-reward X] [--limit N]] [--plot DIR] [--verify]
+
+  Inspect a run's rollout lake: committed steps, samples, reward and length by step and by policy
+  version, the staleness histogram, weight publications and checkpoints. Corrupted files are listed by
+  path (exit code 1). docs/rollouts.md has the details."""
 
 
 def split_args(tokens: list[str]) -> tuple[list[str], list[tuple[str, str]], set[str]]:
@@ -35,7 +52,7 @@ def split_args(tokens: list[str]) -> tuple[list[str], list[tuple[str, str]], set
     flags: set[str] = set()
     it = iter(tokens)
     for tok in it:
-        if tok in ("--dry-run", "--overwrite"):
+        if tok in ("--dry-run", "--overwrite", "--resume"):
             flags.add(tok[2:])
         elif tok == "@":
             path = next(it, None)
@@ -57,61 +74,115 @@ def split_args(tokens: list[str]) -> tuple[list[str], list[tuple[str, str]], set
     return profiles, overrides, flags
 
 
-def cmd_rl(tokens: list[str]) -> int:
-    profiles, overrides, flags = split_args(tokens)
-    cfg = load_run_config(profiles, overrides)
+def _precheck(cfg: RunConfig, flags: set[str]) -> None:
+    """Refuse early (before Prefect starts) what the flow would refuse: a live run, an existing run
+    without --overwrite or --resume, a resume with incompatible settings."""
+    from flows.prepare import RunDirError, check_resumable, refuse_if_running, run_exists
     from storage.fs import configure
 
-    configure(cfg.storage.model_dump(mode="json"))  # endpoint, timeouts, retries for the run-dir check
-    from flows.prepare import RunDirError, claim_output_dir, new_run_id, run_exists, write_configs
-
+    configure(cfg.storage.model_dump(mode="json"))  # endpoint, timeouts, retries for these checks and the run
     try:
-        if "dry-run" in flags:
-            if run_exists(cfg.output_dir):
-                raise RunDirError(f"{cfg.output_dir} already holds a run; --dry-run would overwrite its configs")
-        else:
-            claim_output_dir(cfg.output_dir, overwrite="overwrite" in flags)
+        if {"overwrite", "resume"} <= flags:
+            raise RunDirError("--overwrite and --resume exclude each other: replace the run, or continue it")
+        exists = run_exists(cfg.output_dir)
+        if "dry-run" in flags and exists:
+            raise RunDirError(f"{cfg.output_dir} already holds a run; --dry-run would overwrite its configs")
+        if exists:
+            refuse_if_running(cfg.output_dir)
+        if "resume" in flags:
+            check_resumable(cfg)
+        elif exists and "overwrite" not in flags and "dry-run" not in flags:
+            raise RunDirError(
+                f"{cfg.output_dir} already holds a run; pass --resume to continue it, --overwrite to replace it, "
+                "or choose another --output-dir"
+            )
     except RunDirError as exc:
         raise ConfigError(str(exc)) from None
-    if "dry-run" in flags:
-        urls = write_configs(cfg, new_run_id(cfg), f"http://{cfg.inference.host}:{cfg.inference.port}")
-        print(json.dumps(urls, indent=2))
-        return 0
-    from flows.rl import rl
+
+
+def _run_flow(cfg: RunConfig, flags: set[str]) -> dict:
+    from flows.rl import rl  # imports Prefect, which reads PREFECT_API_URL now
+
+    return rl(config=cfg.model_dump(mode="json"), overwrite="overwrite" in flags, resume="resume" in flags)
+
+
+def _launch(cfg: RunConfig, flags: set[str]) -> int:
     from rollflow.redact import redact_url
 
     uri = cfg.tracking.tracking_uri
     if uri and redact_url(uri) != uri:  # credentials travel by environment, not as (stored) flow parameters
         os.environ["MLFLOW_TRACKING_URI"] = uri
         cfg.tracking.tracking_uri = None
-    summary = rl(config=cfg.model_dump(mode="json"))
+    if os.environ.get("PREFECT_API_URL"):
+        summary = _run_flow(cfg, flags)
+    else:
+        from flows.local_api import local_prefect_api
+
+        with local_prefect_api() as url:
+            os.environ["PREFECT_API_URL"] = url
+            summary = _run_flow(cfg, flags)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def cmd_rl(tokens: list[str]) -> int:
+    profiles, overrides, flags = split_args(tokens)
+    cfg = load_run_config(profiles, overrides)
+    _precheck(cfg, flags)
+    if "dry-run" in flags:
+        from flows.prepare import new_run_id, write_configs
+
+        urls = write_configs(cfg, new_run_id(cfg), f"http://{cfg.inference.host}:{cfg.inference.port}")
+        print(json.dumps(urls, indent=2))
+        return 0
+    return _launch(cfg, flags)
+
+
+def cmd_resume(tokens: list[str]) -> int:
+    if not tokens or tokens[0].startswith("-"):
+        raise ConfigError("usage: " + RESUME_USAGE)
+    output_dir, (profiles, overrides, flags) = tokens[0], split_args(tokens[1:])
+    if profiles or flags:
+        raise ConfigError("rollflow resume takes OUTPUT_DIR and --KEY VALUE overrides only (no profiles or flags)")
+    from flows.prepare import RunDirError, stored_config
+
+    try:
+        stored = stored_config(output_dir)
+    except RunDirError as exc:
+        raise ConfigError(str(exc)) from None
+    cfg = load_stored_config(stored, f"{output_dir}/config/run.json", [*overrides, ("output_dir", output_dir)])
+    _precheck(cfg, {"resume"})
+    return _launch(cfg, {"resume"})
+
+
+def cmd_lake(tokens: list[str]) -> int:
+    from rollflow.lake import main as lake_main
+
+    return lake_main(tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="rollflow", description="Asynchronous RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
+    commands = {"rl": (cmd_rl, USAGE), "resume": (cmd_resume, RESUME_USAGE), "lake": (cmd_lake, LAKE_USAGE)}
     sub.add_parser("rl", help="run RL from profiles and overrides", usage=USAGE, add_help=False)
-    sub.add_parser("lake", help="inspect a run's rollouts, weights and checkpoints (rollflow lake -h)", add_help=False)
+    sub.add_parser("resume", help="continue a run from its last complete checkpoint", usage=RESUME_USAGE)
+    sub.add_parser("lake", help="inspect a run's rollouts, weights and checkpoints", usage=LAKE_USAGE)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
     command, rest = argv[0], argv[1:]
-    if command == "rl" and rest and rest[0] in ("-h", "--help"):
-        print("usage: " + USAGE)
+    if command not in commands:
+        parser.error(f"unknown command {command!r} (choose from: {', '.join(commands)})")
+    handler, usage = commands[command]
+    if rest and rest[0] in ("-h", "--help"):
+        print("usage: " + usage)
         return 0
-    if command == "lake":
-        from rollflow.lake import main as lake_main
-
-        return lake_main(rest)
-    if command != "rl":
-        parser.error(f"unknown command {command!r} (choose from: rl, lake)")
     # SIGTERM unwinds like Ctrl-C, so the flow's cleanup stops every component it started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        return cmd_rl(rest)
+        return handler(rest)
     except ConfigError as exc:
         print(f"rollflow: {exc}", file=sys.stderr)
         return 2

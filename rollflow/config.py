@@ -85,6 +85,7 @@ class OptimConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.99)
     max_grad_norm: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up over the first N RL steps")
 
 
 class LossConfig(_Strict):
@@ -109,6 +110,23 @@ class TrainerConfig(_Strict):
     micro_batch_size: int = Field(64, gt=0)
     measure_mismatch: bool = Field(
         True, description="keep recent policies in memory to measure mismatch_kl on stale samples"
+    )
+
+
+class CheckpointConfig(_Strict):
+    """Trainer checkpoints (weights, optimizer, RNG, run state): what a resume restarts from."""
+
+    interval: int = Field(5, gt=0, description="checkpoint every N trainer steps (and always at max_steps)")
+
+
+class RestartConfig(_Strict):
+    """How the `rl` flow reacts to a component dying, and how runs are claimed for resumption."""
+
+    max_restarts: int = Field(3, ge=0, description="restarts in a row without a new checkpoint before giving up")
+    backoff_s: float = Field(2.0, ge=0, description="wait before the first restart; doubles each time")
+    backoff_max_s: float = Field(60.0, ge=0)
+    lease_ttl_s: float = Field(
+        30.0, gt=0, description="a run whose lease is not renewed for this long counts as not running"
     )
 
 
@@ -185,6 +203,8 @@ class RunConfig(_Strict):
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     trainer: TrainerConfig = TrainerConfig()
     tracking: TrackingConfig = TrackingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    restart: RestartConfig = RestartConfig()
     storage: StorageConfig = StorageConfig()
 
     @model_validator(mode="after")
@@ -253,6 +273,8 @@ class TrainerProcessConfig(_Strict):
     trainer: TrainerConfig
     tracking: TrackingConfig
     mlflow_run_id: str | None  # set by the flow so trainer metrics land in the flow's MLflow run
+    checkpoint: CheckpointConfig
+    resume_step: int | None  # the verified checkpoint the flow chose to restart from (None: start at version 0)
     seed: int
     max_steps: int
     max_off_policy_steps: int
@@ -270,7 +292,11 @@ class SFTProcessConfig(_Strict):
 
 
 def component_configs(
-    cfg: RunConfig, run_id: str, inference_url: str, mlflow_run_id: str | None = None
+    cfg: RunConfig,
+    run_id: str,
+    inference_url: str,
+    mlflow_run_id: str | None = None,
+    resume_step: int | None = None,
 ) -> dict[str, BaseModel]:
     """Split the run config into the slice each process reads."""
     paths = ComponentPaths(output_dir=cfg.output_dir, run_id=run_id)
@@ -300,8 +326,35 @@ def component_configs(
             trainer=cfg.trainer,
             tracking=cfg.tracking,
             mlflow_run_id=mlflow_run_id,
+            checkpoint=cfg.checkpoint,
+            resume_step=resume_step,
             seed=cfg.seed,
             max_steps=cfg.max_steps,
             max_off_policy_steps=cfg.max_off_policy_steps,
         ),
     }
+
+
+# Changing these mid-run would mix incompatible data in one run: other weights shapes, other prompts
+# or token ids, another group structure. Everything else (learning rate, max_steps, ...) may change.
+INCOMPATIBLE_ON_RESUME = ("model", "envs", "seed", "orchestrator.group_size", "sft")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resume_changes(old: dict, new: dict) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """(incompatible, compatible) differences between a stored run config and a resume's config,
+    each as {dotted key: (old, new)}."""
+    a, b = _flatten(old), _flatten(new)
+    changed = {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
+    changed.pop("inference.port", None)  # stored as picked at launch; each attempt picks again
+    bad = {k: v for k, v in changed.items() if any(k == p or k.startswith(p + ".") for p in INCOMPATIBLE_ON_RESUME)}
+    return bad, {k: v for k, v in changed.items() if k not in bad}

@@ -58,13 +58,17 @@ def compose(profiles: Sequence[str | Path], overrides: Sequence[tuple[str, str]]
     sources: dict[Key, str] = {}
     for path in profiles:
         _merge(data, read_profile(path), str(path), sources)
+    _apply_overrides(data, sources, overrides)
+    return data, sources
+
+
+def _apply_overrides(data: dict, sources: dict[Key, str], overrides: Sequence[tuple[str, str]]) -> None:
     for dotted, text in overrides:
         parts = tuple(p.replace("-", "_") for p in dotted.split("."))
         nested: Any = parse_value(text)
         for part in reversed(parts):
             nested = {part: nested}
         _merge(data, nested, f"command line (--{dotted})", sources)
-    return data, sources
 
 
 def _source_of(loc: Key, sources: dict[Key, str]) -> str:
@@ -118,4 +122,14 @@ def validate(data: dict, sources: dict[Key, str]) -> RunConfig:
 
 def load_run_config(profiles: Sequence[str | Path], overrides: Sequence[tuple[str, str]] = ()) -> RunConfig:
     data, sources = compose(profiles, overrides)
+    return validate(data, sources)
+
+
+def load_stored_config(stored: dict, source: str, overrides: Sequence[tuple[str, str]] = ()) -> RunConfig:
+    """A run's stored config (`config/run.json`, read from `source`) with overrides on top: what
+    `rollflow resume OUTPUT_DIR [--KEY VALUE ...]` runs with."""
+    data: dict = {}
+    sources: dict[Key, str] = {}
+    _merge(data, {k: v for k, v in stored.items() if k != "run_id"}, source, sources)
+    _apply_overrides(data, sources, overrides)
     return validate(data, sources)

@@ -25,6 +25,14 @@ class MetricsLog:
 
     def record(self, row: dict) -> None:
         self.rows[int(row["step"])] = row
+        self._write()
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows after `step`: a resumed run records those steps again."""
+        self.rows = {s: r for s, r in self.rows.items() if s <= step}
+        self._write()
+
+    def _write(self) -> None:
         text = "".join(json.dumps(self.rows[s]) + "\n" for s in sorted(self.rows))
         write_bytes_atomic(self.fs, self.path, text.encode())
 

@@ -48,6 +48,18 @@ def start_mlflow_run(tracking_uri: str, experiment: str, run_name: str, params: 
 
 
 @task(cache_policy=NONE)
+def reopen_mlflow_run(tracking_uri: str, mlflow_run_id: str, tags: dict[str, str]) -> None:
+    """Mark a resumed run's MLflow run active again; settings changed on resume become tags (params
+    are immutable in MLflow)."""
+    from mlflow.entities import RunTag
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    client.update_run(mlflow_run_id, status="RUNNING")
+    client.log_batch(mlflow_run_id, tags=[RunTag(k[:250], str(v)[:5000]) for k, v in tags.items()])
+
+
+@task(cache_policy=NONE)
 def end_mlflow_run(tracking_uri: str, mlflow_run_id: str, status: str) -> None:
     from mlflow.tracking import MlflowClient
 

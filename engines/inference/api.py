@@ -18,6 +18,7 @@ class CompletionRequest(BaseModel):
     n: int = Field(1, gt=0)
     logprobs: int | None = None  # any value returns the sampled token's logprob per position
     return_token_ids: bool = False  # vLLM extension: completion token ids (needed to train on them)
+    seed: int | None = Field(None, ge=0)  # OpenAI field: same seed + prompt -> same samples, in any batch
 
 
 class ChatMessage(BaseModel):
@@ -33,6 +34,7 @@ class ChatRequest(BaseModel):
     n: int = Field(1, gt=0)
     logprobs: bool = False
     return_token_ids: bool = False
+    seed: int | None = Field(None, ge=0)
 
 
 class UpdateWeightsRequest(BaseModel):

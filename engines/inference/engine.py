@@ -15,6 +15,7 @@ import torch
 
 from engines.generate import Completion, generate
 from engines.model import CausalLM
+from engines.sampling import row_seeds
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Request:
     n: int
     max_tokens: int
     temperature: float
+    seed: int | None = None  # the same seed and prompt draw the same samples, whatever the batch
     future: Future = field(default_factory=Future)
 
 
@@ -125,11 +127,13 @@ class Engine:
                     self._apply_pending_locked()
 
     def _run(self, batch: list[Request]) -> None:
-        prompts, limits, temps = [], [], []
+        prompts, limits, temps, seeds = [], [], [], []
         for req in batch:
             prompts += [req.prompt_ids] * req.n
             limits += [req.max_tokens] * req.n
             temps += [req.temperature] * req.n
+            seed = req.seed if req.seed is not None else int(torch.randint(2**62, (1,), generator=self.generator))
+            seeds += row_seeds(seed, req.n)
         outs = generate(
             self.model,
             prompts,
@@ -137,7 +141,7 @@ class Engine:
             temperatures=temps,
             eos_id=self.eos_id,
             pad_id=self.pad_id,
-            generator=self.generator,
+            seeds=seeds,
             between_steps=self._between_steps,
         )
         self.stats["batches"] += 1

@@ -46,10 +46,10 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
     template = jinja2.Environment().from_string(CHAT_TEMPLATE)
     fs, root = get_fs(output_root_url)
 
-    async def sample(prompt_ids: list[int], n: int, max_tokens: int, temperature: float):
+    async def sample(prompt_ids: list[int], n: int, max_tokens: int, temperature: float, seed: int | None):
         from engines.inference.engine import Request
 
-        fut = engine.submit(Request(prompt_ids, n, max_tokens, temperature))
+        fut = engine.submit(Request(prompt_ids, n, max_tokens, temperature, seed))
         return await asyncio.wrap_future(fut)
 
     def usage(prompt_ids, outs) -> api.Usage:
@@ -83,7 +83,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
     async def completions(req: api.CompletionRequest) -> api.CompletionResponse:
         ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         check_request(ids, req.max_tokens, req.n)
-        outs = await sample(ids, req.n, req.max_tokens, req.temperature)
+        outs = await sample(ids, req.n, req.max_tokens, req.temperature, req.seed)
         choices = [
             api.CompletionChoice(
                 index=i,
@@ -116,7 +116,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
         )
         ids = [tokenizer.bos_id, *tokenizer.encode(text.removeprefix("<bos>"), bos=False)]
         check_request(ids, req.max_tokens, req.n)
-        outs = await sample(ids, req.n, req.max_tokens, req.temperature)
+        outs = await sample(ids, req.n, req.max_tokens, req.temperature, req.seed)
         choices = []
         for i, c in enumerate(outs):
             lps = [

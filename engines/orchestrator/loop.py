@@ -1,6 +1,6 @@
 """Entry module of the orchestrator process: `python -m engines.orchestrator --config orchestrator.json`.
 
-Per step N: wait until the engine serves a policy no older than N-1-async_level, draw `batch_size`
+Per step N not yet committed: wait until the engine serves a policy no older than N-1-async_level, draw `batch_size`
 prompts (a pure function of seed and step), request `group_size` samples each over HTTP, score them,
 compute group advantages, drop samples older than `max_off_policy_steps`, and commit
 `rollouts/step=N/`. A background task follows `weights/` and pushes each new publication to the engine
@@ -20,6 +20,7 @@ import httpx
 
 from engines.envs import EnvMix, Task
 from engines.orchestrator.advantages import group_advantages
+from engines.sampling import derive_seed
 from engines.tokenizer import CharTokenizer
 from rollflow.config import OrchestratorProcessConfig
 from storage import rollouts, weights
@@ -112,6 +113,8 @@ class Orchestrator:
             "temperature": self.ocfg.temperature,
             "logprobs": 1,
             "return_token_ids": True,
+            # a pure function of (seed, step, group): a resumed run redraws exactly these samples
+            "seed": derive_seed(self.cfg.seed, step, group),
         }
         async with self.limit:
             r = await self.client.post("/v1/completions", json=body)
@@ -163,9 +166,10 @@ class Orchestrator:
             f"gen {gen_s:.2f}s, waited {waited:.2f}s"
         )
 
-    def first_step(self) -> int:
-        done = rollouts.committed_rollout_steps(self.fs, self.root)
-        return (done[-1] + 1) if done else 1
+    def pending_steps(self) -> list[int]:
+        """Steps not yet committed, in order; after a resume this includes any step removed as corrupt."""
+        done = set(rollouts.committed_rollout_steps(self.fs, self.root))
+        return [s for s in range(1, self.cfg.max_steps + 1) if s not in done]
 
 
 async def run(cfg: OrchestratorProcessConfig) -> None:
@@ -177,7 +181,7 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
         sync.start()
         orch = Orchestrator(cfg, client, sync)
         try:
-            for step in range(orch.first_step(), cfg.max_steps + 1):
+            for step in orch.pending_steps():
                 if sync.follower.done():
                     sync.follower.result()  # surfaces the follower's error
                 await orch.run_step(step)

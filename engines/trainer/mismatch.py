@@ -26,7 +26,12 @@ class PolicyHistory:
         self.scratch = copy.deepcopy(model).eval()
 
     def add(self, version: int, model: CausalLM) -> None:
-        self.states[version] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.add_state(version, model.state_dict())
+
+    def add_state(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Keep a copy of `state` (a full state dict or a publication) as policy `version`."""
+        self.scratch.load_published(state)
+        self.states[version] = {k: v.detach().clone() for k, v in self.scratch.state_dict().items()}
         for old in sorted(self.states)[: -self.keep]:
             del self.states[old]
 

@@ -6,19 +6,19 @@ measurement -> micro-batched loss/backward -> optimizer step -> `weights/step=N/
 
 from __future__ import annotations
 
-import io
 import time
 
 import torch
 
 from engines.tokenizer import CharTokenizer
+from engines.trainer import checkpoint
 from engines.trainer.batch import Batch, make_batch, micro_batches
 from engines.trainer.common import batch_logprobs, build_model, log, seed_everything
 from engines.trainer.loss import policy_loss
 from engines.trainer.mismatch import PolicyHistory
 from engines.trainer.tracking import Tracker
 from rollflow.config import TrainerProcessConfig
-from storage import checkpoints, rollouts, weights
+from storage import rollouts, weights
 from storage.fs import get_fs, is_committed
 from storage.rollouts import staleness
 
@@ -30,21 +30,39 @@ class RLTrainer:
         self.fs, self.root = get_fs(cfg.run.output_dir)
         self.tok = CharTokenizer()
         self.model = build_model(cfg.model, self.tok.vocab_size)
-        self.version = self._load_latest_weights()
-        o = self.tcfg.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-        self.history = PolicyHistory(self.model, cfg.max_off_policy_steps + 1) if self.tcfg.measure_mismatch else None
-        if self.history:
-            self.history.add(self.version, self.model)
+        self.optimizer, self.scheduler = self._build_optimizer()
+        self.version = self._restore()
+        self.history = self._build_history() if self.tcfg.measure_mismatch else None
         self.tracker = Tracker(self.fs, self.root, cfg.tracking.tracking_uri, cfg.mlflow_run_id)
 
-    def _load_latest_weights(self) -> int:
-        latest = weights.load_latest(self.fs, self.root)
-        if latest is None:
+    def _build_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        o = self.tcfg.optim
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        warmup = o.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
+        return optimizer, scheduler
+
+    def _restore(self) -> int:
+        """Start from the checkpoint the flow chose, or from the warm-up's version 0; returns the version."""
+        step = self.cfg.resume_step
+        if step is not None:
+            checkpoint.restore(self, step)
+            log.info(f"resumed from checkpoint step={step}")
+            return step
+        if not is_committed(self.fs, weights.version_dir(self.root, 0)):
             raise SystemExit("no committed weights to start from; the warm-up publishes version 0")
-        version, state = latest
-        self.model.load_published(state)
-        return version
+        self.model.load_published(weights.load(self.fs, weights.version_dir(self.root, 0)))
+        return 0
+
+    def _build_history(self) -> PolicyHistory:
+        """Recent policies for mismatch_kl: the current one plus the publications just before it."""
+        keep = self.cfg.max_off_policy_steps + 1
+        history = PolicyHistory(self.model, keep)
+        for v in range(max(0, self.version - keep + 1), self.version):
+            if is_committed(self.fs, weights.version_dir(self.root, v)):
+                history.add_state(v, weights.load(self.fs, weights.version_dir(self.root, v)))
+        history.add(self.version, self.model)
+        return history
 
     def wait_for_rollouts(self, step: int):
         directory = rollouts.step_path(self.root, step)
@@ -73,11 +91,14 @@ class RLTrainer:
             masked += out.masked_tokens
             kl_sum += out.sampler_kl_sum
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.optim.max_grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        self.scheduler.step()
         self.model.eval()
         return {
             "loss": loss_sum,
             "grad_norm": float(grad_norm),
+            "lr": lr,
             "masked_fraction": masked / n_tokens,
             "sampler_kl": kl_sum / n_tokens,
             "tokens": int(n_tokens),
@@ -118,15 +139,6 @@ class RLTrainer:
             "gen_s": manifest.get("gen_s"),
         }
 
-    def save_checkpoint(self, step: int) -> None:
-        from safetensors.torch import save
-
-        buf = io.BytesIO()
-        torch.save({"optimizer": self.optimizer.state_dict(), "step": step, "rng": torch.get_rng_state()}, buf)
-        files = {"model.safetensors": save(self.model.publishable_state_dict()), "optimizer.pt": buf.getvalue()}
-        path = checkpoints.save(self.fs, self.root, step, "trainer", files)
-        log.info(f"checkpoint written: {path}")
-
     def run(self) -> None:
         for step in range(self.version + 1, self.cfg.max_steps + 1):
             row = self.step(step)
@@ -137,4 +149,5 @@ class RLTrainer:
                 f"| mismatch_kl {kl} | staleness {row['staleness_mean']:.2f} | masked {row['masked_fraction']:.3f} "
                 f"| train {row['train_s']:.2f}s wait {row['wait_s']:.2f}s"
             )
-        self.save_checkpoint(self.cfg.max_steps)
+            if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.max_steps:
+                log.info(f"checkpoint written: {checkpoint.save(self, step)}")

@@ -8,13 +8,12 @@ Prefect test harness, where the run summary artifact is read back from the API.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
+from conftest import cli_argv, cli_env, processes_mentioning
 
 from rollflow.loader import load_run_config
 from storage.rollouts import staleness
@@ -54,15 +53,9 @@ def _assert_run_is_sound(out: Path, max_steps: int, max_off_policy: int) -> list
 
 
 def _run_cli(out: Path, *extra: str, api_url: str | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "rollflow.cli", "rl"]
-    for p in PROFILES:
-        cmd += ["@", str(p)]
-    cmd += ["--output-dir", str(out), *extra]
-    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("PREFECT_API_URL", None)
-    if api_url:
-        env["PREFECT_API_URL"] = api_url
-    return subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=600)
+    args = ["rl", *[t for p in PROFILES for t in ("@", str(p))], "--output-dir", str(out), *extra]
+    env = cli_env(api_url)
+    return subprocess.run(cli_argv(*args), cwd=out.parent, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_async_run_via_cli_learns(tmp_path):
@@ -83,16 +76,6 @@ def test_async_run_via_cli_learns(tmp_path):
     history = client.get_metric_history(run.info.run_id, "reward_mean")
     assert sorted(m.step for m in history) == list(range(1, cfg.max_steps + 1))
     assert run.data.params["async_level"] == "1"
-
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    """A real Prefect API (the test harness's server) that CLI subprocesses report to."""
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness():
-        yield PREFECT_API_URL.value()
 
 
 def test_sync_run_reports_to_a_prefect_server_and_is_on_policy(tmp_path, prefect_api):
@@ -116,15 +99,15 @@ def test_sync_run_reports_to_a_prefect_server_and_is_on_policy(tmp_path, prefect
 def test_a_failing_component_stops_the_run_and_every_process(tmp_path, prefect_api):
     out = tmp_path / "run"
     # The orchestrator gives up on the engine at once: a real failure the flow must contain.
-    proc = _run_cli(out, "--orchestrator.inference_timeout_s", "0.001", "--sft.steps", "1", api_url=prefect_api)
+    # With one restart allowed, the flow restarts it once, then gives up with a clear message.
+    proc = _run_cli(
+        out, "--orchestrator.inference_timeout_s", "0.001", "--sft.steps", "1", "--restart.max_restarts", "1",
+        "--restart.backoff_s", "0.1", api_url=prefect_api,
+    )  # fmt: skip
     assert proc.returncode != 0
-    assert "orchestrator exited with code 1" in proc.stdout + proc.stderr
-    leftovers = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if str(out) in cmdline:
-            leftovers.append(cmdline)
-    assert leftovers == []
+    log = proc.stdout + proc.stderr
+    assert "orchestrator exited with code 1" in log
+    assert "restart 1/1" in log and "2 failures in a row without checkpoint progress" in log
+    assert processes_mentioning(str(out)) == []
+    state = json.loads((out / "state.json").read_text())
+    assert state["status"] == "failed"

@@ -4,7 +4,7 @@ with retention), the checkpoint, metrics and configs all land in the bucket. The
 `rollflow lake`, with pyarrow.dataset over pyarrow's own S3 filesystem and with Polars, none of which
 go through rollflow's reader; and the storage credentials appear nowhere on disk, in logs or in MLflow.
 
-Resume on S3: once `rollflow resume OUTPUT_DIR` exists, extend `test_tiny_run_on_s3` where marked.
+Then the run is resumed there from an earlier checkpoint (`rollflow resume`) and extended by two steps.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from storage import checkpoints, rollouts, weights
 from storage import fs as sfs
-from storage import rollouts, weights
 from storage.metrics import read_metrics
 from tests.s3util import BUCKET, CREDENTIALS, moto_s3
 
@@ -31,11 +31,12 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """A moto endpoint; credentials in a child-process environment (never in config)."""
+def s3(prefect_api):
+    """A moto endpoint; credentials in a child-process environment (never in config). The CLI reports to
+    the session's Prefect API instead of starting a temporary one per command."""
     with moto_s3() as endpoint:
-        env = {**os.environ, **CREDENTIALS, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-        for k in ("PREFECT_API_URL", "AWS_ENDPOINT_URL", "AWS_PROFILE", sfs.ENV_VAR):
+        env = {**os.environ, **CREDENTIALS, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": prefect_api}
+        for k in ("AWS_ENDPOINT_URL", "AWS_PROFILE", sfs.ENV_VAR):
             env.pop(k, None)
         yield endpoint, env
 
@@ -71,7 +72,9 @@ def _rl_args(out: str, endpoint: str, *extra: str) -> list[str]:
         "--storage.keep_last_weights",
         "4",
         "--storage.keep_last_checkpoints",
-        "1",
+        "2",
+        "--checkpoint.interval",
+        "2",
         *extra,
     ]
 
@@ -157,8 +160,22 @@ def test_tiny_run_on_s3(s3, tmp_path, monkeypatch):
     assert run.data.params["storage.endpoint_url"] == endpoint and secret not in json.dumps(run.data.params)
     assert run.info.status == "FINISHED"
 
-    # RESUME (lead, after merge): run `rollflow resume OUTPUT_DIR` here, e.g.
-    #   fs.rm(f"{root}/checkpoints/step={MAX_STEPS:06d}", recursive=True)  # or stop a run midway
-    #   resumed = _rollflow(tmp_path, env, "resume", out, "--max-steps", str(MAX_STEPS + 2))
-    #   assert resumed.returncode == 0 and committed_rollout_steps == 1..MAX_STEPS+2
-    # with the storage settings carried by config/run.json (endpoint_url) and credentials by `env`.
+    # resume on S3: drop the final checkpoint (as if the run died after step 5's rollouts and weights
+    # but before its checkpoint), then continue to 7 steps from checkpoint 4
+    assert checkpoints.checkpoint_steps(fs, root) == [4, 5]  # interval 2, keep the last 2
+    fs.rm(f"{root}/checkpoints/step={MAX_STEPS:06d}", recursive=True)
+    resumed = _rollflow(
+        tmp_path, {**env, "AWS_ENDPOINT_URL": endpoint}, "resume", out, "--max-steps", str(MAX_STEPS + 2)
+    )
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    steps = list(range(1, MAX_STEPS + 3))
+    assert rollouts.committed_rollout_steps(fs, root) == steps
+    assert [r["step"] for r in read_metrics(fs, root)] == steps  # step 5 trained again, recorded once
+    assert checkpoints.checkpoint_steps(fs, root) == [6, 7]
+    assert weights.latest_version(fs, root) == MAX_STEPS + 2
+    table = ds.dataset(f"{BUCKET}/runs/tiny/rollouts", filesystem=s3fs_, format="ipc", partitioning="hive").to_table()
+    ids = table.column("sample_id").to_pylist()
+    assert len(ids) == len(set(ids)) == len(steps) * SAMPLES_PER_STEP  # nothing lost, nothing duplicated
+    lake = _rollflow(tmp_path, {**env, "AWS_ENDPOINT_URL": endpoint}, "lake", out, "--json", "--verify")
+    assert lake.returncode == 0, lake.stdout[-3000:] + lake.stderr[-3000:]
+    assert json.loads(lake.stdout)["errors"] == []

@@ -125,13 +125,13 @@ def test_secrets_in_storage_options_are_refused():
 # Whole runs through the fault proxy
 
 
-def _cli(out: str, cwd: Path, *extra: str, env_extra: dict | None = None, wait: bool = True):
+def _cli(out: str, cwd: Path, api_url: str, *extra: str, env_extra: dict | None = None, wait: bool = True):
     cmd = [sys.executable, "-m", "rollflow.cli", "rl"]
     for p in PROFILES:
         cmd += ["@", str(p)]
     cmd += ["--output-dir", out, "--overwrite", *extra]
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **(env_extra or {})}
-    env.pop("PREFECT_API_URL", None)
+    env["PREFECT_API_URL"] = api_url  # the session's Prefect API: no temporary one per command
     env.pop(sfs.ENV_VAR, None)
     if wait:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
@@ -142,10 +142,10 @@ FAULT_FLAGS = ["--storage.timeout_s", "1.0", "--storage.retry_base_s", "0.05", "
 
 
 @pytest.mark.slow
-def test_a_run_survives_transient_storage_faults(proxy, tmp_path):
+def test_a_run_survives_transient_storage_faults(proxy, tmp_path, prefect_api):
     out = _url("flaky-run")
     proxy.fail_every(25, "503", "reset", "503", "stall")
-    proc = _cli(out, tmp_path, *FAULT_FLAGS, "--max-steps", "4")
+    proc = _cli(out, tmp_path, prefect_api, *FAULT_FLAGS, "--max-steps", "4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proxy.injected.get("503", 0) >= 2 and proxy.injected.get("reset", 0) >= 1, proxy.injected
     assert "retry 1" in proc.stdout + proc.stderr
@@ -157,10 +157,12 @@ def test_a_run_survives_transient_storage_faults(proxy, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_storage_outage_stops_the_run_with_a_clear_message_and_loses_nothing(proxy, tmp_path):
+def test_a_storage_outage_stops_the_run_with_a_clear_message_and_loses_nothing(proxy, tmp_path, prefect_api):
     out = _url("outage-run")
     fs, root = get_fs(out)
-    run = _cli(out, tmp_path, *FAULT_FLAGS, "--storage.retry_budget_s", "2", "--max-steps", "40", wait=False)
+    run = _cli(
+        out, tmp_path, prefect_api, *FAULT_FLAGS, "--storage.retry_budget_s", "2", "--max-steps", "40", wait=False
+    )
     try:
         deadline = time.monotonic() + 120
         while len(rollouts.committed_rollout_steps(fs, root)) < 3:

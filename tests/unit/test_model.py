@@ -59,7 +59,7 @@ def test_generate_logprobs_match_full_forward():
     max_new = [10, 6, 12, 4, 9]
     out = generate(
         model, prompts, max_new_tokens=max_new, temperatures=temps, eos_id=TOK.eos_id, pad_id=TOK.pad_id,
-        generator=torch.Generator().manual_seed(3),
+        seeds=[3, 4, 5, 6, 7],
     )  # fmt: skip
     assert len(out) == len(prompts)
     rows = []
@@ -93,14 +93,14 @@ def test_generate_logprobs_match_full_forward():
     assert int(m.sum()) == sum(len(c.token_ids) for _, c, _ in rows)
 
 
-def test_generate_is_deterministic_given_a_generator_and_temperature_matters():
+def test_generate_is_deterministic_given_seeds_and_temperature_matters():
     model = _model()
     prompts = [TOK.encode("rev:abcdef=")] * 4
 
     def sample(temp, seed):
         return generate(
             model, prompts, max_new_tokens=[8] * 4, temperatures=[temp] * 4, eos_id=-1, pad_id=TOK.pad_id,
-            generator=torch.Generator().manual_seed(seed),
+            seeds=[seed * 10 + k for k in range(4)],
         )  # fmt: skip
 
     a, b = sample(1.0, 5), sample(1.0, 5)
@@ -128,7 +128,7 @@ def test_in_flight_weight_swap_records_start_and_end_versions():
     prompts = [TOK.encode("rev:abc="), TOK.encode("sort:zyxw="), TOK.encode("rev:q=")]
     out = generate(
         model, prompts, max_new_tokens=[8, 8, 3], temperatures=[1.0, 0.8, 1.0], eos_id=-1, pad_id=TOK.pad_id,
-        generator=torch.Generator().manual_seed(0), between_steps=between_steps,
+        seeds=[0, 1, 2], between_steps=between_steps,
     )  # fmt: skip
     long, short = out[:2], out[2]
     for c, p, t in zip(long, prompts, [1.0, 0.8], strict=False):

@@ -1,0 +1,67 @@
+"""Seeded, batch-independent sampling: the noise for row b's t-th token is a pure function of
+(seed_b, t, vocab index), so a sample does not depend on which other requests shared its batch.
+
+That is what makes a killed-and-resumed run draw the same completions as an uninterrupted one:
+requests reach the engine in a timing-dependent order and batch composition, but each request carries
+its own seed. Sampling is Gumbel-max (argmax of log-probabilities plus Gumbel noise), which draws
+exactly from the categorical distribution. The noise comes from splitmix64, a counter-based hash,
+computed on int64 tensors (multiplication wraps modulo 2**64, right shifts are masked to be logical).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _signed(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def splitmix64(x: int) -> int:
+    """Reference splitmix64 finalizer on Python ints (unsigned 64-bit result)."""
+    x = (x + _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * _C1) & _MASK64
+    x = ((x ^ (x >> 27)) * _C2) & _MASK64
+    return x ^ (x >> 31)
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (run seed, step, group, ...): stable across processes and Python runs."""
+    x = 0
+    for p in parts:
+        x = splitmix64(x ^ (p & _MASK64))
+    return x >> 1
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    return (x >> n) & ((1 << (64 - n)) - 1)  # logical shift on int64
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = x + _signed(_GOLDEN)
+    x = (x ^ _shr(x, 30)) * _signed(_C1)
+    x = (x ^ _shr(x, 27)) * _signed(_C2)
+    return x ^ _shr(x, 31)
+
+
+def uniform(seeds: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
+    """[batch, vocab] float64 in (0, 1): counter-based noise for token `position` of each row."""
+    counters = torch.arange(vocab, dtype=torch.int64) + position * vocab
+    bits = _shr(_mix(_mix(seeds[:, None]) ^ counters[None, :]), 11)  # 53 random bits
+    return (bits.double() + 0.5) * 2.0**-53
+
+
+def sample(logp: torch.Tensor, seeds: torch.Tensor, position: int) -> torch.Tensor:
+    """Token ids drawn from `logp` ([batch, vocab] log-probabilities) with each row's own seed."""
+    gumbel = -torch.log(-torch.log(uniform(seeds, position, logp.shape[-1])))
+    return (logp.double() + gumbel).argmax(dim=-1)
+
+
+def row_seeds(seed: int, n: int) -> list[int]:
+    """Seeds for the n samples of one request (a group shares its prompt, not its noise)."""
+    return [derive_seed(seed, k) for k in range(n)]

@@ -1,0 +1,87 @@
+"""Open, reopen and close a run: the bookkeeping around the `rl` flow's attempts.
+
+A new run claims its directory, starts an MLflow run and writes `state.json`. A resumed run checks
+that only compatible settings changed, reopens the same MLflow run (recording the changes as tags)
+and appends to the state's resume history. Closing records the outcome in both places.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from flows.prepare import (
+    check_resumable,
+    claim_output_dir,
+    new_run_id,
+    public_config,
+    stored_config,
+    write_run_config,
+)
+from rollflow.config import RunConfig
+from storage import runstate
+from storage.fs import get_fs
+from tasks.tracking import end_mlflow_run, reopen_mlflow_run, resolve_tracking_uri, start_mlflow_run
+
+
+@dataclass
+class RunHandle:
+    run_id: str
+    tracking_uri: str | None  # full URI, credentials included: passed to the trainer by environment only
+    state: runstate.RunState
+
+
+def _tracking_uri(cfg: RunConfig) -> str | None:
+    return resolve_tracking_uri(cfg.tracking.tracking_uri, cfg.output_dir) if cfg.tracking.mlflow else None
+
+
+def _ensure_mlflow_run(cfg: RunConfig, run: RunHandle) -> None:
+    """Create the MLflow run unless the state names one (a run killed before it had one gets it now)."""
+    if run.tracking_uri is None or run.state.mlflow_run_id is not None:
+        return
+    tags = {"rollflow.run_id": run.run_id}
+    run.state.mlflow_run_id = start_mlflow_run(
+        run.tracking_uri, cfg.tracking.experiment, run.run_id, public_config(cfg), tags
+    )
+    runstate.write_state(*get_fs(cfg.output_dir), run.state)
+
+
+def start_new_run(cfg: RunConfig, overwrite: bool) -> RunHandle:
+    """Claim the directory and write config and state first: from then on `rollflow resume` works."""
+    claim_output_dir(cfg.output_dir, overwrite)
+    fs, root = get_fs(cfg.output_dir)
+    fs.makedirs(root, exist_ok=True)
+    run_id = new_run_id(cfg)
+    run = RunHandle(run_id, _tracking_uri(cfg), runstate.RunState(run_id=run_id, mlflow_run_id=None))
+    write_run_config(cfg, run.run_id)
+    runstate.write_state(fs, root, run.state)
+    _ensure_mlflow_run(cfg, run)
+    return run
+
+
+def reopen_run(cfg: RunConfig, logger) -> RunHandle:
+    changes = check_resumable(cfg)
+    fs, root = get_fs(cfg.output_dir)
+    state = runstate.read_state(fs, root)
+    assert state is not None  # check_resumable refuses a directory without one
+    run = RunHandle(stored_config(cfg.output_dir)["run_id"], _tracking_uri(cfg), state)
+    n = len(state.resumes) + 1
+    if changes:
+        listed = ", ".join(f"{k}: {o!r} -> {v!r}" for k, (o, v) in changes.items())
+        logger.info(f"resuming with changed settings: {listed}")
+    if run.tracking_uri and state.mlflow_run_id:
+        tags = {f"rollflow.resume.{n}.{k}": f"{o} -> {v}" for k, (o, v) in changes.items()}
+        reopen_mlflow_run(run.tracking_uri, state.mlflow_run_id, {**tags, f"rollflow.resume.{n}.time": time.ctime()})
+    state.resumes.append({"time": time.time(), "changes": {k: list(v) for k, v in changes.items()}})
+    state.status = "running"
+    runstate.write_state(fs, root, state)
+    _ensure_mlflow_run(cfg, run)
+    return run
+
+
+def close_run(cfg: RunConfig, run: RunHandle, finished: bool) -> None:
+    fs, root = get_fs(cfg.output_dir)
+    run.state.status = "finished" if finished else "failed"
+    runstate.write_state(fs, root, run.state)
+    if run.tracking_uri and run.state.mlflow_run_id:
+        end_mlflow_run(run.tracking_uri, run.state.mlflow_run_id, "FINISHED" if finished else "FAILED")

@@ -1,0 +1,39 @@
+"""Before each attempt (first start, in-flow restart or resume): choose the checkpoint to restart
+from, roll the run directory back to it, and write the components' configs for this attempt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+
+from flows.prepare import free_port, write_configs
+from rollflow.config import RunConfig
+from storage import weights
+from storage.fs import get_fs, is_committed
+from storage.resume import repair, resume_point, rollback
+
+
+@dataclass
+class Attempt:
+    resume_step: int | None  # trainer checkpoint restarted from; None: from the warm-up's version 0
+    needs_warmup: bool  # no committed version 0 yet: the warm-up (SFT) runs first
+    urls: dict[str, str]  # component -> config URL for this attempt
+
+
+@task(cache_policy=NONE)
+def prepare_attempt(cfg: RunConfig, run_id: str, tracking_uri: str | None, mlflow_run_id: str | None) -> Attempt:
+    logger = get_run_logger()
+    fs, root = get_fs(cfg.output_dir)
+    step = resume_point(fs, root, logger.warning)
+    for what in rollback(fs, root, step):
+        logger.info(f"rolled back: removed {what}")
+    repair(fs, root, step, logger.warning)
+    attempt_cfg = cfg.model_copy(deep=True)
+    attempt_cfg.inference.port = cfg.inference.port or free_port(cfg.inference.host)
+    url = f"http://{cfg.inference.host}:{attempt_cfg.inference.port}"
+    urls = write_configs(attempt_cfg, run_id, url, tracking_uri, mlflow_run_id, step)
+    needs_warmup = step is None and not is_committed(fs, weights.version_dir(root, 0))
+    logger.info(f"starting from {'checkpoint step=' + str(step) if step is not None else 'policy version 0'}")
+    return Attempt(step, needs_warmup, urls)

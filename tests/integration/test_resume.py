@@ -1,0 +1,237 @@
+"""Durable runs: SIGKILL any part of a running `rollflow rl` at random points, resume, and check that
+nothing is lost or duplicated; a killed-and-resumed run matches an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.dataset as ds
+import pytest
+from conftest import ROOT, TINY, cli_env, descendants, processes_mentioning, start_cli
+from safetensors.torch import load_file
+
+from storage.rollouts import staleness
+
+pytestmark = pytest.mark.slow
+RESUME = ROOT / "tests" / "profiles" / "resume.toml"
+TARGETS = ("trainer", "orchestrator", "inference", "flow", "tree")
+RL_ARGS = ("rl", "@", str(TINY), "@", str(RESUME))
+
+
+def _checkpoints(out: Path) -> list[int]:
+    root = out / "checkpoints"
+    if not root.exists():
+        return []
+    return sorted(int(p.name[5:]) for p in root.iterdir() if (p / "trainer" / "_manifest.json").exists())
+
+
+def _committed_rollouts(out: Path) -> dict[int, str]:
+    root = out / "rollouts"
+    found = {}
+    for p in sorted(root.iterdir()) if root.exists() else []:
+        try:
+            found[int(p.name[5:])] = (p / "_manifest.json").read_text()
+        except FileNotFoundError:
+            continue
+    return found
+
+
+def _component_pid(cli_pid: int, name: str) -> int | None:
+    configs = {"trainer": ("trainer.json", "sft.json"), "orchestrator": ("orchestrator.json",),
+               "inference": ("inference.json",)}[name]  # fmt: skip
+    for config in configs:  # before the RL trainer starts, the warm-up is the trainer
+        for pid in descendants(cli_pid):
+            try:
+                if f"config/{config}" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
+def _wait_gone(out: Path, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while processes_mentioning(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(str(out)) == [], "components outlived their flow"
+
+
+def _kill(cli, out: Path, target: str, log: Path, api: str):
+    """SIGKILL `target`; returns the CLI process that carries the run on (a resume if the flow died)."""
+    if target in ("flow", "tree"):
+        victims = [cli.pid] + (descendants(cli.pid) if target == "tree" else [])
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        cli.wait()
+        _wait_gone(out)
+        if not (out / "state.json").exists():  # killed before the run began: there is nothing to resume
+            return start_cli(out.parent, log, api, *RL_ARGS, "--output-dir", str(out))
+        return start_cli(out.parent, log, api, "resume", str(out))
+    pid = _component_pid(cli.pid, target)
+    if pid is not None:
+        os.kill(pid, signal.SIGKILL)
+    return cli
+
+
+def _wait_for_progress(cli, out: Path, after: list[int], timeout_s: float = 120.0) -> bool:
+    """Until a checkpoint newer than `after` exists; False when the run ended first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cli.poll() is not None:
+            return False
+        if _checkpoints(out)[-1:] != after[-1:] and _checkpoints(out):
+            return True
+        time.sleep(0.1)
+    raise AssertionError(f"no checkpoint progress in {timeout_s}s")
+
+
+def _assert_nothing_lost_or_duplicated(out: Path, max_steps: int, snapshots: dict[int, str]) -> None:
+    committed = _committed_rollouts(out)
+    assert sorted(committed) == list(range(1, max_steps + 1))
+    for step, manifest in snapshots.items():  # a committed step is never written again
+        assert committed[step] == manifest, f"rollout step {step} was committed twice"
+    for step in committed:
+        listed = set(json.loads(committed[step])["files"]) | {"_manifest.json"}
+        assert {p.name for p in (out / "rollouts" / f"step={step:06d}").iterdir()} == listed
+    table = ds.dataset(out / "rollouts", format="ipc", partitioning="hive").to_table()
+    ids = table.column("sample_id").to_pylist()
+    assert len(ids) == len(set(ids)), "duplicate sample_id"
+    for step, version in zip(table.column("step").to_pylist(), table.column("policy_version").to_pylist(), strict=True):
+        assert 0 <= staleness(step, version) <= 2
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, max_steps + 1))
+    for v in range(max_steps + 1):
+        assert (out / "weights" / f"step={v:06d}" / "_manifest.json").exists()
+    assert json.loads((out / "state.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sigkill_anything_then_resume_loses_and_duplicates_nothing(tmp_path, prefect_api, seed):
+    rng, out, log = random.Random(seed), tmp_path / "run", tmp_path / "cli.log"
+    cli = start_cli(tmp_path, log, prefect_api, *RL_ARGS, "--output-dir", str(out))
+    snapshots: dict[int, str] = {}
+    kills: list[str] = []
+    try:
+        time.sleep(rng.uniform(3.0, 10.0))  # the first kill may land in start-up or the warm-up
+        while len(kills) < 4:
+            target = rng.choice(TARGETS)
+            snapshots.update(_committed_rollouts(out))
+            cli = _kill(cli, out, target, log, prefect_api)
+            kills.append(target)
+            seen = _checkpoints(out)
+            if not _wait_for_progress(cli, out, seen):
+                break
+            time.sleep(rng.uniform(0.0, 2.0))
+        assert cli.wait(timeout=300) == 0, log.read_text()[-4000:]
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+    print(f"seed {seed}: killed {kills}")
+    assert len(kills) == 4, f"the run finished before all kills: {kills}"
+    _assert_nothing_lost_or_duplicated(out, 10, snapshots)
+    _wait_gone(out)
+
+
+def _prefect(api: str, *args: str, timeout: float = 180) -> str:
+    env = {**cli_env(api), "ROLLFLOW_HOME": str(ROOT)}
+    prefect = str(Path(sys.executable).parent / "prefect")
+    proc = subprocess.run([prefect, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"prefect {' '.join(args)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_the_scheduled_deployment_resumes_a_killed_run_without_a_person(tmp_path, prefect_api):
+    out, log = tmp_path / "runs" / "a", tmp_path / "cli.log"
+    cli = start_cli(tmp_path, log, prefect_api, *RL_ARGS, "--output-dir", str(out), "--max-steps", "6")
+    try:
+        assert _wait_for_progress(cli, out, []), log.read_text()[-3000:]
+    finally:
+        for pid in [cli.pid, *descendants(cli.pid)]:
+            os.kill(pid, signal.SIGKILL)
+        cli.wait()
+    _wait_gone(out)
+    assert json.loads((out / "state.json").read_text())["status"] == "running"  # killed: unfinished
+
+    _prefect(prefect_api, "work-pool", "create", "rollflow-local", "--type", "process", "--overwrite")
+    _prefect(prefect_api, "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml")
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("resume-unfinished/resume-unfinished")
+    assert [s.schedule.cron for s in deployment.schedules] == ["*/10 * * * *"]  # type: ignore[union-attr]
+    # What the cron schedule does every 10 minutes, now: a scheduled run, picked up by a worker.
+    _prefect(prefect_api, "deployment", "run", "resume-unfinished/resume-unfinished",
+             "--param", f"runs_root={tmp_path / 'runs'}")  # fmt: skip
+    _prefect(prefect_api, "worker", "start", "--pool", "rollflow-local", "--run-once", timeout=300)
+
+    assert json.loads((out / "state.json").read_text())["status"] == "finished"
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs()
+    by_name = {r.name: r for r in runs}
+    scheduled = [r for r in runs if r.deployment_id == deployment.id]
+    assert scheduled and scheduled[0].state is not None and scheduled[0].state.is_completed(), by_name
+
+
+def _samples(out: Path) -> dict[str, tuple[int, tuple[int, ...]]]:
+    t = ds.dataset(out / "rollouts", format="ipc", partitioning="hive").to_table()
+    cols = [t.column(c).to_pylist() for c in ("sample_id", "step", "completion_ids")]
+    return {sid: (step, tuple(ids)) for sid, step, ids in zip(*cols, strict=True)}
+
+
+def test_a_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path, prefect_api):
+    args = (*RL_ARGS, "--async-level", "0", "--max-steps", "6", "--tracking.mlflow", "false")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert start_cli(tmp_path, tmp_path / "a.log", prefect_api, *args, "--output-dir", str(straight)).wait(300) == 0
+    cli = start_cli(tmp_path, tmp_path / "b.log", prefect_api, *args, "--output-dir", str(resumed))
+    assert _wait_for_progress(cli, resumed, [])
+    time.sleep(0.5)  # past the checkpoint, into the next steps: that work is lost and redone
+    for pid in [cli.pid, *descendants(cli.pid)]:
+        os.kill(pid, signal.SIGKILL)
+    cli.wait()
+    _wait_gone(resumed)
+    assert (resumed / "state.json").exists() and len(_checkpoints(resumed)) < 3
+    resume = start_cli(tmp_path, tmp_path / "b.log", prefect_api, "resume", str(resumed))
+    assert resume.wait(300) == 0, (tmp_path / "b.log").read_text()[-3000:]
+
+    a, b = _samples(straight), _samples(resumed)
+    assert a.keys() == b.keys()  # the same sample ids, step by step
+    assert a == b  # and the same completions: sampling is seeded per (seed, step, group), not per batch
+    wa = load_file(straight / "weights" / "step=000006" / "model.safetensors")
+    wb = load_file(resumed / "weights" / "step=000006" / "model.safetensors")
+    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    print(f"final weights: max |difference| = {worst:.2e}")
+    assert worst <= 1e-5  # the documented tolerance (docs/resume.md)
+
+
+def test_killing_the_flow_process_leaves_nothing_running_even_its_local_prefect_api(tmp_path):
+    out, log = tmp_path / "run", tmp_path / "cli.log"
+    cli = start_cli(tmp_path, log, None, *RL_ARGS, "--output-dir", str(out), "--max-steps", "4")
+    deadline = time.monotonic() + 120
+    while _component_pid(cli.pid, "orchestrator") is None:
+        assert cli.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    tree = descendants(cli.pid)
+    assert any("uvicorn" in Path(f"/proc/{p}/cmdline").read_text(errors="replace") for p in tree)
+    os.kill(cli.pid, signal.SIGKILL)
+    cli.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p for p in tree if _alive(p)] == []
+    assert start_cli(tmp_path, log, None, "resume", str(out)).wait(300) == 0, log.read_text()[-3000:]
+    assert json.loads((out / "state.json").read_text())["status"] == "finished"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,154 @@
+"""Resume bookkeeping on CPU in milliseconds: leases, config compatibility, resume point and rollback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flows.prepare import RunDirError, check_resumable, write_run_config
+from rollflow.cli import main
+from rollflow.config import RunConfig, resume_changes
+from storage import checkpoints, rollouts, runstate, weights
+from storage.fs import get_fs
+from storage.metrics import MetricsLog, read_metrics
+from storage.resume import repair, resume_point, rollback
+
+TINY = Path(__file__).resolve().parents[2] / "profiles" / "tiny-cpu.toml"
+
+
+def test_a_live_lease_is_refused_and_an_expired_or_dead_one_is_taken(tmp_path):
+    fs, root = get_fs(str(tmp_path))
+    lease = runstate.acquire(fs, root, ttl_s=30, settle_s=0)
+    with pytest.raises(runstate.LeaseHeld, match="already being run"):
+        runstate.acquire(fs, root, ttl_s=30, settle_s=0)
+    lease.expires_at = time.time() - 1
+    (tmp_path / "lease.json").write_text(json.dumps(lease.__dict__))
+    taken = runstate.acquire(fs, root, ttl_s=30, settle_s=0)  # expired
+    assert taken.owner != lease.owner
+    assert not runstate.renew(fs, root, lease, 30)  # the old holder cannot renew someone else's lease
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    taken.pid = dead.pid
+    (tmp_path / "lease.json").write_text(json.dumps(taken.__dict__))
+    runstate.acquire(fs, root, ttl_s=30, settle_s=0)  # held by a dead process on this host
+
+
+def test_release_removes_only_our_own_lease(tmp_path):
+    fs, root = get_fs(str(tmp_path))
+    ours = runstate.acquire(fs, root, ttl_s=30, settle_s=0)
+    other = runstate.Lease("someone-else", "host", os.getpid(), time.time() + 30)
+    runstate.release(fs, root, other)
+    assert runstate.read_lease(fs, root).owner == ours.owner
+    runstate.release(fs, root, ours)
+    assert runstate.read_lease(fs, root) is None
+
+
+def test_resume_changes_split_incompatible_from_compatible():
+    old = RunConfig().model_dump(mode="json")
+    new = RunConfig(max_steps=7, model={"hidden_size": 64}, orchestrator={"group_size": 4}).model_dump(mode="json")
+    new["trainer"]["optim"]["lr"] = 5e-4
+    new["inference"]["port"] = 1234  # picked at launch: never a change
+    bad, ok = resume_changes(old, new)
+    assert set(bad) == {"model.hidden_size", "orchestrator.group_size"}
+    assert ok == {"max_steps": (100, 7), "trainer.optim.lr": (1e-3, 5e-4)}
+
+
+def _run_dir(tmp_path: Path, **changes) -> RunConfig:
+    cfg = RunConfig(output_dir=str(tmp_path / "run"), **changes)
+    fs, root = get_fs(cfg.output_dir)
+    write_run_config(cfg, "rid")
+    runstate.write_state(fs, root, runstate.RunState(run_id="rid", mlflow_run_id=None))
+    weights.publish(fs, root, 0, {"w": torch.zeros(2)})
+    return cfg
+
+
+def test_resume_with_an_incompatible_change_is_refused_listing_every_difference(tmp_path, capsys):
+    cfg = _run_dir(tmp_path)
+    with pytest.raises(RunDirError) as err:
+        check_resumable(RunConfig(output_dir=cfg.output_dir, seed=3, orchestrator={"group_size": 4}))
+    assert "seed: 0 -> 3" in str(err.value) and "orchestrator.group_size: 8 -> 4" in str(err.value)
+    assert check_resumable(RunConfig(output_dir=cfg.output_dir, max_steps=200)) == {"max_steps": (100, 200)}
+    # the CLI refuses before starting anything, exit code 2
+    assert main(["resume", cfg.output_dir, "--model.num_layers", "5"]) == 2
+    assert "model.num_layers: 3 -> 5" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_run_that_is_live(tmp_path, capsys):
+    cfg = _run_dir(tmp_path)
+    fs, root = get_fs(cfg.output_dir)
+    runstate.acquire(fs, root, ttl_s=60, settle_s=0)  # this (live) test process holds it
+    assert main(["resume", cfg.output_dir]) == 2
+    assert "is being run right now" in capsys.readouterr().err
+    assert main(["rl", "@", str(TINY), "--output-dir", cfg.output_dir, "--overwrite"]) == 2
+    assert (tmp_path / "run" / "weights").exists()
+    assert main(["resume", str(tmp_path / "nothing-here")]) == 2
+    assert "holds no rollflow run to resume" in capsys.readouterr().err
+
+
+def _checkpoint(fs, root, step: int) -> None:
+    checkpoints.save(fs, root, step, "trainer", {"model.safetensors": b"w" * 8, "trainer_state.pt": b"s" * 8})
+
+
+def test_resume_point_skips_a_corrupt_checkpoint_and_says_which_file(tmp_path):
+    fs, root = get_fs(str(tmp_path))
+    for step in (2, 4):
+        _checkpoint(fs, root, step)
+    path = tmp_path / "checkpoints" / "step=000004" / "trainer" / "trainer_state.pt"
+    path.write_bytes(b"s" * 5)  # truncated
+    said: list[str] = []
+    assert resume_point(fs, root, said.append) == 2
+    assert len(said) == 1 and str(path) in said[0] and "falling back" in said[0]
+    assert resume_point(get_fs(str(tmp_path / "empty"))[0], str(tmp_path / "empty"), said.append) is None
+
+
+def test_rollback_keeps_committed_rollouts_and_drops_what_the_checkpoint_does_not_cover(tmp_path):
+    fs, root = get_fs(str(tmp_path))
+    for v in range(5):
+        weights.publish(fs, root, v, {"w": torch.full((2,), float(v))})
+    table = rollouts.to_table([])
+    for step in (1, 2, 3, 4, 5):
+        rollouts.write_step(fs, root, step, table, {})
+    (tmp_path / "rollouts" / "step=000006").mkdir()  # a write cut short: files, no manifest
+    (tmp_path / "rollouts" / "step=000006" / "part-00000.arrow").write_bytes(b"partial")
+    _checkpoint(fs, root, 2)
+    metrics = MetricsLog(fs, root)
+    for s in range(1, 5):
+        metrics.record({"step": s})
+    removed = rollback(fs, root, 2)
+    assert weights.latest_version(fs, root) == 2
+    assert rollouts.committed_rollout_steps(fs, root) == [1, 2, 3, 4, 5]
+    assert not (tmp_path / "rollouts" / "step=000006").exists()
+    assert [r["step"] for r in read_metrics(fs, root)] == [1, 2]
+    assert len(removed) == 4  # weights 3 and 4, the partial rollout step, the metrics rows
+    assert rollback(fs, root, 2) == []  # idempotent
+
+
+def test_repair_resamples_a_corrupt_rollout_step_and_rewrites_corrupt_weights_from_the_checkpoint(tmp_path):
+    from safetensors.torch import save
+
+    fs, root = get_fs(str(tmp_path))
+    good = {"w": torch.arange(3.0)}
+    weights.publish(fs, root, 2, good)
+    checkpoints.save(fs, root, 2, "trainer", {"model.safetensors": save(good), "trainer_state.pt": b"s"})
+    for step in (1, 2, 3, 4):
+        rollouts.write_step(fs, root, step, rollouts.to_table([]), {})
+    shard = tmp_path / "rollouts" / "step=000003" / "part-00000.arrow"
+    shard.write_bytes(shard.read_bytes()[:-7])
+    wfile = tmp_path / "weights" / "step=000002" / "model.safetensors"
+    wfile.write_bytes(b"x" * wfile.stat().st_size)  # same size, wrong bytes
+    said: list[str] = []
+    repair(fs, root, 2, said.append)
+    assert rollouts.committed_rollout_steps(fs, root) == [1, 2, 4]
+    assert any(str(shard) in s and "sampled again" in s for s in said)
+    assert any(str(wfile) in s and "rewriting it from checkpoint step=2" in s for s in said)
+    assert torch.equal(weights.load(fs, weights.version_dir(root, 2))["w"], good["w"])
+    said.clear()
+    repair(fs, root, 2, said.append)
+    assert said == []
