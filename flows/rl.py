@@ -28,6 +28,7 @@ from flows.lease import hold_lease
 from flows.lifecycle import RunHandle, close_run, reopen_run, start_new_run
 from flows.summary import summarize, to_markdown
 from rollflow.config import RunConfig
+from storage.fs import configure as configure_storage
 from storage.fs import get_fs, join
 from storage.runstate import write_state
 from tasks.components import run_component
@@ -127,6 +128,7 @@ def rl(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
     logger = get_run_logger()
     t0 = time.time()
     cfg = RunConfig.model_validate(config)
+    configure_storage(cfg.storage.model_dump(mode="json"))  # exported to the components' environment
     fs, root = get_fs(cfg.output_dir)
     fs.makedirs(root, exist_ok=True)
     with hold_lease(fs, root, cfg.restart.lease_ttl_s, logger):

@@ -4,6 +4,7 @@ so `--help`, validation and `--dry-run` are instant.
     rollflow rl @ profiles/tiny-cpu.toml [@ more.toml] [--trainer.optim.lr 3e-4] [--output-dir DIR]
                 [--dry-run] [--overwrite | --resume]
     rollflow resume OUTPUT_DIR [--KEY VALUE ...]
+    rollflow lake OUTPUT_DIR [--json] [--export FILE ...] [--plot DIR] [--verify]   (rollflow/lake.py)
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ RESUME_USAGE = """rollflow resume OUTPUT_DIR [--KEY VALUE ...]
   Continue the run in OUTPUT_DIR (a path or URL) from its last complete checkpoint, with the config it
   was started with plus any overrides (e.g. --max-steps 200). Refused while another process runs it.
   docs/resume.md explains what is kept and what is redone."""
+
+LAKE_USAGE = """rollflow lake OUTPUT_DIR [--json] [--export FILE [--steps A:B] [--env NAME] [--min-reward X]
+                     [--max-reward X] [--limit N]] [--plot DIR] [--verify]
+
+  Inspect a run's rollout lake: committed steps, samples, reward and length by step and by policy
+  version, the staleness histogram, weight publications and checkpoints. Corrupted files are listed by
+  path (exit code 1). docs/rollouts.md has the details."""
 
 
 def split_args(tokens: list[str]) -> tuple[list[str], list[tuple[str, str]], set[str]]:
@@ -70,7 +78,9 @@ def _precheck(cfg: RunConfig, flags: set[str]) -> None:
     """Refuse early (before Prefect starts) what the flow would refuse: a live run, an existing run
     without --overwrite or --resume, a resume with incompatible settings."""
     from flows.prepare import RunDirError, check_resumable, refuse_if_running, run_exists
+    from storage.fs import configure
 
+    configure(cfg.storage.model_dump(mode="json"))  # endpoint, timeouts, retries for these checks and the run
     try:
         if {"overwrite", "resume"} <= flags:
             raise RunDirError("--overwrite and --resume exclude each other: replace the run, or continue it")
@@ -150,13 +160,20 @@ def cmd_resume(tokens: list[str]) -> int:
     return _launch(cfg, {"resume"})
 
 
+def cmd_lake(tokens: list[str]) -> int:
+    from rollflow.lake import main as lake_main
+
+    return lake_main(tokens)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="rollflow", description="Asynchronous RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    commands = {"rl": (cmd_rl, USAGE), "resume": (cmd_resume, RESUME_USAGE)}
+    commands = {"rl": (cmd_rl, USAGE), "resume": (cmd_resume, RESUME_USAGE), "lake": (cmd_lake, LAKE_USAGE)}
     sub.add_parser("rl", help="run RL from profiles and overrides", usage=USAGE, add_help=False)
     sub.add_parser("resume", help="continue a run from its last complete checkpoint", usage=RESUME_USAGE)
+    sub.add_parser("lake", help="inspect a run's rollouts, weights and checkpoints", usage=LAKE_USAGE)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0

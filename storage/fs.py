@@ -1,32 +1,303 @@
 """Filesystem access and the manifest-last commit protocol shared by shards, weights and checkpoints.
 
 A directory is *committed* when its `_manifest.json` exists: the manifest is written after every file
-it lists, and lists each file's size and sha256. Readers trust only what a manifest lists and verify
-checksums, so a reader never sees a half-written directory, on a local disk or on an object store
-(which has no atomic rename).
+it lists, and lists each file's size and sha256 plus a checksum of itself. Readers trust only what a
+manifest lists and verify checksums, so a reader never sees a half-written directory, on a local disk
+or on an object store (which has no atomic rename).
+
+Object stores fail transiently (5xx, throttling, timeouts, connection resets). `get_fs` wraps every
+non-local filesystem in `RetryingFileSystem`, which retries idempotent calls with exponential backoff
+and full jitter inside a time budget, and raises `StorageUnavailable` (naming the operation, the path
+and the budget) once the budget is spent. Settings that are not secret (endpoint, region, timeouts,
+retry budget, retention, delta publication) come from `configure()` or, in component processes, from
+the `ROLLFLOW_STORAGE` environment variable the flow sets; credentials never pass through here, only
+through the usual AWS environment variables or profiles that botocore reads itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
 import hashlib
 import json
+import logging
 import os
+import random
+import re
+import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, cast
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 MANIFEST = "_manifest.json"
+MANIFEST_CHECKSUM = "manifest_sha256"
+ENV_VAR = "ROLLFLOW_STORAGE"
+
+log = logging.getLogger("rollflow.storage")
 
 
 class CorruptError(IOError):
     """A committed file does not match its manifest (truncated, corrupted or missing)."""
 
 
+class StorageUnavailable(IOError):
+    """Storage kept failing transiently for longer than the retry budget."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Settings
+
+
+@dataclass(frozen=True)
+class StorageSettings:
+    """Non-secret storage settings; the same keys as `rollflow.config.StorageConfig` (validated there)."""
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 30.0
+    retry_budget_s: float = 120.0
+    retry_max_attempts: int = 12
+    retry_base_s: float = 0.2
+    retry_max_backoff_s: float = 10.0
+    keep_last_weights: int | None = None
+    keep_every_weights: int | None = None
+    keep_last_checkpoints: int | None = None
+    keep_every_checkpoints: int | None = None
+    weights_delta: bool = False
+    weights_full_every: int = 10
+    fsync: bool = True
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StorageSettings:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{ENV_VAR}: unknown storage setting(s) {', '.join(unknown)}; known: {sorted(known)}")
+        return cls(**data)
+
+
+_settings: StorageSettings | None = None
+
+
+def configure(data: dict[str, Any] | None) -> StorageSettings:
+    """Set this process's storage settings and export them as `ROLLFLOW_STORAGE`, so that the component
+    processes it starts (which inherit the environment) use the same ones. The CLI and the flow call this."""
+    global _settings
+    _settings = StorageSettings.from_dict(data or {})
+    os.environ[ENV_VAR] = json.dumps(data or {}, sort_keys=True)
+    _fs_cache.clear()
+    return _settings
+
+
+def settings() -> StorageSettings:
+    """This process's settings: `configure()`d ones, else `ROLLFLOW_STORAGE` (JSON), else defaults."""
+    global _settings
+    if _settings is None:
+        raw = os.environ.get(ENV_VAR)
+        _settings = StorageSettings.from_dict(json.loads(raw) if raw else {})
+    return _settings
+
+
+def storage_options(protocol: str, s: StorageSettings | None = None) -> dict[str, Any]:
+    """fsspec keyword arguments for `protocol`. For s3, botocore's and s3fs's own retries are switched
+    off (s3fs's in `get_fs`) so that one layer, ours, owns backoff and the budget; timeouts bound a
+    stalled request."""
+    s = s or settings()
+    if protocol not in ("s3", "s3a"):
+        return {}  # the settings describe the object store; local paths (configs, exports) need none
+    client_kwargs: dict[str, Any] = {}
+    # botocore would read AWS_ENDPOINT_URL itself; passing it makes it part of fsspec's instance cache key,
+    # so a changed endpoint never reuses a client bound to the old one.
+    endpoint = s.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        client_kwargs["endpoint_url"] = endpoint
+    if s.region:
+        client_kwargs["region_name"] = s.region
+    config_kwargs = {
+        "connect_timeout": s.timeout_s,
+        "read_timeout": s.timeout_s,
+        "retries": {"total_max_attempts": 1},
+    }
+    return {"client_kwargs": client_kwargs, "config_kwargs": config_kwargs, **s.options}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Transient errors and retries
+
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "ServiceUnavailable",
+    "InternalError",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "Throttling",
+    "ThrottlingException",
+    "TooManyRequestsException",
+    "RequestLimitExceeded",
+}
+_TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNREFUSED, errno.ETIMEDOUT, errno.EPIPE, errno.EREMOTEIO}
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+
+
+def _transient_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    try:
+        from fsspec.exceptions import FSTimeoutError
+
+        types.append(FSTimeoutError)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import botocore.exceptions as bex
+        from botocore.parsers import ResponseParserError
+
+        types += [bex.HTTPClientError, bex.ConnectionError, bex.IncompleteReadError, ResponseParserError]
+    except ImportError:
+        pass
+    try:
+        import aiohttp
+
+        types.append(aiohttp.ClientError)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+def _client_error_is_transient(exc: BaseException) -> bool | None:
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+    code = str(response.get("Error", {}).get("Code", ""))
+    return status >= 500 or status == 429 or code in _TRANSIENT_CODES or code.isdigit() and int(code) >= 500
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for failures worth retrying: 5xx/throttling answers, timeouts, refused or reset connections.
+    Missing files, permissions and other 4xx answers are permanent. s3fs re-raises botocore errors as
+    plain OSErrors, so the cause chain is inspected too."""
+    if isinstance(exc, _PERMANENT):
+        return False
+    transient = _transient_types()
+    seen = 0
+    cur: BaseException | None = exc
+    while cur is not None and seen < 10:
+        verdict = _client_error_is_transient(cur)
+        if verdict is not None:
+            return verdict
+        if isinstance(cur, transient):
+            return True
+        if isinstance(cur, OSError) and cur.errno in _TRANSIENT_ERRNOS:
+            return True
+        cur = cur.__cause__ or cur.__context__
+        seen += 1
+    return False
+
+
+_USERINFO = re.compile(r"(://)[^/@\s]+@")
+
+
+def _describe(exc: BaseException) -> str:
+    """`Type: message`, with any `user:pass@` in URLs masked (messages may quote endpoint URLs)."""
+    return _USERINFO.sub(r"\1***@", f"{type(exc).__name__}: {exc}")[:500]
+
+
+def call_with_retry(fn: Callable[[], Any], what: str, s: StorageSettings | None = None, idempotent_rm: bool = False):
+    """Run `fn`; retry transient failures with exponential backoff and full jitter until
+    `retry_max_attempts` or `retry_budget_s` runs out, then raise `StorageUnavailable`."""
+    s = s or settings()
+    start = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except FileNotFoundError:
+            if idempotent_rm and attempt > 1:
+                return None  # an earlier attempt deleted it before its answer was lost
+            raise
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            elapsed = time.monotonic() - start
+            delay = random.uniform(0, min(s.retry_max_backoff_s, s.retry_base_s * 2 ** (attempt - 1)))
+            if attempt >= s.retry_max_attempts or elapsed + delay > s.retry_budget_s:
+                raise StorageUnavailable(
+                    f"storage unavailable: {what} failed {attempt} time(s) over {elapsed:.1f}s, which exhausts "
+                    f"the retry budget (storage.retry_budget_s={s.retry_budget_s}, "
+                    f"storage.retry_max_attempts={s.retry_max_attempts}); last error: {_describe(exc)}. "
+                    "Everything committed before this point is intact (readers trust only manifests); "
+                    "restore storage access, then resume the run."
+                ) from exc
+            log.warning(f"storage: {what} failed ({_describe(exc)}); retry {attempt} in {delay:.2f}s")
+            time.sleep(delay)
+
+
+# Calls that are safe to repeat: reads, whole-object PUTs, deletes, listings.
+_RETRIED = frozenset(
+    {"cat_file", "pipe_file", "exists", "ls", "find", "glob", "info", "isdir", "isfile", "size", "du"}
+    | {"makedirs", "mkdir", "rm", "rm_file", "cat", "put_file", "get_file"}
+)
+
+
+class RetryingFileSystem:
+    """Wraps an fsspec filesystem: the calls in `_RETRIED` go through `call_with_retry`; anything else
+    passes straight through. `.fs` is the wrapped filesystem (e.g. for pyarrow)."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, s: StorageSettings | None = None):
+        self.fs = fs
+        self._settings = s
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.fs, name)
+        if name not in _RETRIED or not callable(attr):
+            return attr
+
+        @functools.wraps(attr)
+        def retried(*args, **kwargs):
+            target = args[0] if args else kwargs.get("path", "")
+            what = f"{name} {self.fs.unstrip_protocol(str(target)) if target else ''}".strip()
+            return call_with_retry(
+                lambda: attr(*args, **kwargs), what, self._settings, idempotent_rm=name in ("rm", "rm_file")
+            )
+
+        return retried
+
+    def __repr__(self) -> str:
+        return f"RetryingFileSystem({self.fs!r})"
+
+
+_fs_cache: dict[str, Any] = {}
+
+
 def get_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    fs, root = fsspec.core.url_to_fs(url)
+    """(filesystem, root path) for a local path or URL, with this process's storage options; non-local
+    filesystems come wrapped in `RetryingFileSystem`."""
+    protocol = fsspec.core.split_protocol(url)[0] or "file"
+    fs, root = fsspec.core.url_to_fs(url, **storage_options(protocol))
+    if not isinstance(fs, LocalFileSystem):
+        key = f"{protocol}:{id(fs)}"
+        if key not in _fs_cache:  # one wrapper per fsspec instance (fsspec caches instances too)
+            if hasattr(fs, "retries"):
+                fs.retries = 1  # s3fs retries some errors itself (a class attribute, not an option)
+            _fs_cache[key] = cast(fsspec.AbstractFileSystem, RetryingFileSystem(fs))
+        fs = _fs_cache[key]
     return fs, root.rstrip("/")
+
+
+def raw_fs(fs: Any) -> fsspec.AbstractFileSystem:
+    """The plain fsspec filesystem under a `RetryingFileSystem` (pyarrow wants a real one)."""
+    return fs.fs if isinstance(fs, RetryingFileSystem) else fs
+
+
+# ---------------------------------------------------------------------------------------------------
+# Paths, atomic writes, the commit protocol
 
 
 def join(*parts: str) -> str:
@@ -40,52 +311,88 @@ def sha256(data: bytes) -> str:
 def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Whole-or-nothing write: temp file + rename locally; a single PUT (atomic per object) elsewhere."""
     parent, name = path.rsplit("/", 1)
-    fs.makedirs(parent, exist_ok=True)
     if not isinstance(fs, LocalFileSystem):
-        fs.pipe_file(path, data)
+        fs.pipe_file(path, data)  # object stores have no directories to create
         return
+    fs.makedirs(parent, exist_ok=True)
     # A leading '.' keeps a crash's leftover out of Arrow dataset discovery (it skips '.' and '_').
     tmp = f"{parent}/.tmp-{uuid.uuid4().hex[:8]}-{name}"
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if settings().fsync:  # durable across power loss; a process crash is covered by the rename
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def commit_dir(fs: fsspec.AbstractFileSystem, directory: str, files: dict[str, bytes], meta: dict) -> dict:
+def _manifest_digest(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}
+    return sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def commit_dir(
+    fs: fsspec.AbstractFileSystem,
+    directory: str,
+    files: dict[str, bytes],
+    meta: dict,
+    digests: dict[str, str] | None = None,
+) -> dict:
     """Write `files` into `directory`, then the manifest that commits them. Returns the manifest.
 
     Rewriting a committed directory first removes its manifest, so no reader ever pairs the old
-    manifest with new files.
+    manifest with new files. The manifest carries a checksum of its own content (`manifest_sha256`).
+    `digests` are sha256s the caller already computed (hashing is the dearest part of a local commit).
     """
     manifest_path = join(directory, MANIFEST)
-    if fs.exists(manifest_path):
-        fs.rm(manifest_path)
+    _remove_if_present(fs, manifest_path)
     entries = {}
     for name, data in files.items():
         write_bytes_atomic(fs, join(directory, name), data)
-        entries[name] = {"bytes": len(data), "sha256": sha256(data)}
+        entries[name] = {"bytes": len(data), "sha256": (digests or {}).get(name) or sha256(data)}
     manifest = {**meta, "files": entries}
+    manifest[MANIFEST_CHECKSUM] = _manifest_digest(manifest)
     write_bytes_atomic(fs, manifest_path, json.dumps(manifest, indent=1).encode())
     return manifest
 
 
+def _remove_if_present(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """One DELETE on an object store (deleting a missing key succeeds there), where exists()+rm() costs a
+    HEAD, a LIST (s3fs looks for a "directory" after a 404) and a DELETE."""
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(path)
+    fs.invalidate_cache(path.rsplit("/", 1)[0])
+
+
 def is_committed(fs: fsspec.AbstractFileSystem, directory: str) -> bool:
+    """Whether `directory` has a manifest. One GET of the (small) manifest: on an object store, exists()
+    on a missing key costs a HEAD and a LIST, and pollers ask this many times."""
     fs.invalidate_cache(directory)  # object-store listings are cached; commits by other processes must show
-    return fs.exists(join(directory, MANIFEST))
+    try:
+        fs.cat_file(join(directory, MANIFEST))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
 
 
 def read_manifest(fs: fsspec.AbstractFileSystem, directory: str) -> dict[str, Any]:
+    """A committed directory's manifest; `CorruptError` (naming the path) when it is not valid JSON or
+    fails its own checksum."""
     path = join(directory, MANIFEST)
     try:
-        return json.loads(fs.cat_file(path))
+        manifest = json.loads(fs.cat_file(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CorruptError(f"{path}: manifest is not valid JSON ({exc})") from exc
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CorruptError(f"{path}: manifest has no 'files' table")
+    expected = manifest.get(MANIFEST_CHECKSUM)
+    # Manifests written before the self-checksum existed have none; those are trusted as before.
+    if expected is not None and expected != _manifest_digest(manifest):
+        raise CorruptError(f"{path}: manifest checksum mismatch; the manifest was altered or corrupted")
+    return manifest
 
 
 def read_verified(fs: fsspec.AbstractFileSystem, directory: str, name: str, manifest: dict) -> bytes:
@@ -107,15 +414,24 @@ def read_verified(fs: fsspec.AbstractFileSystem, directory: str, name: str, mani
 
 
 def committed_steps(fs: fsspec.AbstractFileSystem, parent: str, sub: str = "") -> list[int]:
-    """Steps `N` for which `parent/step=N/<sub>` is committed, ascending."""
+    """Steps `N` for which `parent/step=N/<sub>` is committed, ascending.
+
+    One recursive listing (a single paged LIST on an object store) instead of a request per step."""
     fs.invalidate_cache(parent)
-    if not fs.exists(parent):
+    try:
+        paths = fs.find(parent)
+    except FileNotFoundError:
         return []
-    steps = []
-    for entry in fs.ls(parent, detail=False):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if name.startswith("step=") and is_committed(fs, join(entry, sub)):
-            steps.append(int(name.split("=", 1)[1]))
+    finally:
+        fs.invalidate_cache()  # find() fills listing caches below `parent`; never answer from them later
+    want = join(sub, MANIFEST) if sub else MANIFEST
+    prefix = parent.rstrip("/") + "/"
+    steps = set()
+    for path in paths:
+        rel = path[len(prefix) :] if path.startswith(prefix) else ""
+        head, _, rest = rel.partition("/")
+        if head.startswith("step=") and rest == want:
+            steps.add(int(head.split("=", 1)[1]))
     return sorted(steps)
 
 
@@ -125,8 +441,8 @@ def step_dir(parent: str, step: int) -> str:
 
 def read_json(url: str) -> Any:
     """Read a JSON document from a local path or any fsspec URL (component configs travel this way)."""
-    with fsspec.open(url, "rb") as f:
-        return json.loads(f.read())
+    fs, path = get_fs(url)
+    return json.loads(fs.cat_file(path))
 
 
 def write_json(fs: fsspec.AbstractFileSystem, path: str, obj: Any) -> None:

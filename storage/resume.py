@@ -20,7 +20,7 @@ from collections.abc import Callable
 import fsspec
 
 from storage import checkpoints, rollouts, weights
-from storage.fs import MANIFEST, CorruptError, commit_dir, join, read_manifest, read_verified
+from storage.fs import MANIFEST, CorruptError, join
 from storage.metrics import MetricsLog
 
 
@@ -99,12 +99,14 @@ def repair(fs: fsspec.AbstractFileSystem, root: str, step: int | None, log: Call
     if not fs.exists(join(directory, MANIFEST)):
         return
     try:
-        read_verified(fs, directory, weights.WEIGHTS_FILE, read_manifest(fs, directory))
+        weights.load(fs, directory)  # verifies a full publication, or rebuilds a delta one against its checksum
     except CorruptError as exc:
         if step is None:
             log(f"policy version 0 is corrupt: {exc}; removing it so the warm-up runs again")
             remove_dir(fs, directory)
             return
         log(f"policy version {step} is corrupt: {exc}; rewriting it from checkpoint step={step}")
-        data = checkpoints.load(fs, root, step, "trainer")["model.safetensors"]
-        commit_dir(fs, directory, {weights.WEIGHTS_FILE: data}, {"version": step})
+        from safetensors.torch import load as st_load
+
+        state = st_load(checkpoints.load(fs, root, step, "trainer")["model.safetensors"])
+        weights.publish(fs, root, step, state)  # full: this process has no delta base

@@ -63,7 +63,41 @@ def to_table(rows: list[dict]) -> pa.Table:
     missing = [f.name for f in ROLLOUT_SCHEMA if not f.nullable and table.column(f.name).null_count]
     if missing:
         raise ValueError(f"rollout rows lack required column(s): {', '.join(missing)}")
+    check_routed_experts(table)
     return table
+
+
+def check_routed_experts(table: pa.Table) -> None:
+    """A non-null `routed_experts` must be `[seq, layers, top_k]` with seq = prompt + completion - 1 (every
+    position the sampler ran through the model) and the same layers and top_k in every row and token."""
+    import pyarrow.compute as pc
+
+    col = table.column("routed_experts")
+    if col.null_count == len(col):
+        return
+    valid = pc.is_valid(col)
+    seq = pc.filter(pc.list_value_length(col), valid).to_pylist()
+    want = pc.filter(
+        pc.subtract(
+            pc.add(
+                pc.list_value_length(table.column("prompt_ids")), pc.list_value_length(table.column("completion_ids"))
+            ),
+            1,
+        ),
+        valid,
+    ).to_pylist()
+    ids = pc.filter(table.column("sample_id"), valid).to_pylist()
+    for sid, got, exp in zip(ids, seq, want, strict=True):
+        if got != exp:
+            raise ValueError(f"routed_experts of {sid}: {got} positions, expected prompt + completion - 1 = {exp}")
+    tokens = pc.list_flatten(col)
+    layers = set(pc.list_value_length(tokens).to_pylist())
+    top_k = set(pc.list_value_length(pc.list_flatten(tokens)).to_pylist())
+    if len(layers) > 1 or len(top_k) > 1:
+        raise ValueError(
+            f"routed_experts must be [seq, layers, top_k] with fixed layers and top_k; got layers {sorted(layers)}, "
+            f"top_k {sorted(top_k)}"
+        )
 
 
 def _ipc_bytes(table: pa.Table) -> bytes:

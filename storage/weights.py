@@ -1,16 +1,40 @@
-"""Weight publications: `OUTPUT_DIR/weights/step=NNNNNN/model.safetensors` + manifest written last.
+"""Weight publications: `OUTPUT_DIR/weights/step=NNNNNN/` + a manifest written last.
 
 Version N is the policy after trainer step N (version 0 = initial weights, after the warm-up). The
 trainer publishes, the orchestrator discovers new versions and tells the inference engine to load them.
+
+A publication is either full (`model.safetensors`) or, with `storage.weights_delta`, a delta
+(`model.delta.safetensors`, see storage/delta.py) against an earlier publication named in the manifest
+as `base_version`; every `storage.weights_full_every`-th version, and the first one a process
+publishes, is full. Both kinds record `model_sha256`, the sha256 of the full safetensors serialization,
+and the loader checks a rebuilt delta against it, so reconstruction is exact or it fails loudly.
+`full_bytes` and `payload_bytes` in the manifest give the payload ratio.
 """
 
 from __future__ import annotations
 
 import fsspec
 
-from storage.fs import commit_dir, committed_steps, join, read_manifest, read_verified, step_dir
+from storage.fs import (
+    MANIFEST_CHECKSUM,
+    CorruptError,
+    commit_dir,
+    committed_steps,
+    join,
+    read_manifest,
+    read_verified,
+    settings,
+    sha256,
+    step_dir,
+)
 
 WEIGHTS_FILE = "model.safetensors"
+DELTA_FILE = "model.delta.safetensors"
+
+# Last publication per run root, kept by the publisher as the base of the next delta (delta mode only).
+_published: dict[str, tuple[int, dict]] = {}
+# Last loaded publications by directory and content, so following a delta chain does not reload the base each time.
+_loaded: dict[str, dict] = {}
 
 
 def weights_root(output_root: str) -> str:
@@ -21,13 +45,36 @@ def version_dir(output_root: str, version: int) -> str:
     return step_dir(weights_root(output_root), version)
 
 
+def _sibling(directory: str, version: int) -> str:
+    """`.../weights/step=B` next to `.../weights/step=N` (delta bases live in the same folder)."""
+    return step_dir(directory.rstrip("/").rsplit("/", 1)[0], version)
+
+
 def publish(fs: fsspec.AbstractFileSystem, output_root: str, version: int, state_dict: dict) -> str:
     """Serialize and commit a state dict as policy `version`; returns the publication's directory."""
     from safetensors.torch import save
 
+    s = settings()
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    full = save(tensors)
     directory = version_dir(output_root, version)
-    commit_dir(fs, directory, {WEIGHTS_FILE: save(tensors)}, {"version": version})
+    meta = {"version": version, "model_sha256": sha256(full), "full_bytes": len(full)}
+    base = _published.get(output_root) if s.weights_delta else None
+    if base is not None and base[0] < version and version % s.weights_full_every != 0:
+        from storage import delta
+
+        payload, counts = delta.encode(base[1], tensors)
+        meta.update(encoding="delta", base_version=base[0], payload_bytes=len(payload), tensors=counts)
+        commit_dir(fs, directory, {DELTA_FILE: payload}, meta)
+    else:
+        meta.update(encoding="full", payload_bytes=len(full))
+        commit_dir(fs, directory, {WEIGHTS_FILE: full}, meta, digests={WEIGHTS_FILE: str(meta["model_sha256"])})
+    if s.weights_delta:
+        _published[output_root] = (version, {k: v.clone() for k, v in tensors.items()})  # params change in place
+    from storage import retention
+
+    retention.remember_base(directory, base[0] if meta["encoding"] == "delta" and base else None)
+    retention.enforce(fs, output_root)
     return directory
 
 
@@ -42,11 +89,41 @@ def read_version(fs: fsspec.AbstractFileSystem, directory: str) -> int:
 
 
 def load(fs: fsspec.AbstractFileSystem, directory: str) -> dict:
-    """Load a committed publication (checksum-verified) as a CPU state dict."""
+    """Load a committed publication (checksum-verified; a delta is rebuilt from its base chain and checked
+    against `model_sha256`) as a CPU state dict. Callers must not modify the tensors in place."""
+    return _load(fs, directory.rstrip("/"), from_cache=False)
+
+
+def _load(fs: fsspec.AbstractFileSystem, directory: str, from_cache: bool) -> dict:
+    # The publication asked for is always read and verified; only delta bases, verified when they were
+    # loaded, may come from the cache (an engine following versions in order rebuilds from the last one).
     from safetensors.torch import load as st_load
+    from safetensors.torch import save
 
     manifest = read_manifest(fs, directory)
-    return st_load(read_verified(fs, directory, WEIGHTS_FILE, manifest))
+    key = f"{directory}#{manifest.get('model_sha256') or manifest.get(MANIFEST_CHECKSUM)}"  # a rewrite misses
+    if from_cache and key in _loaded:
+        return dict(_loaded[key])
+    if manifest.get("encoding") != "delta":
+        state = st_load(read_verified(fs, directory, WEIGHTS_FILE, manifest))
+    else:
+        from storage import delta
+
+        payload = read_verified(fs, directory, DELTA_FILE, manifest)
+        base_dir = _sibling(directory, int(manifest["base_version"]))
+        try:
+            state = delta.decode(_load(fs, base_dir, from_cache=True), payload)
+        except (ValueError, FileNotFoundError) as exc:
+            raise CorruptError(f"{directory}: cannot rebuild from its base {base_dir}: {exc}") from exc
+        if sha256(save(state)) != manifest["model_sha256"]:
+            raise CorruptError(
+                f"{directory}/{DELTA_FILE}: rebuilt weights do not match model_sha256 in the manifest "
+                f"(base {base_dir}); the delta or its base is corrupted"
+            )
+    if len(_loaded) >= 2:
+        _loaded.pop(next(iter(_loaded)))
+    _loaded[key] = state
+    return dict(state)
 
 
 def load_latest(fs: fsspec.AbstractFileSystem, output_root: str) -> tuple[int, dict] | None:
