@@ -55,7 +55,9 @@ def run_storage() -> tuple[str, str, float] | None:
         return None
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", STORAGE_MODULE], capture_output=True, text=True, cwd=harness.ROOT)
-    body = proc.stdout.strip() if proc.returncode == 0 else f"**Failed** (exit {proc.returncode}):\n\n```text\n"
+    # its own "## " sections become subsections of this page's storage section
+    lines = [("#" + line if line.startswith("#") else line) for line in proc.stdout.strip().splitlines()]
+    body = "\n".join(lines) if proc.returncode == 0 else f"**Failed** (exit {proc.returncode}):\n\n```text\n"
     if proc.returncode != 0:
         body += (proc.stdout + proc.stderr)[-3000:] + "\n```"
     return "Storage (tests/bench/storage.py)", body, time.perf_counter() - t0
