@@ -120,12 +120,14 @@ def _launch(cfg: RunConfig, flags: set[str]) -> int:
 
         with local_prefect_api() as url:
             os.environ["PREFECT_API_URL"] = url
-            summary = _run_flow(cfg, flags)
-            # Send the queued flow logs while the API still runs: at exit Prefect would retry them against
-            # the stopped server for about 70 s (measured by `make bench`, benchmark 5).
-            from prefect.logging.handlers import APILogHandler
+            try:
+                summary = _run_flow(cfg, flags)
+            finally:
+                # Send the queued flow logs while the API still runs, whether the run succeeded or not:
+                # at exit Prefect would retry them against the stopped server for about 70 s.
+                from prefect.logging.handlers import APILogHandler
 
-            APILogHandler().flush()
+                APILogHandler().flush()
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -8,6 +8,7 @@ Prefect test harness, where the run summary artifact is read back from the API.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 from pathlib import Path
 
@@ -98,15 +99,18 @@ def test_sync_run_reports_to_a_prefect_server_and_is_on_policy(tmp_path, prefect
 
 def test_a_failing_component_stops_the_run_and_every_process(tmp_path, prefect_api):
     out = tmp_path / "run"
-    # The orchestrator gives up on the engine at once: a real failure the flow must contain.
-    # With one restart allowed, the flow restarts it once, then gives up with a clear message.
-    proc = _run_cli(
-        out, "--orchestrator.inference_timeout_s", "0.001", "--sft.steps", "1", "--restart.max_restarts", "1",
-        "--restart.backoff_s", "0.1", api_url=prefect_api,
-    )  # fmt: skip
+    # The engine's port is taken, so the inference server fails on every attempt: a real failure the flow
+    # must contain. With one restart allowed, the flow restarts once, then gives up with a clear message.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        proc = _run_cli(
+            out, "--inference.port", str(taken.getsockname()[1]), "--sft.steps", "1",
+            "--restart.max_restarts", "1", "--restart.backoff_s", "0.1", api_url=prefect_api,
+        )  # fmt: skip
     assert proc.returncode != 0
     log = proc.stdout + proc.stderr
-    assert "orchestrator exited with code 1" in log
+    assert "inference exited with code 3" in log and "address already in use" in log
     assert "restart 1/1" in log and "2 failures in a row without checkpoint progress" in log
     assert processes_mentioning(str(out)) == []
     state = json.loads((out / "state.json").read_text())
