@@ -74,10 +74,28 @@ def _kill(cli, out: Path, target: str, log: Path, api: str):
         if not (out / "state.json").exists():  # killed before the run began: there is nothing to resume
             return start_cli(out.parent, log, api, *RL_ARGS, "--output-dir", str(out))
         return start_cli(out.parent, log, api, "resume", str(out))
-    pid = _component_pid(cli.pid, target)
-    if pid is not None:
-        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60  # between attempts a component may not exist for a moment
+    while (pid := _component_pid(cli.pid, target)) is None:
+        assert cli.poll() is None and time.monotonic() < deadline, f"no {target} process to kill"
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
     return cli
+
+
+def _trained_steps(out: Path) -> int:
+    try:
+        return len((out / "metrics.jsonl").read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def _wait_for_step(cli, out: Path, step: int, timeout_s: float = 180.0) -> None:
+    """Until the trainer has recorded `step` (after a rollback it records the same steps again)."""
+    deadline = time.monotonic() + timeout_s
+    while _trained_steps(out) < step:
+        assert cli.poll() is None, f"the run ended before step {step}"
+        assert time.monotonic() < deadline, f"no trainer step {step} in {timeout_s}s"
+        time.sleep(0.05)
 
 
 def _wait_for_progress(cli, out: Path, after: list[int], timeout_s: float = 120.0) -> bool:
@@ -114,27 +132,30 @@ def _assert_nothing_lost_or_duplicated(out: Path, max_steps: int, snapshots: dic
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_sigkill_anything_then_resume_loses_and_duplicates_nothing(tmp_path, prefect_api, seed):
+    """4 kills per seed. Kill points are trainer steps drawn at random (0: during start-up or the
+    warm-up), each hit a random fraction of a step late, so kills land anywhere in a step: mid-generation,
+    mid-training, mid-publication, mid-checkpoint."""
     rng, out, log = random.Random(seed), tmp_path / "run", tmp_path / "cli.log"
+    points = sorted(rng.sample(range(0, 9), 4))
     cli = start_cli(tmp_path, log, prefect_api, *RL_ARGS, "--output-dir", str(out))
     snapshots: dict[int, str] = {}
-    kills: list[str] = []
+    kills: list[tuple[int, str]] = []
     try:
-        time.sleep(rng.uniform(3.0, 10.0))  # the first kill may land in start-up or the warm-up
-        while len(kills) < 4:
+        for point in points:
+            if point == 0:
+                time.sleep(rng.uniform(1.0, 6.0))
+            else:
+                _wait_for_step(cli, out, point)
+                time.sleep(rng.uniform(0.0, 0.6))
             target = rng.choice(TARGETS)
             snapshots.update(_committed_rollouts(out))
             cli = _kill(cli, out, target, log, prefect_api)
-            kills.append(target)
-            seen = _checkpoints(out)
-            if not _wait_for_progress(cli, out, seen):
-                break
-            time.sleep(rng.uniform(0.0, 2.0))
+            kills.append((point, target))
         assert cli.wait(timeout=300) == 0, log.read_text()[-4000:]
     finally:
         if cli.poll() is None:
             os.killpg(cli.pid, signal.SIGKILL)
-    print(f"seed {seed}: killed {kills}")
-    assert len(kills) == 4, f"the run finished before all kills: {kills}"
+    print(f"seed {seed}: killed at (step, target) {kills}")
     _assert_nothing_lost_or_duplicated(out, 10, snapshots)
     _wait_gone(out)
 

@@ -88,11 +88,12 @@ def test_sync_run_reports_to_a_prefect_server_and_is_on_policy(tmp_path, prefect
     stale = _assert_run_is_sound(out, 8, load_run_config(PROFILES).max_off_policy_steps)
     assert set(stale) == {0}, "async_level=0 must be fully on-policy"
     assert json.loads(proc.stdout[proc.stdout.index("{") :])["staleness_histogram"] == {"0": len(stale)}
-    with get_client(sync_client=True) as client:
-        (flow_run,) = client.read_flow_runs()
+    with get_client(sync_client=True) as client:  # the API is shared by the session's tests: pick this run's
+        runs = client.read_flow_runs()
+        (flow_run,) = [r for r in runs if r.parameters.get("config", {}).get("output_dir") == str(out)]
         assert flow_run.state is not None and flow_run.state.is_completed()
-        task_names = {t.name for t in client.read_task_runs()}
-        artifacts = client.read_artifacts()
+        task_names = {t.name for t in client.read_task_runs() if t.flow_run_id == flow_run.id}
+        artifacts = [a for a in client.read_artifacts() if a.flow_run_id == flow_run.id]
     assert {"warmup", "inference", "orchestrator", "trainer"} <= task_names
     assert any(a.key == "rl-run-summary" and "reward_last5" in str(a.data) for a in artifacts)
 
