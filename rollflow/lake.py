@@ -49,12 +49,10 @@ class _Acc:
 
 def _uncommitted(fs, parent: str, committed: list[int]) -> list[str]:
     """`step=` folders under `parent` that have no manifest (a write in progress, or a crash)."""
-    fs.invalidate_cache(parent)
-    if not fs.exists(parent):
-        return []
-    names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(parent, detail=False)]
-    done = {f"step={s:06d}" for s in committed}
-    return sorted(n for n in names if n.startswith("step=") and n not in done)
+    from storage.fs import step_dirs
+
+    done = set(committed)
+    return sorted(d.rstrip("/").rsplit("/", 1)[-1] for n, d in step_dirs(fs, parent).items() if n not in done)
 
 
 def _weights_summary(fs, root: str, errors: list[dict]) -> dict[str, Any]:

@@ -435,6 +435,29 @@ def committed_steps(fs: fsspec.AbstractFileSystem, parent: str, sub: str = "") -
     return sorted(steps)
 
 
+def step_dirs(fs: fsspec.AbstractFileSystem, parent: str) -> dict[int, str]:
+    """Every `step=N` folder under `parent`, committed or not: N -> path."""
+    fs.invalidate_cache(parent)
+    if not fs.exists(parent):
+        return {}
+    out = {}
+    for entry in fs.ls(parent, detail=False):
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith("step=") and name[5:].isdigit():
+            out[int(name[5:])] = entry
+    return out
+
+
+def remove_committed(fs: fsspec.AbstractFileSystem, directory: str, manifests: list[str] | None = None) -> None:
+    """Uncommit, then delete: the manifests go first (by default the directory's own), so a reader racing
+    the removal sees an uncommitted directory, never a half-deleted committed one."""
+    for path in manifests if manifests is not None else [join(directory, MANIFEST)]:
+        if fs.exists(path):
+            fs.rm(path)
+    fs.rm(directory, recursive=True)
+    fs.invalidate_cache(directory)
+
+
 def step_dir(parent: str, step: int) -> str:
     return join(parent, f"step={step:06d}")
 

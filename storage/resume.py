@@ -20,7 +20,7 @@ from collections.abc import Callable
 import fsspec
 
 from storage import checkpoints, rollouts, weights
-from storage.fs import MANIFEST, CorruptError, join
+from storage.fs import MANIFEST, CorruptError, join, remove_committed, step_dirs
 from storage.metrics import MetricsLog
 
 
@@ -35,27 +35,8 @@ def resume_point(fs: fsspec.AbstractFileSystem, root: str, log: Callable[[str], 
     return None
 
 
-def _step_dirs(fs: fsspec.AbstractFileSystem, parent: str) -> dict[int, str]:
-    fs.invalidate_cache(parent)
-    if not fs.exists(parent):
-        return {}
-    out = {}
-    for entry in fs.ls(parent, detail=False):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if name.startswith("step=") and name[5:].isdigit():
-            out[int(name[5:])] = entry
-    return out
-
-
 def _has_manifest(fs: fsspec.AbstractFileSystem, directory: str, sub: str = "") -> bool:
     return fs.exists(join(directory, sub, MANIFEST))
-
-
-def remove_dir(fs: fsspec.AbstractFileSystem, directory: str) -> None:
-    """Manifest first, so a reader racing the removal sees the directory as uncommitted, never half-gone."""
-    if fs.exists(join(directory, MANIFEST)):
-        fs.rm(join(directory, MANIFEST))
-    fs.rm(directory, recursive=True)
 
 
 def rollback(fs: fsspec.AbstractFileSystem, root: str, step: int | None) -> list[str]:
@@ -65,15 +46,15 @@ def rollback(fs: fsspec.AbstractFileSystem, root: str, step: int | None) -> list
     """
     keep_up_to = step or 0
     removed = []
-    for version, directory in _step_dirs(fs, weights.weights_root(root)).items():
+    for version, directory in step_dirs(fs, weights.weights_root(root)).items():
         if version > keep_up_to or not _has_manifest(fs, directory):
-            remove_dir(fs, directory)
+            remove_committed(fs, directory)
             removed.append(directory)
-    for _, directory in _step_dirs(fs, rollouts.rollouts_root(root)).items():
+    for _, directory in step_dirs(fs, rollouts.rollouts_root(root)).items():
         if not _has_manifest(fs, directory):
-            remove_dir(fs, directory)
+            remove_committed(fs, directory)
             removed.append(directory)
-    for _, directory in _step_dirs(fs, checkpoints.checkpoints_root(root)).items():
+    for _, directory in step_dirs(fs, checkpoints.checkpoints_root(root)).items():
         if not _has_manifest(fs, directory, "trainer"):
             fs.rm(directory, recursive=True)
             removed.append(directory)
@@ -94,7 +75,7 @@ def repair(fs: fsspec.AbstractFileSystem, root: str, step: int | None, log: Call
             rollouts.read_step(fs, root, later)
         except CorruptError as exc:
             log(f"rollout step {later} is corrupt: {exc}; removing it so it is sampled again")
-            remove_dir(fs, rollouts.step_path(root, later))
+            remove_committed(fs, rollouts.step_path(root, later))
     directory = weights.version_dir(root, start)
     if not fs.exists(join(directory, MANIFEST)):
         return
@@ -103,7 +84,7 @@ def repair(fs: fsspec.AbstractFileSystem, root: str, step: int | None, log: Call
     except CorruptError as exc:
         if step is None:
             log(f"policy version 0 is corrupt: {exc}; removing it so the warm-up runs again")
-            remove_dir(fs, directory)
+            remove_committed(fs, directory)
             return
         log(f"policy version {step} is corrupt: {exc}; rewriting it from checkpoint step={step}")
         from safetensors.torch import load as st_load

@@ -25,7 +25,16 @@ from dataclasses import dataclass
 
 import fsspec
 
-from storage.fs import MANIFEST, StorageSettings, committed_steps, join, read_manifest, settings, step_dir
+from storage.fs import (
+    MANIFEST,
+    StorageSettings,
+    committed_steps,
+    join,
+    read_manifest,
+    remove_committed,
+    settings,
+    step_dir,
+)
 
 log = logging.getLogger("rollflow.storage")
 
@@ -110,24 +119,15 @@ def plan(fs: fsspec.AbstractFileSystem, root: str, s: StorageSettings | None = N
     return Plan(weights=[v for v in versions if v not in keep_w], checkpoints=[c for c in ckpts if c not in keep_c])
 
 
-def _delete_committed(fs: fsspec.AbstractFileSystem, directory: str, manifests: list[str]) -> None:
-    """Uncommit (manifests first, so no reader trusts a half-deleted directory), then delete the rest."""
-    for path in manifests:
-        if fs.exists(path):
-            fs.rm(path)
-    fs.rm(directory, recursive=True)
-    fs.invalidate_cache(directory)
-
-
 def apply(fs: fsspec.AbstractFileSystem, root: str, p: Plan) -> None:
     for v in p.weights:
         directory = step_dir(join(root, "weights"), v)
-        _delete_committed(fs, directory, [join(directory, MANIFEST)])
+        remove_committed(fs, directory, [join(directory, MANIFEST)])
         _bases.pop(directory, None)
     for c in p.checkpoints:
         directory = step_dir(join(root, "checkpoints"), c)
         components = [e for e in fs.ls(directory, detail=False) if not e.rstrip("/").endswith(MANIFEST)]
-        _delete_committed(fs, directory, [join(e, MANIFEST) for e in components])
+        remove_committed(fs, directory, [join(e, MANIFEST) for e in components])
     if p.weights or p.checkpoints:
         log.info(f"retention: deleted weight publications {p.weights} and checkpoints {p.checkpoints}")
 
