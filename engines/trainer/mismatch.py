@@ -26,12 +26,16 @@ class PolicyHistory:
         self.scratch = copy.deepcopy(model).eval()
 
     def add(self, version: int, model: CausalLM) -> None:
-        self.add_state(version, model.state_dict())
+        self._keep(version, model.state_dict())
 
     def add_state(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        """Keep a copy of `state` (a full state dict or a publication) as policy `version`."""
+        """Keep a publication as policy `version`; the scratch model fills in what publications leave out
+        (the tied `lm_head.weight`)."""
         self.scratch.load_published(state)
-        self.states[version] = {k: v.detach().clone() for k, v in self.scratch.state_dict().items()}
+        self._keep(version, self.scratch.state_dict())
+
+    def _keep(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        self.states[version] = {k: v.detach().clone() for k, v in state.items()}
         for old in sorted(self.states)[: -self.keep]:
             del self.states[old]
 
