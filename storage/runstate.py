@@ -60,7 +60,8 @@ class Lease:
     expires_at: float  # unix time; renewed every ttl/3 by the holder
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` is a live process on this host (a zombie counts as dead: PID 1 here may not reap)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
@@ -85,7 +86,7 @@ def is_live(lease: Lease | None, now: float | None = None) -> bool:
     if lease is None or lease.expires_at <= (now or time.time()):
         return False
     if lease.host == socket.gethostname():
-        return _pid_alive(lease.pid)
+        return pid_alive(lease.pid)
     return True
 
 

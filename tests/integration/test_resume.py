@@ -18,6 +18,7 @@ from conftest import ROOT, TINY, cli_env, descendants, processes_mentioning, sta
 from safetensors.torch import load_file
 
 from storage.rollouts import staleness
+from storage.runstate import pid_alive
 
 pytestmark = pytest.mark.slow
 RESUME = ROOT / "tests" / "profiles" / "resume.toml"
@@ -244,15 +245,8 @@ def test_killing_the_flow_process_leaves_nothing_running_even_its_local_prefect_
     os.kill(cli.pid, signal.SIGKILL)
     cli.wait()
     deadline = time.monotonic() + 30
-    while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in tree) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert [p for p in tree if _alive(p)] == []
+    assert [p for p in tree if pid_alive(p)] == []
     assert start_cli(tmp_path, log, None, "resume", str(out)).wait(300) == 0, log.read_text()[-3000:]
     assert json.loads((out / "state.json").read_text())["status"] == "finished"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import pytest
 
+from storage.runstate import pid_alive
 from tasks.process import ComponentFailed, supervise
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
 
 
 def test_failure_raises_with_the_last_output_lines(tmp_path):
@@ -47,6 +38,6 @@ def test_stop_kills_the_whole_process_group(tmp_path):
     assert rc != 0 and time.monotonic() - t0 < 10
     deadline = time.monotonic() + 5
     child = int(pidfile.read_text())
-    while _alive(child) and time.monotonic() < deadline:
+    while pid_alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child)
+    assert not pid_alive(child)
