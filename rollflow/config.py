@@ -15,6 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollflow.deployment import DeploymentConfig
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
@@ -212,6 +214,7 @@ class RunConfig(_Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     restart: RestartConfig = RestartConfig()
     storage: StorageConfig = StorageConfig()
+    deployment: DeploymentConfig = DeploymentConfig()  # where components run on Slurm (docs/slurm.md)
 
     @model_validator(mode="after")
     def _retention_keeps_what_inference_may_load(self) -> RunConfig:

@@ -19,10 +19,18 @@ ENTRY_MODULES = {
 
 
 @task(cache_policy=NONE, task_run_name="{name}")
-def run_component(name: str, config_url: str, env: dict[str, str], log_path: str, stop: threading.Event) -> int:
-    """Launch `python -m <entry> --config <config_url>` and supervise it until it exits or `stop` is set."""
+def run_component(
+    name: str,
+    config_url: str,
+    env: dict[str, str],
+    log_path: str,
+    stop: threading.Event,
+    srun: list[str] | None = None,
+) -> int:
+    """Launch `python -m <entry> --config <config_url>` and supervise it until it exits or `stop` is set.
+    Inside a Slurm job `srun` is the job-step prefix that places it (tasks/slurm.py); locally None."""
     logger = get_run_logger()
-    argv = [sys.executable, "-m", ENTRY_MODULES[name], "--config", config_url]
+    argv = [*(srun or []), sys.executable, "-m", ENTRY_MODULES[name], "--config", config_url]
     logger.info(f"starting {name}: {' '.join(argv)}")
     rc = supervise(name, argv, env, lambda line: logger.info(f"[{name}] {line}"), stop, log_path)
     logger.info(f"{name} exited with code {rc}")
