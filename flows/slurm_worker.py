@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 from prefect.client.schemas.objects import FlowRun
-from prefect.states import Crashed, Failed
+from prefect.states import Cancelled, Crashed, Failed
 from prefect.utilities.asyncutils import run_sync_in_worker_thread
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
 from pydantic import Field
@@ -78,10 +78,11 @@ class SlurmJobConfiguration(BaseJobConfiguration):
         return f"{sys.executable} -m prefect.engine"
 
     def slurm_config(self) -> SlurmJobConfig:
-        """The job variables as the validated sbatch request (errors name the variable)."""
+        """The job variables as the sbatch request."""
         keys = ("partition", "account", "qos", "gpus_per_node", "cpus_per_task", "mem", "time_limit")
         values = {k: getattr(self, k) for k in keys}
-        return SlurmJobConfig(
+        # Not validated here: the cluster judges partition, nodes and time, and its message reaches the run.
+        return SlurmJobConfig.model_construct(
             **values, signal_before_s=self.signal_before_s, extra_sbatch=self.extra_sbatch, setup=self.setup
         )
 
@@ -129,7 +130,7 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
         self,
         flow_run: FlowRun,
         configuration: SlurmJobConfiguration,
-        task_status: anyio.abc.TaskStatus[str] | None = None,
+        task_status: anyio.abc.TaskStatus[Any] | None = None,
     ) -> SlurmWorkerResult:
         logger = self.get_flow_run_logger(flow_run)
         script = _write_script(configuration, flow_run)
@@ -148,34 +149,40 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
 
     async def _follow(self, flow_run: FlowRun, job_id: str, poll_s: float, logger) -> SlurmWorkerResult:
         """Poll Slurm and the flow run until the job is gone; scancel on a Prefect cancellation."""
-        last, cancelled_at = None, None
+        last, cancelled = None, False
         while True:
-            state, reason = await run_sync_in_worker_thread(slurm.job_state, job_id)
+            state, reason = await anyio.to_thread.run_sync(slurm.job_state, job_id)
             if state != last:
                 logger.info(f"Slurm job {job_id}: {state}" + (f" ({reason})" if reason else ""))
                 last = state
             if state not in slurm.ACTIVE_STATES:
                 break
+            if state == "PENDING" and reason in slurm.NEVER_STARTS:
+                await run_sync_in_worker_thread(slurm.cancel, job_id)
+                message = f"Slurm will never start job {job_id} (pending: {reason}); cancelled it"
+                logger.error(message)
+                await self._set_final(flow_run, Failed(message=message))
+                return SlurmWorkerResult(identifier=job_id, status_code=0)
             run = await self.client.read_flow_run(flow_run.id)
-            if run.state is not None and (run.state.is_cancelling() or run.state.is_cancelled()):
-                if cancelled_at is None:
-                    logger.info(f"flow run cancelled in Prefect: scancel {job_id}")
-                    await run_sync_in_worker_thread(slurm.cancel, job_id)
-                    cancelled_at = time.monotonic()
+            if not cancelled and run.state is not None and (run.state.is_cancelling() or run.state.is_cancelled()):
+                logger.info(f"flow run cancelled in Prefect: scancel {job_id}")
+                await run_sync_in_worker_thread(slurm.cancel, job_id)
+                cancelled = True
             await anyio.sleep(poll_s)
-        return await self._settle(flow_run, job_id, state, reason, cancelled_at is not None)
+        return await self._settle(flow_run, job_id, state, reason, cancelled)
 
     async def _settle(
         self, flow_run: FlowRun, job_id: str, state: str | None, reason: str | None, cancelled: bool
     ) -> SlurmWorkerResult:
         """The job is over: make sure its flow run ends in a final state that says what happened."""
         run = await self.client.read_flow_run(flow_run.id)
+        if cancelled:  # the flow may have reported the termination signal as a crash; it was a cancellation
+            if run.state is None or not run.state.is_cancelled():
+                await self._set_final(flow_run, Cancelled(message=f"cancelled: Slurm job {job_id} was scancel'ed"))
+            return SlurmWorkerResult(identifier=job_id, status_code=0)
         if run.state is not None and run.state.is_final():
             return SlurmWorkerResult(identifier=job_id, status_code=0)
-        if cancelled:
-            await self._mark_flow_run_as_cancelled(run, {"message": f"cancelled: Slurm job {job_id} was scancel'ed"})
-            return SlurmWorkerResult(identifier=job_id, status_code=0)
-        message = f"Slurm job {job_id} ended ({state or 'unknown'}, {reason or 'no details'}) without its flow reporting"
+        message = f"Slurm job {job_id} ended ({state or 'unknown'}, {reason or 'no details'}) before its flow reported"
         await self._set_final(flow_run, Crashed(message=message))
         return SlurmWorkerResult(identifier=job_id, status_code=0)
 

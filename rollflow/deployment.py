@@ -51,7 +51,9 @@ class SlurmJobConfig(_Strict):
             raise ValueError(f"deployment.slurm.mem={self.mem!r} is not sbatch --mem syntax (e.g. '4G', '512000M')")
         for line in self.extra_sbatch:
             if not line.startswith("-") or "\n" in line:
-                raise ValueError(f"deployment.slurm.extra_sbatch: {line!r} must be one sbatch option, e.g. '--exclusive'")
+                raise ValueError(
+                    f"deployment.slurm.extra_sbatch: {line!r} must be one sbatch option, e.g. '--exclusive'"
+                )
         return self
 
 

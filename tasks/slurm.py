@@ -156,13 +156,14 @@ def job_state(job_id: str) -> tuple[str | None, str | None]:
     out = subprocess.run([require("squeue"), "-h", "-j", job_id, "-o", "%T|%r"], capture_output=True, text=True)
     if out.returncode == 0 and out.stdout.strip():
         state, _, reason = out.stdout.strip().partition("|")
-        return state, reason
+        return state, None if reason in ("None", "") else reason
     out = subprocess.run([require("scontrol"), "show", "job", job_id], capture_output=True, text=True)
     m = re.search(r"JobState=(\S+).*?ExitCode=(\S+)", out.stdout, re.S)
     if out.returncode == 0 and m:
         return m.group(1), f"exit code {m.group(2)}"
     if shutil.which("sacct"):
-        out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode"], capture_output=True, text=True)
+        argv = ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode"]
+        out = subprocess.run(argv, capture_output=True, text=True)
         if out.returncode == 0 and out.stdout.strip():
             state, _, code = out.stdout.strip().splitlines()[0].partition("|")
             return state.split()[0], f"exit code {code}"
@@ -180,3 +181,5 @@ def cancel(job_id: str) -> None:
 
 
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING"}
+# Pending reasons that no amount of waiting resolves: the request exceeds what the partition allows.
+NEVER_STARTS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "InvalidQOS"}

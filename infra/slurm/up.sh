@@ -60,6 +60,8 @@ SelectTypeParameters=CR_Core_Memory
 DefMemPerCPU=1024
 SchedulerType=sched/backfill
 AccountingStorageType=accounting_storage/none
+# Reject at submission what the partition can never run (too many nodes, ...), as most clusters do.
+EnforcePartLimits=ALL
 JobCompType=jobcomp/none
 JobAcctGatherType=jobacct_gather/none
 MpiDefault=none
@@ -71,7 +73,7 @@ MinJobAge=300
 KillWait=10
 OverTimeLimit=0
 NodeName=${HOST} NodeAddr=127.0.0.1 CPUs=${CPUS} RealMemory=${MEM_MB} State=UNKNOWN
-PartitionName=debug Nodes=${HOST} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+PartitionName=debug Nodes=${HOST} Default=YES MaxTime=INFINITE MaxNodes=1 State=UP OverSubscribe=NO
 EOF
     if ! cmp -s "$tmp" "$CONF_DIR/slurm.conf"; then
         mv "$tmp" "$CONF_DIR/slurm.conf"

@@ -1,0 +1,28 @@
+"""The `rl` flow as a deployment starts it: from profile paths and dotted overrides, as `rollflow rl`
+does, instead of a resolved config. What the Prefect UI's "Run with parameters" form shows.
+
+profiles + overrides + output_dir -> `load_run_config` (validated; a bad key fails the flow run with the
+loader's message) -> the `rl` flow's body, in this same flow run (one run in the UI, not two).
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.rl import rl
+from rollflow.loader import load_run_config
+
+
+@flow(name="rl", log_prints=True)
+def rl_profile(
+    profiles: list[str],
+    overrides: dict[str, str] | None = None,
+    output_dir: str | None = None,
+    overwrite: bool = False,
+    resume: bool = False,
+) -> dict:
+    """profiles: TOML paths relative to the working directory (ROLLFLOW_HOME); overrides: dotted keys to
+    values as on the command line (e.g. {"max_steps": "200"}); output_dir: where the run lives."""
+    pairs = [(k, str(v)) for k, v in (overrides or {}).items()]
+    cfg = load_run_config(profiles, pairs + ([("output_dir", output_dir)] if output_dir else []))
+    return rl.fn(config=cfg.model_dump(mode="json"), overwrite=overwrite, resume=resume)
