@@ -29,6 +29,7 @@ from flows.lifecycle import RunHandle, close_run, reopen_run, start_new_run
 from flows.summary import summarize, to_markdown
 from flows.walltime import WalltimeReached, WalltimeWatch
 from rollflow.config import RunConfig
+from storage.checkpoints import checkpoint_steps
 from storage.fs import configure as configure_storage
 from storage.fs import get_fs, join
 from storage.runstate import write_state
@@ -97,7 +98,13 @@ def _run_components(attempt: Attempt, logs: str, tracking_uri: str | None, srun:
                 raise ComponentFailed("stopped during the warm-up")
         futures = {
             name: run_component.submit(
-                name, attempt.urls[name], env[name], join(logs, f"{name}.log"), stop, srun.get(name)
+                name,
+                attempt.urls[name],
+                env[name],
+                join(logs, f"{name}.log"),
+                stop,
+                srun.get(name),
+                watch.checkpoint_request if name == "trainer" else None,
             )
             for name in ("inference", "orchestrator", "trainer")
         }
@@ -158,7 +165,8 @@ def rl(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
     configure_storage(cfg.storage.model_dump(mode="json"))  # exported to the components' environment
     fs, root = get_fs(cfg.output_dir)
     fs.makedirs(root, exist_ok=True)
-    with hold_lease(fs, root, cfg.restart.lease_ttl_s, logger), WalltimeWatch(logger) as watch:
+    checkpoints = lambda: checkpoint_steps(fs, root)  # noqa: E731 - what the walltime watch waits for
+    with hold_lease(fs, root, cfg.restart.lease_ttl_s, logger), WalltimeWatch(logger, checkpoints) as watch:
         run = reopen_run(cfg, logger) if resume else start_new_run(cfg, overwrite)
         logger.info(f"run {run.run_id} -> {cfg.output_dir}" + (" (resumed)" if resume else ""))
         finished = False

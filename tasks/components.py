@@ -26,12 +26,14 @@ def run_component(
     log_path: str,
     stop: threading.Event,
     srun: list[str] | None = None,
+    nudge: threading.Event | None = None,
 ) -> int:
     """Launch `python -m <entry> --config <config_url>` and supervise it until it exits or `stop` is set.
-    Inside a Slurm job `srun` is the job-step prefix that places it (tasks/slurm.py); locally None."""
+    Inside a Slurm job `srun` is the job-step prefix that places it (tasks/slurm.py); locally None.
+    `nudge` set: the component gets SIGUSR1 (the trainer checkpoints after its current step)."""
     logger = get_run_logger()
     argv = [*(srun or []), sys.executable, "-m", ENTRY_MODULES[name], "--config", config_url]
     logger.info(f"starting {name}: {' '.join(argv)}")
-    rc = supervise(name, argv, env, lambda line: logger.info(f"[{name}] {line}"), stop, log_path)
+    rc = supervise(name, argv, env, lambda line: logger.info(f"[{name}] {line}"), stop, log_path, nudge=nudge)
     logger.info(f"{name} exited with code {rc}")
     return rc

@@ -22,6 +22,7 @@ COMPONENTS = ("warmup", "inference", "orchestrator", "trainer")
 # Slurm's walltime warning reaches the batch shell (sbatch --signal=B:USR1@N); the shell turns it into
 # this file, which the flow watches: the flow itself may run under a Prefect runner that USR1 would kill.
 WALLTIME_FILE_ENV = "ROLLFLOW_WALLTIME_FILE"
+WALLTIME_GRACE_ENV = "ROLLFLOW_WALLTIME_GRACE_S"  # how long the flow waits for a checkpoint after it
 
 
 class SlurmNotFound(RuntimeError):
@@ -110,6 +111,7 @@ def sbatch_options(slurm: SlurmJobConfig, nodes: int, job_name: str, output: str
 # bash waits for a foreground child); `wait` returns early on a trapped signal, hence the loop.
 _RUN = """\
 export {env_name}="${{TMPDIR:-/tmp}}/rollflow-walltime-$SLURM_JOB_ID"
+export {grace_name}={grace}
 rm -f "${env_name}"
 trap 'echo "rollflow: Slurm walltime warning (USR1)"; touch "${env_name}"' USR1
 {command} &
@@ -131,7 +133,10 @@ def render_sbatch(
     lines.append("# rendered by rollflow (tasks/slurm.py); one job per run, components are srun steps")
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
     lines += slurm.setup
-    lines.append(_RUN.format(env_name=WALLTIME_FILE_ENV, command=command).rstrip("\n"))
+    run = _RUN.format(
+        env_name=WALLTIME_FILE_ENV, grace_name=WALLTIME_GRACE_ENV, grace=slurm.signal_before_s // 2, command=command
+    )
+    lines.append(run.rstrip("\n"))
     return "\n".join(lines) + "\n"
 
 

@@ -233,3 +233,28 @@ def test_walltime_stops_the_job_and_resume_unfinished_carries_the_run_to_the_end
     assert run2.state.is_completed(), run2.state
     assert "rollflow-trainer" in seen2
     _audit(out, steps)
+
+
+def test_a_worker_without_slurm_on_path_says_so(prefect_api, slurm_worker, tmp_path):
+    env = {**cli_env(prefect_api), "PATH": str(tmp_path)}  # no sbatch, squeue, ... here
+    prefect = str(Path(sys.executable).parent / "prefect")
+    proc = subprocess.run(
+        [prefect, "worker", "start", "--pool", POOL, "--run-once"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "'sbatch' is not on PATH" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+
+
+def test_rollflow_submit_rejected_by_sbatch_prints_slurms_message(tmp_path, slurm_cluster):
+    from conftest import cli_argv
+
+    out = tmp_path / "run"
+    args = ["submit", *[t for p in PROFILES for t in ("@", str(ROOT / p))], "--output-dir", str(out)]
+    proc = subprocess.run(
+        cli_argv(*args, "--deployment.slurm.partition", "nosuch"),
+        cwd=tmp_path, env=cli_env(None), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "invalid partition specified: nosuch" in proc.stderr
+    assert not (out / "state.json").exists()

@@ -72,3 +72,16 @@ def test_allocation_with_other_node_count_is_refused() -> None:
 def test_bad_deployment_is_refused_naming_the_key(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
         load_run_config([ROOT / "profiles/tiny-cpu.toml"], overrides)
+
+
+def test_dry_run_writes_the_batch_script_and_placement(tmp_path) -> None:
+    from rollflow.cli import main
+
+    out = tmp_path / "run"
+    profiles = [t for p in PROFILES[2] for t in ("@", str(p))]
+    assert main(["rl", *profiles, "--output-dir", str(out), "--dry-run"]) == 0
+    script = (out / "config" / "slurm.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --partition=gpu" in script
+    assert f"rollflow.cli rl @ {PROFILES[2][0]} @ {PROFILES[2][1]} --output-dir {out}" in script
+    placement = json.loads((out / "config" / "slurm-placement.json").read_text())
+    assert placement["inference"]["nodes"] == ["$node0"] and placement["trainer"]["nodes"] == ["$node1"]
