@@ -96,6 +96,7 @@ def _run_components(attempt: Attempt, logs: str, tracking_uri: str | None, srun:
             run_component("warmup", attempt.urls["sft"], env["warmup"], log, stop, srun.get("warmup"))
             if stop.is_set():
                 raise ComponentFailed("stopped during the warm-up")
+        watch.trainer_running.set()
         futures = {
             name: run_component.submit(
                 name,
@@ -111,6 +112,7 @@ def _run_components(attempt: Attempt, logs: str, tracking_uri: str | None, srun:
         _supervise(futures, stop, logger)
     finally:
         stop.set()
+        watch.trainer_running.clear()
 
 
 def _placement(cfg: RunConfig, logger) -> tuple[dict[str, list[str]], str | None]:

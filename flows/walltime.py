@@ -30,6 +30,7 @@ class WalltimeWatch:
         self.path = os.environ.get(WALLTIME_FILE_ENV)
         self.grace_s = float(os.environ.get(WALLTIME_GRACE_ENV) or 0)
         self.checkpoint_request = threading.Event()
+        self.trainer_running = threading.Event()  # set by the flow while an RL trainer runs to checkpoint
         self.reached = threading.Event()
         self._checkpoints = checkpoints
         self._stops: list[threading.Event] = []
@@ -60,7 +61,7 @@ class WalltimeWatch:
         assert self.path is not None
         while not self._done.wait(self._poll_s):
             if os.path.exists(self.path):
-                if self.grace_s > 0:
+                if self.grace_s > 0 and self.trainer_running.is_set():
                     self._wait_for_checkpoint()
                 self._logger.warning("stopping the components; the run stays resumable")
                 self.reached.set()
