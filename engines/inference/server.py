@@ -207,7 +207,12 @@ def main(argv: list[str] | None = None) -> None:
     engine, tokenizer = load_engine(cfg, cfg.run.output_dir, storage)
     token = os.environ.get("ROLLFLOW_ADMIN_TOKEN") or secrets.token_hex(16)
     app = build_app(engine, tokenizer, cfg.run.output_dir, f"rollflow/{cfg.run.run_id}", token, storage)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.inference.host, port=cfg.inference.port, log_level="warning"))
+    # Keep-alive longer than the client's (httpx: 5 s): with equal timeouts a request can reuse a connection
+    # the server is closing at that moment and fail with a ReadError after a few idle seconds.
+    config = uvicorn.Config(
+        app, host=cfg.inference.host, port=cfg.inference.port, log_level="warning", timeout_keep_alive=60
+    )
+    server = uvicorn.Server(config)
     app.state.server = server  # /shutdown sets server.should_exit
     log.info(f"serving policy version {engine.version} on http://{cfg.inference.host}:{cfg.inference.port}")
     server.run()
