@@ -20,18 +20,16 @@ import threading
 import time
 from pathlib import Path
 
-from fsspec.implementations.local import LocalFileSystem
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from config.run import RunConfig
 from flows.lease import hold_lease
 from flows.lifecycle import RunHandle, close_run, reopen_run, start_new_run
 from flows.summary import summarize, to_markdown
 from flows.walltime import WalltimeReached, WalltimeWatch
-from rollflow.config import RunConfig
 from storage.checkpoints import checkpoint_steps
-from storage.fs import configure as configure_storage
-from storage.fs import get_fs, join
+from storage.fs import CONFIG_STORAGE_ENV, Storage, is_local, join
 from storage.runstate import write_state
 from tasks.components import run_component
 from tasks.process import ComponentFailed
@@ -64,42 +62,45 @@ def _supervise(futures: dict, stop: threading.Event, logger) -> None:
                     raise ComponentFailed(f"the trainer was stopped before finishing (exit code {fut.result()})")
 
 
-def _logs_dir(output_dir: str, run_id: str) -> str:
+def _logs_dir(fs, root: str, run_id: str) -> str:
     """Component logs are appended line by line, which object stores cannot do: keep them on local disk."""
-    fs, root = get_fs(output_dir)
-    if isinstance(fs, LocalFileSystem):
+    if is_local(fs):
         return join(root, "logs")
     return str(Path("rollflow-logs", run_id).resolve())
 
 
-def _secrets_env(tracking_uri: str | None) -> dict[str, dict[str, str]]:
-    """Per-component environment for secrets: never in configs on disk, argv, or logs."""
+def _component_env(cfg: RunConfig, tracking_uri: str | None) -> dict[str, dict[str, str]]:
+    """Per-component environment: secrets (never in configs on disk, argv, or logs), and the storage
+    settings each process needs to read its config file from `output_dir`."""
+    storage = {CONFIG_STORAGE_ENV: cfg.storage.model_dump_json()}
     token = {"ROLLFLOW_ADMIN_TOKEN": secrets.token_hex(16)}  # admin routes of this attempt's engine
     return {
-        "warmup": {},
-        "inference": token,
-        "orchestrator": token,
-        "trainer": {"MLFLOW_TRACKING_URI": tracking_uri} if tracking_uri else {},
+        "warmup": storage,
+        "inference": {**storage, **token},
+        "orchestrator": {**storage, **token},
+        "trainer": {**storage, **({"MLFLOW_TRACKING_URI": tracking_uri} if tracking_uri else {})},
     }
 
 
-def _run_components(attempt: Attempt, logs: str, tracking_uri: str | None, srun: dict, watch: WalltimeWatch) -> None:
+def _run_components(
+    attempt: Attempt, logs: str, env: dict[str, dict[str, str]], srun: dict, watch: WalltimeWatch, logger
+) -> None:
     """Warm-up to completion if needed, then inference, orchestrator and trainer side by side. `srun`:
     component -> job-step prefix inside a Slurm job, empty locally."""
-    env = _secrets_env(tracking_uri)
     stop = threading.Event()
     watch.attach(stop)
-    logger = get_run_logger()
     try:
         if attempt.needs_warmup:
             log = join(logs, "warmup.log")
-            run_component("warmup", attempt.urls["sft"], env["warmup"], log, stop, srun.get("warmup"))
+            module, url = attempt.modules["warmup"], attempt.urls["sft"]
+            run_component("warmup", module, url, env["warmup"], log, stop, srun.get("warmup"))
             if stop.is_set():
                 raise ComponentFailed("stopped during the warm-up")
         watch.trainer_running.set()
         futures = {
             name: run_component.submit(
                 name,
+                attempt.modules[name],
                 attempt.urls[name],
                 env[name],
                 join(logs, f"{name}.log"),
@@ -124,23 +125,24 @@ def _placement(cfg: RunConfig, logger) -> tuple[dict[str, list[str]], str | None
     return {name: srun_prefix(name, n, cfg.deployment.slurm) for name, n in nodes.items()}, nodes["inference"][0]
 
 
-def _attempts(cfg: RunConfig, run: RunHandle, logger, watch: WalltimeWatch) -> None:
+def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: WalltimeWatch) -> None:
     """Attempt after attempt until the trainer finishes; give up after `max_restarts` failures in a row
     that each restarted from the same checkpoint. Slurm's walltime warning ends them (resumable)."""
     rcfg, failures, last_start = cfg.restart, 0, -2
-    logs = _logs_dir(cfg.output_dir, run.run_id)
+    fs, root = storage.open(cfg.output_dir)
+    logs = _logs_dir(fs, root, run.run_id)
     srun, inference_node = _placement(cfg, logger)
     while True:
         if watch.reached.is_set():
             raise WalltimeReached("the Slurm job's time limit is near; the run is left to resume-unfinished")
         attempt = prepare_attempt(cfg, run.run_id, run.tracking_uri, run.state.mlflow_run_id, inference_node)
         run.state.attempts += 1
-        write_state(*get_fs(cfg.output_dir), run.state)
+        write_state(fs, root, run.state)
         start = -1 if attempt.resume_step is None else attempt.resume_step
         failures = 0 if start > last_start else failures
         last_start = start
         try:
-            _run_components(attempt, logs, run.tracking_uri, srun, watch)
+            _run_components(attempt, logs, _component_env(cfg, run.tracking_uri), srun, watch, logger)
             return
         except ComponentFailed as exc:
             if watch.reached.is_set():
@@ -164,8 +166,8 @@ def rl(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
     logger = get_run_logger()
     t0 = time.time()
     cfg = RunConfig.model_validate(config)
-    configure_storage(cfg.storage.model_dump(mode="json"))  # exported to the components' environment
-    fs, root = get_fs(cfg.output_dir)
+    storage = Storage(cfg.storage)
+    fs, root = storage.open(cfg.output_dir)
     fs.makedirs(root, exist_ok=True)
     checkpoints = lambda: checkpoint_steps(fs, root)  # noqa: E731 - what the walltime watch waits for
     with hold_lease(fs, root, cfg.restart.lease_ttl_s, logger), WalltimeWatch(logger, checkpoints) as watch:
@@ -173,11 +175,11 @@ def rl(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
         logger.info(f"run {run.run_id} -> {cfg.output_dir}" + (" (resumed)" if resume else ""))
         finished = False
         try:
-            _attempts(cfg, run, logger, watch)
+            _attempts(cfg, storage, run, logger, watch)
             finished = True
         finally:
             close_run(cfg, run, finished)
-    summary = summarize(cfg.output_dir, time.time() - t0)
+    summary = summarize(fs, root, cfg.output_dir, time.time() - t0)
     create_markdown_artifact(to_markdown(summary), key="rl-run-summary", description=f"run {run.run_id}")
     logger.info("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
     return summary

@@ -12,8 +12,8 @@ from typing import Any
 
 from prefect import flow
 
+from config.loader import load_run_config
 from flows.rl import rl
-from rollflow.loader import load_run_config
 
 
 @flow(name="rl", log_prints=True)

@@ -29,7 +29,7 @@ from prefect.utilities.asyncutils import run_sync_in_worker_thread
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
 from pydantic import Field
 
-from rollflow.deployment import SlurmJobConfig
+from config.deployment import SlurmJobConfig
 from tasks import slurm
 
 WORKER_TYPE = "rollflow-slurm"

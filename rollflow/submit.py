@@ -17,10 +17,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from fsspec.implementations.local import LocalFileSystem
-
-from rollflow.config import RunConfig
-from storage.fs import get_fs, join, write_bytes_atomic, write_json
+from config.run import RunConfig
+from storage.fs import get_fs, is_local, join, write_bytes_atomic, write_json
 
 SCRIPT_NAME = "slurm.sbatch"
 PLACEMENT_NAME = "slurm-placement.json"
@@ -38,8 +36,8 @@ def job_command(profiles: list[str], overrides: list[tuple[str, str]], flags: se
 
 def _job_output(cfg: RunConfig) -> str:
     """Slurm writes the job's output itself: a local directory (the run's logs/ when it is local)."""
-    fs, root = get_fs(cfg.output_dir)
-    base = Path(join(root, "logs")) if isinstance(fs, LocalFileSystem) else Path("slurm-logs")
+    fs, root = get_fs(cfg.output_dir, cfg.storage)
+    base = Path(join(root, "logs")) if is_local(fs) else Path("slurm-logs")
     return str(base.resolve() / "slurm-%j.out")
 
 
@@ -55,7 +53,7 @@ def write_preview(cfg: RunConfig, command: str) -> dict[str, str]:
     """--dry-run: the batch script `rollflow submit` would submit and the srun placement, in config/."""
     from tasks.slurm import render_placement
 
-    fs, root = get_fs(cfg.output_dir)
+    fs, root = get_fs(cfg.output_dir, cfg.storage)
     script = join(root, "config", SCRIPT_NAME)
     write_bytes_atomic(fs, script, render_job(cfg, command).encode())
     write_json(fs, join(root, "config", PLACEMENT_NAME), render_placement(cfg.deployment))

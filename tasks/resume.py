@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from flows.prepare import free_port, write_configs
-from rollflow.config import RunConfig
+from config.registry import entry_modules
+from config.run import RunConfig
 from storage import weights
 from storage.fs import get_fs, is_committed
 from storage.resume import repair, resume_point, rollback
+from tasks.prepare import free_port, write_configs
 
 
 @dataclass
@@ -21,6 +22,7 @@ class Attempt:
     resume_step: int | None  # trainer checkpoint restarted from; None: from the warm-up's version 0
     needs_warmup: bool  # no committed version 0 yet: the warm-up (SFT) runs first
     urls: dict[str, str]  # component -> config URL for this attempt
+    modules: dict[str, str]  # component -> entry module (the inference backend picks its own)
 
 
 @task(cache_policy=NONE)
@@ -29,7 +31,7 @@ def prepare_attempt(
 ) -> Attempt:
     """`inference_node`: inside a Slurm job, the node the engine runs on (the orchestrator's target)."""
     logger = get_run_logger()
-    fs, root = get_fs(cfg.output_dir)
+    fs, root = get_fs(cfg.output_dir, cfg.storage)
     step = resume_point(fs, root, logger.warning)
     for what in rollback(fs, root, step):
         logger.info(f"rolled back: removed {what}")
@@ -38,8 +40,8 @@ def prepare_attempt(
     attempt_cfg.inference.port = cfg.inference.port or free_port(cfg.inference.host)
     if inference_node and inference_node != socket.gethostname().split(".")[0]:
         attempt_cfg.inference.host = inference_node  # another node: serve on, and connect to, its name
-    url = f"http://{cfg.inference.host}:{attempt_cfg.inference.port}"
+    url = f"http://{attempt_cfg.inference.host}:{attempt_cfg.inference.port}"
     urls = write_configs(attempt_cfg, run_id, url, tracking_uri, mlflow_run_id, step)
     needs_warmup = step is None and not is_committed(fs, weights.version_dir(root, 0))
     logger.info(f"starting from {'checkpoint step=' + str(step) if step is not None else 'policy version 0'}")
-    return Attempt(step, needs_warmup, urls)
+    return Attempt(step, needs_warmup, urls, entry_modules(cfg.inference.backend))

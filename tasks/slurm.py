@@ -16,7 +16,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 
-from rollflow.deployment import DeploymentConfig, SlurmJobConfig
+from config.deployment import DeploymentConfig, SlurmJobConfig
 
 COMPONENTS = ("warmup", "inference", "orchestrator", "trainer")
 # Slurm's walltime warning reaches the batch shell (sbatch --signal=B:USR1@N); the shell turns it into

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rollflow.loader import ConfigError, load_run_config
+from config.loader import ConfigError, load_run_config
 from tasks.slurm import PlacementError, place, render_placement, render_sbatch
 
 ROOT = Path(__file__).resolve().parents[2]
