@@ -2,7 +2,10 @@
 
 To add one, implement `Environment` (a `tag`, `sample(rng) -> Task`, `reward(task, completion)`) and
 register it in `REGISTRY`; its name then becomes valid in `[[envs]]` (docs/environments.md).
-Prompts are `<tag>:<payload>=` and the model answers after `=`, ending with `<eos>`.
+A task's `prompt` is the user message; the tokenizer renders it through its chat template
+(`Tokenizer.render_prompt`). In the `tag` style (the built-in model) the message is `<tag>:<payload>`
+and the character tokenizer's template makes it `<bos><tag>:<payload>=`; the `instruct` style (chat
+models) asks in a sentence. The model's answer ends with its tokenizer's end-of-sequence token.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from rollflow.config import EnvSpec
 @dataclass(frozen=True)
 class Task:
     env: str
-    prompt: str  # text after <bos>, ends with '='
+    prompt: str  # the user message (rendered by the tokenizer's chat template)
     answer: str  # the reference completion (without <eos>)
 
 
@@ -47,6 +50,8 @@ class _StringTask:
     min_chars: int
     max_chars: int
     lengths: str = "uniform"
+    style: str = "tag"
+    instruction: str = "{payload}"  # the instruct-style message
 
     def _length(self, rng: random.Random) -> int:
         if self.lengths == "long-tail":
@@ -59,13 +64,15 @@ class _StringTask:
 
     def sample(self, rng: random.Random) -> Task:
         payload = self._payload(rng)
-        return Task(self.name, f"{self.tag}:{payload}=", self.solve(payload))
+        prompt = self.instruction.format(payload=payload) if self.style == "instruct" else f"{self.tag}:{payload}"
+        return Task(self.name, prompt, self.solve(payload))
 
     def solve(self, payload: str) -> str:
         raise NotImplementedError
 
     def reward(self, task: Task, completion: str) -> float:
-        return similarity(completion, task.answer)
+        # chat models wrap answers in whitespace that says nothing about the answer
+        return similarity(completion.strip() if self.style == "instruct" else completion, task.answer)
 
 
 class ReverseText(_StringTask):
@@ -78,19 +85,24 @@ class SortLetters(_StringTask):
         return "".join(sorted(payload))
 
 
-REGISTRY = {"reverse-text": (ReverseText, "rev"), "sort-letters": (SortLetters, "sort")}
+REGISTRY = {
+    "reverse-text": (ReverseText, "rev", "Reverse the text {payload}\nReply with the reversed text only."),
+    "sort-letters": (SortLetters, "sort", "Sort the letters of {payload} alphabetically.\nReply with them only."),
+}
 
 
-def build(spec: EnvSpec) -> Environment:
-    cls, tag = REGISTRY[spec.name]
-    return cls(spec.name, tag, spec.min_chars, spec.max_chars, spec.lengths)
+def build(spec: EnvSpec, default_style: str = "tag") -> Environment:
+    """`default_style` applies where the spec says `prompt = "auto"` (the tokenizer's `prompt_style`)."""
+    cls, tag, instruction = REGISTRY[spec.name]
+    style = default_style if spec.prompt == "auto" else spec.prompt
+    return cls(spec.name, tag, spec.min_chars, spec.max_chars, spec.lengths, style, instruction)
 
 
 class EnvMix:
     """Weighted choice among environments; `task(key)` is a pure function of (seed, key)."""
 
-    def __init__(self, specs: list[EnvSpec], seed: int):
-        self.envs: dict[str, Environment] = {s.name: build(s) for s in specs}
+    def __init__(self, specs: list[EnvSpec], seed: int, default_style: str = "tag"):
+        self.envs: dict[str, Environment] = {s.name: build(s, default_style) for s in specs}
         self.names = [s.name for s in specs]
         self.weights = [s.weight for s in specs]
         self.seed = seed

@@ -18,10 +18,10 @@ from collections import Counter
 
 import httpx
 
+from engines import modeldir
 from engines.envs import EnvMix, Task
 from engines.orchestrator.advantages import group_advantages
 from engines.sampling import derive_seed
-from engines.tokenizer import CharTokenizer
 from rollflow.config import OrchestratorProcessConfig
 from storage import rollouts, weights
 from storage.fs import get_fs, read_json
@@ -98,14 +98,14 @@ class Orchestrator:
     def __init__(self, cfg: OrchestratorProcessConfig, client: httpx.AsyncClient, sync: WeightSync):
         self.cfg, self.client, self.sync = cfg, client, sync
         self.ocfg = cfg.orchestrator
-        self.mix = EnvMix(cfg.envs, cfg.seed)
-        self.tok = CharTokenizer()
+        self.tok = modeldir.load_tokenizer(modeldir.resolve(cfg.model))
+        self.mix = EnvMix(cfg.envs, cfg.seed, self.tok.prompt_style)
         self.fs, self.root = get_fs(cfg.run.output_dir)
         self.limit = asyncio.Semaphore(self.ocfg.requests_in_flight)
 
     async def sample_group(self, step: int, group: int) -> list[dict]:
         task = self.mix.task(f"step={step}/group={group}")
-        prompt_ids = self.tok.encode(task.prompt)
+        prompt_ids = self.tok.render_prompt(task.prompt)
         body = {
             "prompt": prompt_ids,
             "n": self.ocfg.group_size,

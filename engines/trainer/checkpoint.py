@@ -1,6 +1,7 @@
 """Trainer checkpoints: everything a resumed trainer needs to continue as if never stopped.
 
-`checkpoints/step=N/trainer/` holds the weights (safetensors), the optimizer, scheduler and RNG states
+`checkpoints/step=N/trainer/` holds the weights (safetensors, with the publication's config.json and
+tokenizer files, so it is a Hugging Face directory too), the optimizer, scheduler and RNG states
 (`trainer_state.pt`) and `run_state.json`, the run-level progress at that point: committed rollout
 steps, where the orchestrator's prompt cursor stands, and the MLflow run. A manifest with checksums is
 written last, so a checkpoint is complete or ignored.
@@ -44,6 +45,7 @@ def save(trainer, step: int) -> str:
         "model.safetensors": st_save(trainer.model.publishable_state_dict()),
         "trainer_state.pt": buf.getvalue(),
         "run_state.json": json.dumps(run_state, indent=1).encode(),
+        **trainer.publication_files,
     }
     return checkpoints.save(trainer.fs, trainer.root, step, "trainer", files)
 

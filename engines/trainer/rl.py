@@ -10,10 +10,10 @@ import time
 
 import torch
 
-from engines.tokenizer import CharTokenizer
+from engines import modeldir
 from engines.trainer import checkpoint
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
-from engines.trainer.common import build_model, log, seed_everything, train_logprobs
+from engines.trainer.common import log, seed_everything, train_logprobs
 from engines.trainer.loss import policy_loss
 from engines.trainer.mismatch import PolicyHistory
 from engines.trainer.tracking import Tracker
@@ -28,8 +28,9 @@ class RLTrainer:
         self.cfg, self.tcfg = cfg, cfg.trainer
         seed_everything(cfg.seed, self.tcfg.num_threads)
         self.fs, self.root = get_fs(cfg.run.output_dir)
-        self.tok = CharTokenizer()
-        self.model = build_model(cfg.model, self.tok.vocab_size)
+        loaded = modeldir.load(cfg.model, pretrained=False)  # version 0 or a checkpoint is loaded next
+        self.tok, self.model = loaded.tokenizer, loaded.model
+        self.publication_files = loaded.publication_files()  # config.json, tokenizer: same every version
         self.optimizer, self.scheduler = self._build_optimizer()
         self.version = self._restore()
         self.history = self._build_history() if self.tcfg.measure_mismatch else None
@@ -122,7 +123,7 @@ class RLTrainer:
         )
         stats = self.train_on(batch)
         t2 = time.perf_counter()
-        weights.publish(self.fs, self.root, step, self.model.publishable_state_dict())
+        weights.publish(self.fs, self.root, step, self.model.publishable_state_dict(), self.publication_files)
         self.version = step
         if self.history:
             self.history.add(step, self.model)
