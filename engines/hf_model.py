@@ -30,7 +30,9 @@ class HFCache:
 
 
 class HFCausalLM(Publishable, nn.Module):
-    def __init__(self, hf_model: nn.Module, cfg: ModelConfig):
+    hf: Any  # a transformers PreTrainedModel
+
+    def __init__(self, hf_model: Any, cfg: ModelConfig):
         super().__init__()
         self.hf = hf_model
         self.cfg = cfg

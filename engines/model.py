@@ -178,7 +178,6 @@ class Publishable:
         self.weights_module().load_state_dict(state_dict, strict=False)
 
 
-
 class CausalLM(Publishable, nn.Module):
     """`forward(ids, positions, mask, cache) -> logits`; mask None means plain causal attention."""
 

@@ -133,9 +133,9 @@ def pick_impl(cfg: ModelConfig, hf: dict, config_path: Path) -> str:
 def _moe_reason(hf: dict) -> str | None:
     from engines import model
 
-    if families.FAMILIES.get(str(hf.get("model_type")), None) and families.get(hf["model_type"]).moe:
-        if getattr(model, "build_sparse_mlp", None) is None:
-            return "the sparse (MoE) block is not available in engines/model.py"
+    family = families.FAMILIES.get(str(hf.get("model_type")))
+    if family is not None and family.moe and getattr(model, "build_sparse_mlp", None) is None:
+        return "the sparse (MoE) block is not available in engines/model.py"
     return None
 
 
@@ -143,8 +143,10 @@ def resolve(cfg: ModelConfig) -> ModelSource:
     """Check the model directory (if any) and settle the architecture and implementation."""
     if cfg.path is None:
         if cfg.impl == "hf":
-            raise ModelDirError("model.impl='hf' needs model.path (a Hugging Face directory); without it "
-                                "rollflow builds its own model (impl 'auto' or 'custom')")
+            raise ModelDirError(
+                "model.impl='hf' needs model.path (a Hugging Face directory); without it "
+                "rollflow builds its own model (impl 'auto' or 'custom')"
+            )
         families.get(cfg.family_name)
         return ModelSource(cfg, "custom")
     directory = resolve_dir(cfg.path)
@@ -215,10 +217,14 @@ def hf_config_json(source: ModelSource, tok: Tokenizer, vocab_size: int) -> dict
 
 
 def generation_config_json(source: ModelSource, tok: Tokenizer) -> dict:
+    """The directory's generation_config.json (if any), its missing special token ids from the tokenizer."""
+    data: dict = {}
     if source.directory is not None and (source.directory / "generation_config.json").is_file():
-        return json.loads((source.directory / "generation_config.json").read_text())
-    special = _special(tok)
-    return {"bos_token_id": special["bos"], "eos_token_id": special["eos"], "pad_token_id": special["pad"]}
+        data = json.loads((source.directory / "generation_config.json").read_text())
+    for key, value in _special(tok).items():
+        if data.get(f"{key}_token_id") is None:
+            data[f"{key}_token_id"] = value
+    return data
 
 
 def tokenizer_files(tok: Tokenizer) -> dict[str, bytes]:

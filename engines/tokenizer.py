@@ -21,10 +21,19 @@ CHAT_TEMPLATE = (
 
 
 class Tokenizer(Protocol):
-    pad_id: int
-    bos_id: int | None
-    eos_id: int
-    prompt_style: str  # the environment prompt style it suits: "tag" or "instruct" (engines/envs.py)
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int | None: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def prompt_style(self) -> str:
+        """The environment prompt style it suits: "tag" or "instruct" (engines/envs.py)."""
+        ...
 
     @property
     def vocab_size(self) -> int: ...
@@ -128,7 +137,7 @@ class HFTokenizer:
         return [self.bos_id, *ids] if bos and self.bos_id is not None else ids
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special)
+        return str(self.hf.decode(ids, skip_special_tokens=skip_special))
 
     def render_prompt(self, content: str) -> list[int]:
         """One user message through the chat template, ending with the assistant turn's opening."""

@@ -27,12 +27,14 @@ class ModelConfig(_Strict):
     and chat template the run uses (docs/models.md). `vocab_size` None means the tokenizer's."""
 
     path: str | None = Field(
-        None, description="Hugging Face model directory, a name in the local HF cache (org/name), or a name "
-        "fetched by `rollflow models fetch`; None builds the built-in model from the fields below"
+        None,
+        description="Hugging Face model directory, a name in the local HF cache (org/name), or a name "
+        "fetched by `rollflow models fetch`; None builds the built-in model from the fields below",
     )
     impl: Literal["auto", "custom", "hf"] = Field(
-        "auto", description="custom: rollflow's model code; hf: transformers' AutoModelForCausalLM; "
-        "auto: custom when config.json's model_type is a registered family it supports, else hf"
+        "auto",
+        description="custom: rollflow's model code; hf: transformers' AutoModelForCausalLM; "
+        "auto: custom when config.json's model_type is a registered family it supports, else hf",
     )
     family: str | None = Field(
         None, description="registered family (engines/families.py); None: qwen3 when qk_norm, else llama"
@@ -96,8 +98,9 @@ class EnvSpec(_Strict):
         "uniform", description="payload length distribution; long-tail: mostly min_chars, rarely max_chars"
     )
     prompt: Literal["auto", "tag", "instruct"] = Field(
-        "auto", description="tag: `rev:abc` (the built-in model's format); instruct: a sentence for chat models; "
-        "auto: what the tokenizer suits (tag for the character tokenizer, instruct for Hugging Face ones)"
+        "auto",
+        description="tag: `rev:abc` (the built-in model's format); instruct: a sentence for chat models; "
+        "auto: what the tokenizer suits (tag for the character tokenizer, instruct for Hugging Face ones)",
     )
 
     @model_validator(mode="after")
