@@ -118,6 +118,8 @@ class Orchestrator:
         }
         async with self.limit:
             r = await self.client.post("/v1/completions", json=body)
+        if r.status_code == 400:  # e.g. prompt + max_new_tokens over model.max_seq_len
+            raise RuntimeError(f"inference refused step {step} group {group}: {r.json().get('detail')}")
         r.raise_for_status()
         return self.score_group(step, group, task, prompt_ids, r.json()["choices"])
 
