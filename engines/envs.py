@@ -1,7 +1,8 @@
 """Environments: seeded task generators with a reward, plus the weighted mix a run draws from.
 
-To add one, implement `Environment` (a `tag`, `sample(rng) -> Task`, `reward(task, completion)`) and
-register it in `REGISTRY`; its name then becomes valid in `[[envs]]` (docs/environments.md).
+To add one, implement `Environment` (`sample(rng) -> Task`, `reward(task, completion)`) and register its
+import path in config/registry.py's ENVIRONMENTS; its name then becomes valid in `[[envs]]`
+(docs/environments.md).
 A task's `prompt` is the user message; the tokenizer renders it through its chat template
 (`Tokenizer.render_prompt`). In the `tag` style (the built-in model) the message is `<tag>:<payload>`
 and the character tokenizer's template makes it `<bos><tag>:<payload>=`; the `instruct` style (chat
@@ -11,12 +12,14 @@ models) asks in a sentence. The model's answer ends with its tokenizer's end-of-
 from __future__ import annotations
 
 import difflib
+import importlib
 import random
 import string
 from dataclasses import dataclass
 from typing import Protocol
 
-from rollflow.config import EnvSpec
+from config.envs import EnvSpec
+from config.registry import ENVIRONMENTS
 
 
 @dataclass(frozen=True)
@@ -46,12 +49,10 @@ LONG_TAIL_ALPHA = 1.2
 @dataclass
 class _StringTask:
     name: str
-    tag: str
     min_chars: int
     max_chars: int
     lengths: str = "uniform"
-    style: str = "tag"
-    instruction: str = "{payload}"  # the instruct-style message
+    style: str = "tag"  # "tag" or "instruct"
 
     def _length(self, rng: random.Random) -> int:
         if self.lengths == "long-tail":
@@ -67,6 +68,9 @@ class _StringTask:
         prompt = self.instruction.format(payload=payload) if self.style == "instruct" else f"{self.tag}:{payload}"
         return Task(self.name, prompt, self.solve(payload))
 
+    tag = ""  # the tag-style message's task marker, `<tag>:<payload>`
+    instruction = "{payload}"  # the instruct-style message
+
     def solve(self, payload: str) -> str:
         raise NotImplementedError
 
@@ -76,26 +80,27 @@ class _StringTask:
 
 
 class ReverseText(_StringTask):
+    tag = "rev"
+    instruction = "Reverse the text {payload}\nReply with the reversed text only."
+
     def solve(self, payload: str) -> str:
         return payload[::-1]
 
 
 class SortLetters(_StringTask):
+    tag = "sort"
+    instruction = "Sort the letters of {payload} alphabetically.\nReply with them only."
+
     def solve(self, payload: str) -> str:
         return "".join(sorted(payload))
 
 
-REGISTRY = {
-    "reverse-text": (ReverseText, "rev", "Reverse the text {payload}\nReply with the reversed text only."),
-    "sort-letters": (SortLetters, "sort", "Sort the letters of {payload} alphabetically.\nReply with them only."),
-}
-
-
 def build(spec: EnvSpec, default_style: str = "tag") -> Environment:
     """`default_style` applies where the spec says `prompt = "auto"` (the tokenizer's `prompt_style`)."""
-    cls, tag, instruction = REGISTRY[spec.name]
+    module, _, attr = ENVIRONMENTS[spec.name].partition(":")
+    cls = getattr(importlib.import_module(module), attr)
     style = default_style if spec.prompt == "auto" else spec.prompt
-    return cls(spec.name, tag, spec.min_chars, spec.max_chars, spec.lengths, style, instruction)
+    return cls(spec.name, spec.min_chars, spec.max_chars, spec.lengths, style)
 
 
 class EnvMix:

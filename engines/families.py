@@ -3,16 +3,19 @@
 A family maps a Hugging Face `config.json` (its `model_type`) to `ModelConfig` fields, says which
 configs the custom code cannot run (then `impl = "auto"` falls back to transformers), and writes the
 `config.json` of a publication back. Parameter names are the family's Hugging Face names, so weights
-load by name in both directions. To add a family: `register(Family(...))` below; `model.family` and
-`model.impl` accept it from then on (docs/models.md). Pure Python: no torch import.
+load by name in both directions. To add a family: define its `Family` (here or in any module) and add
+its import path to config/registry.py's MODEL_FAMILIES; `model.family` and `model.impl` accept it from
+then on (docs/models.md). Pure Python: no torch import.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rollflow.config import ModelConfig
+from config.model import ModelConfig
+from config.registry import MODEL_FAMILIES
 
 
 class UnsupportedConfig(ValueError):
@@ -30,20 +33,23 @@ class Family:
     extra_fields: dict[str, str] = field(default_factory=dict)  # config.json key -> ModelConfig field
 
 
-FAMILIES: dict[str, Family] = {}
-
-
-def register(family: Family) -> None:
-    FAMILIES[family.name] = family
+def registered() -> dict[str, Family]:
+    """model_type -> Family, from config/registry.py's MODEL_FAMILIES."""
+    out = {}
+    for name, path in MODEL_FAMILIES.items():
+        module, _, attr = path.partition(":")
+        out[name] = getattr(importlib.import_module(module), attr)
+    return out
 
 
 def get(name: str) -> Family:
-    if name not in FAMILIES:
+    families = registered()
+    if name not in families:
         raise UnsupportedConfig(
-            f"model family {name!r} is not registered (registered: {', '.join(sorted(FAMILIES))}); "
+            f"model family {name!r} is not registered (registered: {', '.join(sorted(families))}); "
             "use model.impl = 'hf' to run it with transformers' own modeling"
         )
-    return FAMILIES[name]
+    return families[name]
 
 
 # config.json key -> ModelConfig field, shared by every registered family.
@@ -91,9 +97,10 @@ def _shared_check(hf: dict) -> str | None:
 
 def unsupported(hf: dict) -> str | None:
     """Why the custom code cannot run this config.json, or None when it can."""
-    family = FAMILIES.get(str(hf.get("model_type")))
+    families = registered()
+    family = families.get(str(hf.get("model_type")))
     if family is None:
-        return f"model_type {hf.get('model_type')!r} is not a registered family ({', '.join(sorted(FAMILIES))})"
+        return f"model_type {hf.get('model_type')!r} is not a registered family ({', '.join(sorted(families))})"
     return _shared_check(hf) or family.check(hf)
 
 
@@ -142,7 +149,7 @@ def _llama_check(hf: dict) -> str | None:
     return "pretraining_tp > 1" if hf.get("pretraining_tp", 1) != 1 else None
 
 
-register(Family("llama", "LlamaForCausalLM", qk_norm=False, check=_llama_check))
-register(Family("qwen3", "Qwen3ForCausalLM", qk_norm=True))
+LLAMA = Family("llama", "LlamaForCausalLM", qk_norm=False, check=_llama_check)
+QWEN3 = Family("qwen3", "Qwen3ForCausalLM", qk_norm=True)
 # The sparse block itself lives with the MoE layer; this entry maps its config fields.
-register(Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True, extra_fields=MOE_FIELDS))
+QWEN3_MOE = Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True, extra_fields=MOE_FIELDS)

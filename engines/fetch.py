@@ -106,3 +106,28 @@ def fetch(name: str, force: bool = False) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+CHECK_PROMPTS = ("Reverse the text hello", "Sort the letters of banana alphabetically.", "What is 2 + 2?")
+
+
+def check(name: str) -> dict:
+    """Logprobs of the fetched directory under rollflow's model (impl custom) vs transformers' GGUF-loaded
+    model, on chat prompts plus a greedy continuation of each: the largest absolute difference."""
+    import torch
+
+    from config.model import ModelConfig
+    from engines import modeldir
+    from engines.model import token_logprobs
+
+    loaded = modeldir.load(ModelConfig(path=str(fetch(name)), impl="custom"), pretrained=True)
+    reference, _ = load_gguf(name)
+    worst, tokens = 0.0, 0
+    with torch.no_grad():
+        for text in CHECK_PROMPTS:
+            prompt = torch.tensor([loaded.tokenizer.render_prompt(text)])
+            ids = reference.generate(prompt, max_new_tokens=16, do_sample=False)
+            want = token_logprobs(reference(input_ids=ids).logits[:, :-1], ids[:, 1:], 1.0)
+            got = token_logprobs(loaded.model.eval()(ids)[:, :-1], ids[:, 1:], 1.0)
+            worst, tokens = max(worst, float((got - want).abs().max())), tokens + ids.shape[1] - 1
+    return {"model": name, "tokens": tokens, "max_abs_logprob_diff": worst}

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from config.model import ModelConfig
 from engines.model import Publishable
-from rollflow.config import ModelConfig
 
 
 class HFCache:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollflow.config import ModelConfig
+from config.model import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from config.model import ModelConfig
 from engines import families
 from engines.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
-from rollflow.config import ModelConfig
 
 log = logging.getLogger("rollflow.models")
 
@@ -90,7 +90,7 @@ def read_config(directory: Path) -> dict:
     except json.JSONDecodeError as exc:
         raise ModelDirError(f"{path}: not valid JSON: {exc}") from exc
     if not isinstance(data, dict) or not data.get("model_type"):
-        raise ModelDirError(f"{path}: no model_type (registered families: {', '.join(sorted(families.FAMILIES))})")
+        raise ModelDirError(f"{path}: no model_type (registered families: {', '.join(sorted(families.registered()))})")
     return data
 
 
@@ -121,7 +121,7 @@ def pick_impl(cfg: ModelConfig, hf: dict, config_path: Path) -> str:
     if cfg.impl == "custom" and reason:
         raise ModelDirError(
             f"{config_path}: model.impl='custom' cannot run it: {reason}; registered families: "
-            f"{', '.join(sorted(families.FAMILIES))}; use model.impl = 'hf' (or 'auto') for transformers' modeling"
+            f"{', '.join(sorted(families.registered()))}; use model.impl = 'hf' (or 'auto') for transformers' modeling"
         )
     if cfg.impl == "auto":
         if reason:
@@ -133,7 +133,7 @@ def pick_impl(cfg: ModelConfig, hf: dict, config_path: Path) -> str:
 def _moe_reason(hf: dict) -> str | None:
     from engines import model
 
-    family = families.FAMILIES.get(str(hf.get("model_type")))
+    family = families.registered().get(str(hf.get("model_type")))
     if family is not None and family.moe and getattr(model, "build_sparse_mlp", None) is None:
         return "the sparse (MoE) block is not available in engines/model.py"
     return None

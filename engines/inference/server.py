@@ -32,16 +32,17 @@ def _auth_dependency(token: str):
     return check
 
 
-def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_token: str):
+def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_token: str, storage=None):
     """The FastAPI app around an `Engine`; split from `main` so tests can serve it in-process."""
     from fastapi import Depends, FastAPI, HTTPException
 
     from storage import weights
-    from storage.fs import CorruptError, get_fs, is_committed
+    from storage.fs import CorruptError, Storage, is_committed
 
     app = FastAPI(title="rollflow embedded inference")
     admin = Depends(_auth_dependency(admin_token))
-    fs, root = get_fs(output_root_url)
+    fs, root = (storage or Storage()).open(output_root_url)
+    loaded: dict[str, dict] = {}  # the last publications loaded: a delta's base is not rebuilt each update
 
     async def sample(prompt_ids: list[int], n: int, max_tokens: int, temperature: float, seed: int | None):
         from engines.inference.engine import Request
@@ -146,7 +147,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
             version = await asyncio.to_thread(weights.read_version, fs, directory)
             if version < engine.version:
                 raise HTTPException(409, f"{directory} holds version {version}, older than served {engine.version}")
-            state = await asyncio.to_thread(weights.load, fs, directory)
+            state = await asyncio.to_thread(weights.load, fs, directory, loaded)
             t1 = time.perf_counter()
             served = await asyncio.to_thread(engine.update_weights, state, version)
         except (CorruptError, ValueError) as exc:
@@ -162,17 +163,16 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
     return app
 
 
-def load_engine(cfg, output_root_url: str):
+def load_engine(cfg, output_root_url: str, storage):
     """Build the model (engines/modeldir.py), load the newest committed weights, wrap them in an `Engine`."""
     import torch
 
     from engines import modeldir
     from engines.inference.engine import Engine
     from storage import weights
-    from storage.fs import get_fs
 
     torch.set_num_threads(cfg.inference.num_threads)
-    fs, root = get_fs(output_root_url)
+    fs, root = storage.open(output_root_url)
     latest = weights.load_latest(fs, root)
     if latest is None:
         raise SystemExit(f"no committed weights under {weights.weights_root(output_root_url)}; run the warm-up first")
@@ -191,15 +191,21 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from rollflow.config import InferenceProcessConfig
-    from storage.fs import read_json
+    from config.process import InferenceProcessConfig
+    from storage.fs import Storage, read_json
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = InferenceProcessConfig.model_validate(read_json(args.config))
-    engine, tokenizer = load_engine(cfg, cfg.run.output_dir)
+    storage = Storage(cfg.run.storage)
+    engine, tokenizer = load_engine(cfg, cfg.run.output_dir, storage)
     token = os.environ.get("ROLLFLOW_ADMIN_TOKEN") or secrets.token_hex(16)
-    app = build_app(engine, tokenizer, cfg.run.output_dir, f"rollflow/{cfg.run.run_id}", token)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.inference.host, port=cfg.inference.port, log_level="warning"))
+    app = build_app(engine, tokenizer, cfg.run.output_dir, f"rollflow/{cfg.run.run_id}", token, storage)
+    # Keep-alive longer than the client's (httpx: 5 s): with equal timeouts a request can reuse a connection
+    # the server is closing at that moment and fail with a ReadError after a few idle seconds.
+    config = uvicorn.Config(
+        app, host=cfg.inference.host, port=cfg.inference.port, log_level="warning", timeout_keep_alive=60
+    )
+    server = uvicorn.Server(config)
     app.state.server = server  # /shutdown sets server.should_exit
     log.info(f"serving policy version {engine.version} on http://{cfg.inference.host}:{cfg.inference.port}")
     server.run()

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from config.process import TrainerProcessConfig
 from engines import modeldir
 from engines.trainer import checkpoint
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
@@ -17,9 +18,8 @@ from engines.trainer.common import log, seed_everything, train_logprobs
 from engines.trainer.loss import policy_loss
 from engines.trainer.mismatch import PolicyHistory
 from engines.trainer.tracking import Tracker
-from rollflow.config import TrainerProcessConfig
-from storage import rollouts, weights
-from storage.fs import get_fs, is_committed
+from storage import retention, rollouts, weights
+from storage.fs import Storage, is_committed
 from storage.rollouts import staleness
 
 
@@ -27,11 +27,19 @@ class RLTrainer:
     def __init__(self, cfg: TrainerProcessConfig):
         self.cfg, self.tcfg = cfg, cfg.trainer
         seed_everything(cfg.seed, self.tcfg.num_threads)
-        self.fs, self.root = get_fs(cfg.run.output_dir)
+        self.fs, self.root = Storage(cfg.run.storage).open(cfg.run.output_dir)
+        self.publisher = weights.Publisher(self.fs, self.root)
         loaded = modeldir.load(cfg.model, pretrained=False)  # version 0 or a checkpoint is loaded next
         self.tok, self.model = loaded.tokenizer, loaded.model
         self.publication_files = loaded.publication_files()  # config.json, tokenizer: same every version
         self.optimizer, self.scheduler = self._build_optimizer()
+        self.state = checkpoint.TrainerState(
+            self.model,
+            {"optimizer": self.optimizer, "scheduler": self.scheduler, "rng": checkpoint.RNGState()},
+            cfg.mlflow_run_id,
+            cfg.seed,
+            self.publication_files,
+        )
         self.version = self._restore()
         self.history = self._build_history() if self.tcfg.measure_mismatch else None
         self.tracker = Tracker(self.fs, self.root, cfg.tracking.tracking_uri, cfg.mlflow_run_id)
@@ -47,7 +55,7 @@ class RLTrainer:
         """Start from the checkpoint the flow chose, or from the warm-up's version 0; returns the version."""
         step = self.cfg.resume_step
         if step is not None:
-            checkpoint.restore(self, step)
+            checkpoint.restore(self.fs, self.root, step, self.state)
             log.info(f"resumed from checkpoint step={step}")
             return step
         if not is_committed(self.fs, weights.version_dir(self.root, 0)):
@@ -81,7 +89,7 @@ class RLTrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         n_tokens = float(batch.loss_mask.sum().clamp(min=1))
-        loss_sum = masked = kl_sum = 0.0
+        loss_sum = masked = kl_sum = nonfinite = 0.0
         lc = self.tcfg.loss
         for mb in self.train_micro_batches(batch):
             out = policy_loss(
@@ -97,6 +105,7 @@ class RLTrainer:
             loss_sum += float(out.loss.detach())
             masked += out.masked_tokens
             kl_sum += out.sampler_kl_sum
+            nonfinite += out.nonfinite_tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.optim.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -108,6 +117,7 @@ class RLTrainer:
             "lr": lr,
             "masked_fraction": masked / n_tokens,
             "sampler_kl": kl_sum / n_tokens,
+            "sampler_nonfinite_tokens": int(nonfinite),
             "tokens": int(n_tokens),
         }
 
@@ -123,7 +133,8 @@ class RLTrainer:
         )
         stats = self.train_on(batch)
         t2 = time.perf_counter()
-        weights.publish(self.fs, self.root, step, self.model.publishable_state_dict(), self.publication_files)
+        self.publisher.publish(step, self.model.publishable_state_dict(), self.publication_files)
+        retention.enforce(self.fs, self.root, bases=self.publisher.bases)  # a no-op unless storage.keep_last_*
         self.version = step
         if self.history:
             self.history.add(step, self.model)
@@ -159,4 +170,5 @@ class RLTrainer:
                 f"| train {row['train_s']:.2f}s wait {row['wait_s']:.2f}s"
             )
             if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.max_steps:
-                log.info(f"checkpoint written: {checkpoint.save(self, step)}")
+                log.info(f"checkpoint written: {checkpoint.save(self.fs, self.root, step, self.state)}")
+                retention.enforce(self.fs, self.root, bases=self.publisher.bases)

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import torch
 
+from config.process import SFTProcessConfig
 from engines import modeldir
 from engines.envs import EnvMix
 from engines.tokenizer import Tokenizer
 from engines.trainer.batch import right_pad
 from engines.trainer.common import log, seed_everything
-from rollflow.config import SFTProcessConfig
 from storage import weights
-from storage.fs import get_fs, join, write_bytes_atomic
+from storage.fs import Storage, join, write_bytes_atomic
 
 
 def sft_batch(mix: EnvMix, tok: Tokenizer, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +36,7 @@ def sft_batch(mix: EnvMix, tok: Tokenizer, step: int, size: int) -> tuple[torch.
 
 def run_sft(cfg: SFTProcessConfig) -> None:
     seed_everything(cfg.seed, cfg.num_threads)
-    fs, root = get_fs(cfg.run.output_dir)
+    fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
     loaded = modeldir.load(cfg.model, pretrained=True)
     tok, model = loaded.tokenizer, loaded.model
     mix = EnvMix(cfg.envs, cfg.seed, tok.prompt_style)

@@ -16,11 +16,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from config.model import ModelConfig  # noqa: E402
 from engines import families, modeldir  # noqa: E402
 from engines.generate import generate  # noqa: E402
 from engines.model import token_logprobs  # noqa: E402
 from engines.tokenizer import CharTokenizer  # noqa: E402
-from rollflow.config import ModelConfig  # noqa: E402
 from storage import weights  # noqa: E402
 from storage.fs import get_fs  # noqa: E402
 
@@ -164,17 +164,17 @@ def test_publication_round_trips_through_from_pretrained(tmp_path, kind):
     assert weights.extra_files(fs, directory).keys() >= {"config.json", "tokenizer.json", "generation_config.json"}
 
 
-def test_delta_publications_export_as_hf_directories(tmp_path, monkeypatch):
-    from storage.fs import StorageSettings
+def test_delta_publications_export_as_hf_directories(tmp_path):
+    from config.storage import StorageConfig
 
-    monkeypatch.setattr("storage.fs._settings", StorageSettings(weights_delta=True, weights_full_every=10))
     loaded = modeldir.load(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1), True)
-    fs, root = get_fs(str(tmp_path / "run"))
+    fs, root = get_fs(str(tmp_path / "run"), StorageConfig(weights_delta=True, weights_full_every=10))
+    publisher = weights.Publisher(fs, root)
     files = loaded.publication_files()
-    weights.publish(fs, root, 1, loaded.model.publishable_state_dict(), files)
+    publisher.publish(1, loaded.model.publishable_state_dict(), files)
     with torch.no_grad():
         loaded.model.model.norm.weight.add_(0.5)
-    d2 = weights.publish(fs, root, 2, loaded.model.publishable_state_dict(), files)
+    d2 = publisher.publish(2, loaded.model.publishable_state_dict(), files)
     assert not os.path.exists(os.path.join(d2, "model.safetensors"))  # a delta
     weights.export_hf(fs, d2, str(tmp_path / "export"))
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"))
@@ -261,3 +261,13 @@ def test_refuses_missing_tokenizer_or_chat_template(good_dir, tmp_path):
 def test_refuses_impl_hf_without_a_directory():
     with pytest.raises(modeldir.ModelDirError, match=r"model.impl='hf' needs model.path"):
         modeldir.resolve(ModelConfig(impl="hf"))
+
+
+def test_fetch_names_what_is_known(tmp_path, monkeypatch):
+    from engines import fetch
+
+    with pytest.raises(fetch.FetchError, match=r"unknown model 'nope'; known: smollm2-135m"):
+        fetch.fetch("nope")
+    monkeypatch.setenv("ROLLFLOW_CACHE", str(tmp_path))
+    make_dir(tmp_path / "models" / "mine", "llama")  # a fetched (or hand-placed) model resolves by name
+    assert modeldir.resolve(ModelConfig(path="mine")).directory == tmp_path / "models" / "mine"
