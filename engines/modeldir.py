@@ -130,11 +130,20 @@ def pick_impl(cfg: ModelConfig, hf: dict, config_path: Path) -> str:
     return cfg.impl
 
 
-def _moe_reason(hf: dict) -> str | None:
+def sparse_block_available() -> bool:
+    """Whether engines/model.py's `build_mlp` builds something other than the dense MLP for an MoE layer."""
     from engines import model
 
+    probe = ModelConfig(
+        hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=8, num_experts=2,
+        num_experts_per_tok=1, qk_norm=True,
+    )  # fmt: skip
+    return not isinstance(model.build_mlp(probe, 0), model.MLP)
+
+
+def _moe_reason(hf: dict) -> str | None:
     family = families.registered().get(str(hf.get("model_type")))
-    if family is not None and family.moe and getattr(model, "build_sparse_mlp", None) is None:
+    if family is not None and family.moe and not sparse_block_available():
         return "the sparse (MoE) block is not available in engines/model.py"
     return None
 
@@ -147,7 +156,11 @@ def resolve(cfg: ModelConfig) -> ModelSource:
                 "model.impl='hf' needs model.path (a Hugging Face directory); without it "
                 "rollflow builds its own model (impl 'auto' or 'custom')"
             )
-        families.get(cfg.family_name)
+        if families.get(cfg.family_name).moe and not sparse_block_available():
+            raise ModelDirError(
+                f"model.family={cfg.family_name!r} (model.num_experts={cfg.num_experts}) needs the sparse (MoE) "
+                "block, which engines/model.py does not build yet"
+            )
         return ModelSource(cfg, "custom")
     directory = resolve_dir(cfg.path)
     hf = read_config(directory)

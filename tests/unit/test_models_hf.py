@@ -271,3 +271,12 @@ def test_fetch_names_what_is_known(tmp_path, monkeypatch):
     monkeypatch.setenv("ROLLFLOW_CACHE", str(tmp_path))
     make_dir(tmp_path / "models" / "mine", "llama")  # a fetched (or hand-placed) model resolves by name
     assert modeldir.resolve(ModelConfig(path="mine")).directory == tmp_path / "models" / "mine"
+
+
+def test_a_built_in_moe_model_needs_the_sparse_block():
+    cfg = ModelConfig(num_experts=4, num_experts_per_tok=2, qk_norm=True)
+    if modeldir.sparse_block_available():
+        assert modeldir.resolve(cfg).cfg.family_name == "qwen3_moe"
+    else:  # never a dense model silently built for an MoE config
+        with pytest.raises(modeldir.ModelDirError, match=r"model.family='qwen3_moe' .* needs the sparse"):
+            modeldir.resolve(cfg)
