@@ -4,6 +4,9 @@ Keys match Hugging Face's `LlamaForCausalLM` / `Qwen3ForCausalLM` (`model.layers
 ...), so safetensors of that family load with `load_state_dict`. Generation uses a preallocated KV cache
 and left padding; a position's RoPE index counts only real tokens, so cached decoding and the trainer's
 full forward see identical positions and produce the same logprobs.
+
+With `model.num_experts > 0` every layer's MLP is a Qwen3-MoE sparse block (engines/moe.py); a `Routing`
+passed to `forward` records the experts each token was routed to and can replay given ones.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.moe import Routing, SparseMoeBlock
 from rollflow.config import ModelConfig
 
 
@@ -112,29 +116,39 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    """Dense SwiGLU MLP, or the sparse MoE block when the model has experts (all layers sparse)."""
+    if not cfg.num_experts:
+        return MLP(cfg)
+    return SparseMoeBlock(
+        cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, layer
+    )
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = make_mlp(cfg, layer)
 
-    def forward(self, x, cos, sin, mask, cache, layer):
+    def forward(self, x, cos, sin, mask, cache, layer, routing: Routing | None = None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, routing) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(h))
 
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """`forward(ids, positions, mask, cache) -> logits`; mask None means plain causal attention."""
+    """`forward(ids, positions, mask, cache, routing) -> logits`; mask None means plain causal attention."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
@@ -156,13 +170,15 @@ class CausalLM(nn.Module):
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
         if positions is None:
             positions = torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1)
-        cos, sin = rope_cos_sin(positions, self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta)
         x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # a no-op in fp32; keeps a bf16 model in bf16
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, mask, cache, i)
+            x = layer(x, cos, sin, mask, cache, i, routing)
         if cache is not None:
             cache.length += input_ids.shape[1]
         return self.lm_head(self.model.norm(x))

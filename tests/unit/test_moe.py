@@ -1,0 +1,119 @@
+"""Qwen3-MoE block: parity with transformers' Qwen3MoeForCausalLM, routing record and router replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engines.model import CausalLM, token_logprobs
+from engines.moe import Routing
+from rollflow.config import ModelConfig
+
+VOCAB = 61
+CFG = ModelConfig(
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    max_seq_len=32,
+    qk_norm=True,
+    tie_word_embeddings=False,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+)
+
+
+def hf_model(norm_topk_prob: bool):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=CFG.hidden_size,
+        intermediate_size=CFG.intermediate_size,
+        moe_intermediate_size=CFG.moe_intermediate_size,
+        num_hidden_layers=CFG.num_layers,
+        num_attention_heads=CFG.num_heads,
+        num_key_value_heads=CFG.num_kv_heads,
+        head_dim=CFG.hidden_size // CFG.num_heads,
+        num_experts=CFG.num_experts,
+        num_experts_per_tok=CFG.num_experts_per_tok,
+        norm_topk_prob=norm_topk_prob,
+        rms_norm_eps=CFG.rms_norm_eps,
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # decisive routing: top-k is not a near-tie everywhere
+    )
+    return Qwen3MoeForCausalLM(config).eval()
+
+
+def ours_from(hf, tmp_path, norm_topk_prob: bool) -> CausalLM:
+    hf.save_pretrained(tmp_path)
+    model = CausalLM(CFG.model_copy(update={"norm_topk_prob": norm_topk_prob}), VOCAB).eval()
+    model.load_published(load_file(tmp_path / "model.safetensors"))  # HF's on-disk names, strictly checked
+    return model
+
+
+def ids(batch: int = 3, length: int = 12, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_logprobs_match_transformers(tmp_path, norm_topk_prob):
+    hf = hf_model(norm_topk_prob)
+    ours = ours_from(hf, tmp_path, norm_topk_prob)
+    x = ids()
+    with torch.no_grad():
+        want = token_logprobs(hf(x).logits[:, :-1], x[:, 1:], 1.0)
+        got = token_logprobs(ours(x)[:, :-1], x[:, 1:], 1.0)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), float((got - want).abs().max())
+
+
+def test_state_dict_names_are_hf_on_disk_names():
+    keys = set(CausalLM(CFG, VOCAB).state_dict())
+    assert "model.layers.1.mlp.gate.weight" in keys
+    assert {f"model.layers.0.mlp.experts.3.{p}_proj.weight" for p in ("gate", "up", "down")} <= keys
+    assert not any(k.startswith("model.layers.0.mlp.gate_proj") for k in keys)
+
+
+def test_dense_config_has_no_experts():
+    keys = set(CausalLM(CFG.model_copy(update={"num_experts": 0}), VOCAB).state_dict())
+    assert "model.layers.0.mlp.gate_proj.weight" in keys and not any("experts" in k for k in keys)
+
+
+def _model(seed: int = 0) -> CausalLM:
+    torch.manual_seed(seed)
+    return CausalLM(CFG, VOCAB).eval()
+
+
+def test_record_shape_and_own_replay_is_identical():
+    model, x = _model(), ids()
+    rec = Routing()
+    with torch.no_grad():
+        base = model(x, routing=rec)
+        routes = rec.stacked()
+        assert routes.shape == (3, 12, CFG.num_layers, CFG.num_experts_per_tok)
+        assert routes.min() >= 0 and routes.max() < CFG.num_experts
+        replayed = model(x, routing=Routing(replay=routes))
+    assert torch.equal(base, replayed)
+    # -1 means "route afresh": identical too
+    with torch.no_grad():
+        assert torch.equal(base, model(x, routing=Routing(replay=torch.full_like(routes, -1))))
+
+
+def test_replaying_other_choices_changes_logprobs_and_trains_the_gate():
+    model, x = _model(), ids()
+    rec = Routing()
+    with torch.no_grad():
+        base = token_logprobs(model(x, routing=rec)[:, :-1], x[:, 1:], 1.0)
+    other = (rec.stacked() + 1) % CFG.num_experts  # a different expert in every slot
+    fresh = Routing(replay=other)
+    logp = token_logprobs(model(x, routing=fresh)[:, :-1], x[:, 1:], 1.0)
+    assert (logp.detach() - base).abs().max() > 1e-3
+    # the model's own choice is still recorded while replaying
+    assert torch.equal(fresh.stacked(), rec.stacked())
+    logp.sum().backward()
+    gate = model.model.layers[0].mlp.gate.weight
+    assert gate.grad is not None and gate.grad.abs().sum() > 0
