@@ -83,6 +83,12 @@ class InferenceConfig(_Strict):
     port: int = Field(0, ge=0, le=65535)  # 0: the flow picks a free port at launch
     max_batch_size: int = Field(256, gt=0)
     num_threads: int = Field(1, gt=0)
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="precision the engine runs the model in (the trainer stays float32)"
+    )
+    enable_return_routed_experts: bool = Field(
+        False, description="MoE: return each token's routed expert ids (the `routed_experts` rollout column)"
+    )
 
 
 class OrchestratorConfig(_Strict):
@@ -129,6 +135,11 @@ class TrainerConfig(_Strict):
     )
     measure_mismatch: bool = Field(
         True, description="keep recent policies in memory to measure mismatch_kl on stale samples"
+    )
+    enable_router_replay: bool = Field(
+        False,
+        description="MoE: route each token to the experts the sampler chose (R3), recomputing only the gate "
+        "weights; turns on inference.enable_return_routed_experts",
     )
 
 
@@ -236,6 +247,18 @@ class RunConfig(_Strict):
                 f"may still load any of the newest max_off_policy_steps + 2 = {need} publications; "
                 f"set storage.keep_last_weights >= {need}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _router_replay_needs_routes(self) -> RunConfig:
+        if not self.trainer.enable_router_replay or self.inference.enable_return_routed_experts:
+            return self
+        if "enable_return_routed_experts" in self.inference.model_fields_set:
+            raise ValueError(
+                "trainer.enable_router_replay = true needs the sampler's routing: "
+                "inference.enable_return_routed_experts must be true (or left unset, which turns it on)"
+            )
+        self.inference.enable_return_routed_experts = True
         return self
 
     @model_validator(mode="after")

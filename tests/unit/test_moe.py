@@ -117,3 +117,46 @@ def test_replaying_other_choices_changes_logprobs_and_trains_the_gate():
     logp.sum().backward()
     gate = model.model.layers[0].mlp.gate.weight
     assert gate.grad is not None and gate.grad.abs().sum() > 0
+
+
+def test_generation_records_the_routes_a_full_forward_takes():
+    """The payload covers prompt + completion - 1 positions and equals the trainer's own routing of the
+    same sequence; replaying it reproduces the sampler's logprobs (fp32 both sides)."""
+    from engines.generate import generate
+
+    model = _model(3)
+    prompts = [[1, 5, 7, 9], [1, 5, 7, 9], [1, 4, 2]]
+    outs = generate(
+        model,
+        prompts,
+        max_new_tokens=[6, 6, 6],
+        temperatures=[1.0] * 3,
+        eos_id=0,
+        pad_id=60,
+        seeds=[1, 2, 3],
+        record_routes=True,
+    )
+    for p, c in zip(prompts, outs, strict=True):
+        assert c.routed_experts is not None
+        seq = p + c.token_ids
+        assert c.routed_experts.shape == (len(seq) - 1, CFG.num_layers, CFG.num_experts_per_tok)
+        rec = Routing()
+        x = torch.tensor([seq[:-1]])
+        with torch.no_grad():
+            model(x, routing=rec)
+            assert torch.equal(rec.stacked()[0].to(torch.int16), c.routed_experts)
+            replay = Routing(replay=c.routed_experts.long()[None])
+            logits = model(x, routing=replay)[0, len(p) - 1 :]
+        logp = token_logprobs(logits[None], torch.tensor([c.token_ids]), 1.0)[0]
+        assert torch.allclose(logp, torch.tensor(c.logprobs), atol=1e-5)
+
+
+def test_dense_generation_records_nothing():
+    from engines.generate import generate
+
+    torch.manual_seed(0)
+    model = CausalLM(CFG.model_copy(update={"num_experts": 0}), VOCAB).eval()
+    (out,) = generate(
+        model, [[1, 2]], max_new_tokens=[3], temperatures=[1.0], eos_id=0, pad_id=60, seeds=[1], record_routes=True
+    )
+    assert out.routed_experts is None
