@@ -4,6 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROFILE ?= profiles/tiny-cpu.toml
+TORCH_SPEC ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 
@@ -12,8 +14,9 @@ export HF_HUB_OFFLINE ?= 1
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch first and alone: with it absent, dependents pull the multi-GB CUDA build
-	$(BIN)/pip install -q torch==2.13.0
+	# torch first and alone, the CPU build named explicitly: with it absent, dependents pull the
+	# multi-GB CUDA build from the default index
+	$(BIN)/pip install -q "$(TORCH_SPEC)" --extra-index-url $(TORCH_INDEX)
 	$(BIN)/pip install -q -c requirements/constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
@@ -32,6 +35,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # Runs every benchmark against its baseline (tests/bench/) and rewrites docs/benchmarks.md (~6-7 min on 2 cores).
 bench: install

@@ -1,19 +1,22 @@
 """Environments: seeded task generators with a reward, plus the weighted mix a run draws from.
 
-To add one, implement `Environment` (a `tag`, `sample(rng) -> Task`, `reward(task, completion)`) and
-register it in `REGISTRY`; its name then becomes valid in `[[envs]]` (docs/environments.md).
+To add one, implement `Environment` (`sample(rng) -> Task`, `reward(task, completion)`) and register its
+import path in config/registry.py's ENVIRONMENTS; its name then becomes valid in `[[envs]]`
+(docs/environments.md).
 Prompts are `<tag>:<payload>=` and the model answers after `=`, ending with `<eos>`.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
 import random
 import string
 from dataclasses import dataclass
 from typing import Protocol
 
-from rollflow.config import EnvSpec
+from config.envs import EnvSpec
+from config.registry import ENVIRONMENTS
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,6 @@ LONG_TAIL_ALPHA = 1.2
 @dataclass
 class _StringTask:
     name: str
-    tag: str
     min_chars: int
     max_chars: int
     lengths: str = "uniform"
@@ -61,6 +63,8 @@ class _StringTask:
         payload = self._payload(rng)
         return Task(self.name, f"{self.tag}:{payload}=", self.solve(payload))
 
+    tag = ""  # the prompt's task marker, `<tag>:<payload>=`
+
     def solve(self, payload: str) -> str:
         raise NotImplementedError
 
@@ -69,21 +73,23 @@ class _StringTask:
 
 
 class ReverseText(_StringTask):
+    tag = "rev"
+
     def solve(self, payload: str) -> str:
         return payload[::-1]
 
 
 class SortLetters(_StringTask):
+    tag = "sort"
+
     def solve(self, payload: str) -> str:
         return "".join(sorted(payload))
 
 
-REGISTRY = {"reverse-text": (ReverseText, "rev"), "sort-letters": (SortLetters, "sort")}
-
-
 def build(spec: EnvSpec) -> Environment:
-    cls, tag = REGISTRY[spec.name]
-    return cls(spec.name, tag, spec.min_chars, spec.max_chars, spec.lengths)
+    module, _, attr = ENVIRONMENTS[spec.name].partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    return cls(spec.name, spec.min_chars, spec.max_chars, spec.lengths)
 
 
 class EnvMix:

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from config.model import ModelConfig
 from engines.moe import Routing, SparseMoeBlock
-from rollflow.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -10,7 +10,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from flows.prepare import (
+from config.run import RunConfig
+from storage import runstate
+from storage.fs import get_fs
+from tasks.prepare import (
     check_resumable,
     claim_output_dir,
     new_run_id,
@@ -18,9 +21,6 @@ from flows.prepare import (
     stored_config,
     write_run_config,
 )
-from rollflow.config import RunConfig
-from storage import runstate
-from storage.fs import get_fs
 from tasks.tracking import end_mlflow_run, reopen_mlflow_run, resolve_tracking_uri, start_mlflow_run
 
 

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from flows.prepare import free_port
-from tasks.process import _die_with_parent, terminate_group
+from tasks.prepare import free_port
+from tasks.process import die_with_parent, terminate_group
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
@@ -48,7 +48,7 @@ def local_prefect_api(timeout_s: float = 60.0) -> Iterator[str]:
     argv = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(spec.origin).parent.parent),
             "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
             "--log-level", "error", "--lifespan", "on"]  # fmt: skip
-    proc = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent, start_new_session=True)  # noqa: PLW1509
+    proc = subprocess.Popen(argv, env=env, preexec_fn=die_with_parent, start_new_session=True)  # noqa: PLW1509
     url = f"http://127.0.0.1:{port}/api"
     try:
         _wait_healthy(proc, url, timeout_s)

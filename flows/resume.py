@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from flows.prepare import stored_config
+from config.loader import load_stored_config
 from flows.rl import rl
-from rollflow.loader import load_stored_config
 from storage.runstate import LeaseHeld, find_resumable
+from tasks.prepare import stored_config
 
 
 @flow(name="resume-unfinished", log_prints=True)

@@ -24,10 +24,10 @@ from fsspec.implementations.local import LocalFileSystem
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from config.run import RunConfig
 from flows.lease import hold_lease
 from flows.lifecycle import RunHandle, close_run, reopen_run, start_new_run
 from flows.summary import summarize, to_markdown
-from rollflow.config import RunConfig
 from storage.fs import configure as configure_storage
 from storage.fs import get_fs, join
 from storage.runstate import write_state
@@ -86,9 +86,13 @@ def _run_components(attempt: Attempt, logs: str, tracking_uri: str | None, logge
     stop = threading.Event()
     try:
         if attempt.needs_warmup:
-            run_component("warmup", attempt.urls["sft"], env["warmup"], join(logs, "warmup.log"), stop)
+            run_component(
+                "warmup", attempt.modules["warmup"], attempt.urls["sft"], env["warmup"], join(logs, "warmup.log"), stop
+            )
         futures = {
-            name: run_component.submit(name, attempt.urls[name], env[name], join(logs, f"{name}.log"), stop)
+            name: run_component.submit(
+                name, attempt.modules[name], attempt.urls[name], env[name], join(logs, f"{name}.log"), stop
+            )
             for name in ("inference", "orchestrator", "trainer")
         }
         _supervise(futures, stop, logger)

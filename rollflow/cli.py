@@ -15,8 +15,8 @@ import os
 import signal
 import sys
 
-from rollflow.config import RunConfig
-from rollflow.loader import ConfigError, load_run_config, load_stored_config
+from config.loader import ConfigError, load_run_config, load_stored_config
+from config.run import RunConfig
 
 USAGE = """rollflow rl [@ PROFILE.toml ...] [--KEY VALUE ...] [--dry-run] [--overwrite | --resume]
 
@@ -77,8 +77,8 @@ def split_args(tokens: list[str]) -> tuple[list[str], list[tuple[str, str]], set
 def _precheck(cfg: RunConfig, flags: set[str]) -> None:
     """Refuse early (before Prefect starts) what the flow would refuse: a live run, an existing run
     without --overwrite or --resume, a resume with incompatible settings."""
-    from flows.prepare import RunDirError, check_resumable, refuse_if_running, run_exists
     from storage.fs import configure
+    from tasks.prepare import RunDirError, check_resumable, refuse_if_running, run_exists
 
     configure(cfg.storage.model_dump(mode="json"))  # endpoint, timeouts, retries for these checks and the run
     try:
@@ -107,7 +107,7 @@ def _run_flow(cfg: RunConfig, flags: set[str]) -> dict:
 
 
 def _launch(cfg: RunConfig, flags: set[str]) -> int:
-    from rollflow.redact import redact_url
+    from config.redact import redact_url
 
     uri = cfg.tracking.tracking_uri
     if uri and redact_url(uri) != uri:  # credentials travel by environment, not as (stored) flow parameters
@@ -137,7 +137,7 @@ def cmd_rl(tokens: list[str]) -> int:
     cfg = load_run_config(profiles, overrides)
     _precheck(cfg, flags)
     if "dry-run" in flags:
-        from flows.prepare import new_run_id, write_configs
+        from tasks.prepare import new_run_id, write_configs
 
         urls = write_configs(cfg, new_run_id(cfg), f"http://{cfg.inference.host}:{cfg.inference.port}")
         print(json.dumps(urls, indent=2))
@@ -151,7 +151,7 @@ def cmd_resume(tokens: list[str]) -> int:
     output_dir, (profiles, overrides, flags) = tokens[0], split_args(tokens[1:])
     if profiles or flags:
         raise ConfigError("rollflow resume takes OUTPUT_DIR and --KEY VALUE overrides only (no profiles or flags)")
-    from flows.prepare import RunDirError, stored_config
+    from tasks.prepare import RunDirError, stored_config
 
     try:
         stored = stored_config(output_dir)

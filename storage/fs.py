@@ -55,7 +55,7 @@ class StorageUnavailable(IOError):
 
 @dataclass(frozen=True)
 class StorageSettings:
-    """Non-secret storage settings; the same keys as `rollflow.config.StorageConfig` (validated there)."""
+    """Non-secret storage settings; the same keys as `config.storage.StorageConfig` (validated there)."""
 
     endpoint_url: str | None = None
     region: str | None = None

@@ -10,19 +10,14 @@ from prefect.cache_policies import NONE
 
 from tasks.process import supervise
 
-ENTRY_MODULES = {
-    "warmup": "engines.trainer",
-    "inference": "engines.inference",
-    "orchestrator": "engines.orchestrator",
-    "trainer": "engines.trainer",
-}
-
 
 @task(cache_policy=NONE, task_run_name="{name}")
-def run_component(name: str, config_url: str, env: dict[str, str], log_path: str, stop: threading.Event) -> int:
-    """Launch `python -m <entry> --config <config_url>` and supervise it until it exits or `stop` is set."""
+def run_component(
+    name: str, module: str, config_url: str, env: dict[str, str], log_path: str, stop: threading.Event
+) -> int:
+    """Launch `python -m <module> --config <config_url>` and supervise it until it exits or `stop` is set."""
     logger = get_run_logger()
-    argv = [sys.executable, "-m", ENTRY_MODULES[name], "--config", config_url]
+    argv = [sys.executable, "-m", module, "--config", config_url]
     logger.info(f"starting {name}: {' '.join(argv)}")
     rc = supervise(name, argv, env, lambda line: logger.info(f"[{name}] {line}"), stop, log_path)
     logger.info(f"{name} exited with code {rc}")

@@ -49,7 +49,7 @@ _PRCTL = _load_prctl()
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: get SIGTERM when the supervising thread dies, even by SIGKILL."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
@@ -100,7 +100,7 @@ def supervise(
         text=True,
         errors="replace",
         bufsize=1,
-        preexec_fn=_die_with_parent,  # noqa: PLW1509 - only a preloaded C call runs in the child
+        preexec_fn=die_with_parent,  # noqa: PLW1509 - only a preloaded C call runs in the child
         env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
         start_new_session=True,
     )

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from flows.prepare import free_port, write_configs
-from rollflow.config import RunConfig
+from config.registry import entry_modules
+from config.run import RunConfig
 from storage import weights
 from storage.fs import get_fs, is_committed
 from storage.resume import repair, resume_point, rollback
+from tasks.prepare import free_port, write_configs
 
 
 @dataclass
@@ -20,6 +21,7 @@ class Attempt:
     resume_step: int | None  # trainer checkpoint restarted from; None: from the warm-up's version 0
     needs_warmup: bool  # no committed version 0 yet: the warm-up (SFT) runs first
     urls: dict[str, str]  # component -> config URL for this attempt
+    modules: dict[str, str]  # component -> entry module (the inference backend picks its own)
 
 
 @task(cache_policy=NONE)
@@ -36,4 +38,4 @@ def prepare_attempt(cfg: RunConfig, run_id: str, tracking_uri: str | None, mlflo
     urls = write_configs(attempt_cfg, run_id, url, tracking_uri, mlflow_run_id, step)
     needs_warmup = step is None and not is_committed(fs, weights.version_dir(root, 0))
     logger.info(f"starting from {'checkpoint step=' + str(step) if step is not None else 'policy version 0'}")
-    return Attempt(step, needs_warmup, urls)
+    return Attempt(step, needs_warmup, urls, entry_modules(cfg.inference.backend))

@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from rollflow.config import InferenceProcessConfig
+    from config.process import InferenceProcessConfig
     from storage.fs import read_json
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")

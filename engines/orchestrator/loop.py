@@ -20,6 +20,7 @@ from collections import Counter
 
 import httpx
 
+from config.process import OrchestratorProcessConfig
 from engines.envs import EnvMix, Task
 from engines.inference.api import (
     CompletionChoice,
@@ -32,7 +33,6 @@ from engines.inference.api import (
 from engines.orchestrator.advantages import group_advantages
 from engines.sampling import derive_seed
 from engines.tokenizer import CharTokenizer
-from rollflow.config import OrchestratorProcessConfig
 from storage import rollouts, weights
 from storage.fs import get_fs, read_json
 from storage.rollouts import RolloutRow, staleness

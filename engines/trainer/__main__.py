@@ -14,13 +14,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     data = read_json(args.config)
     if data.get("mode") == "sft":
+        from config.process import SFTProcessConfig
         from engines.trainer.sft import run_sft
-        from rollflow.config import SFTProcessConfig
 
         run_sft(SFTProcessConfig.model_validate(data))
     else:
+        from config.process import TrainerProcessConfig
         from engines.trainer.rl import RLTrainer
-        from rollflow.config import TrainerProcessConfig
 
         RLTrainer(TrainerProcessConfig.model_validate(data)).run()
 

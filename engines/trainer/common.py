@@ -7,10 +7,10 @@ import random
 
 import torch
 
+from config.model import ModelConfig
 from engines.model import CausalLM, token_logprobs
 from engines.moe import Routing
 from engines.trainer.batch import Batch, PackedBatch
-from rollflow.config import ModelConfig
 
 log = logging.getLogger("rollflow.trainer")
 

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from config.process import TrainerProcessConfig
 from engines.tokenizer import CharTokenizer
 from engines.trainer import checkpoint
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
@@ -17,7 +18,6 @@ from engines.trainer.common import build_model, log, routing_for, seed_everythin
 from engines.trainer.loss import policy_loss
 from engines.trainer.mismatch import Mismatch, PolicyHistory
 from engines.trainer.tracking import Tracker
-from rollflow.config import TrainerProcessConfig
 from storage import rollouts, weights
 from storage.fs import get_fs, is_committed
 from storage.rollouts import staleness
@@ -87,7 +87,7 @@ class RLTrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         n_tokens = float(batch.loss_mask.sum().clamp(min=1))
-        loss_sum = masked = kl_sum = replayed = 0.0
+        loss_sum = masked = kl_sum = nonfinite = replayed = 0.0
         lc = self.tcfg.loss
         for mb in self.train_micro_batches(batch):
             routing = routing_for(mb, self.tcfg.enable_router_replay)
@@ -106,6 +106,7 @@ class RLTrainer:
             loss_sum += float(out.loss.detach())
             masked += out.masked_tokens
             kl_sum += out.sampler_kl_sum
+            nonfinite += out.nonfinite_tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.optim.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -117,6 +118,7 @@ class RLTrainer:
             "lr": lr,
             "masked_fraction": masked / n_tokens,
             "sampler_kl": kl_sum / n_tokens,
+            "sampler_nonfinite_tokens": int(nonfinite),
             "tokens": int(n_tokens),
             # completion tokens scored through the sampler's experts (router replay); 0 without replay
             "replayed_fraction": replayed / n_tokens,

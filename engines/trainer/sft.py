@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
+from config.process import SFTProcessConfig
 from engines.envs import EnvMix
 from engines.tokenizer import CharTokenizer
 from engines.trainer.batch import right_pad
 from engines.trainer.common import build_model, log, seed_everything
-from rollflow.config import SFTProcessConfig
 from storage import weights
 from storage.fs import get_fs, join, write_bytes_atomic
 

@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollflow.config import RunConfig
-from rollflow.loader import load_run_config
+from config.loader import load_run_config
+from config.run import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = [ROOT / "profiles/tiny-cpu.toml", ROOT / "tests/bench/bench.toml"]
@@ -199,7 +199,7 @@ def _supervise_all(names: Sequence[str], urls: dict[str, str], env: dict[str, st
 
 def warm_up(cfg: RunConfig) -> Path:
     """Run the warm-up once into cfg.output_dir; later runs copy its version-0 weights and tokenizer."""
-    from flows.prepare import free_port, new_run_id, write_configs
+    from tasks.prepare import free_port, new_run_id, write_configs
 
     out = Path(cfg.output_dir)
     shutil.rmtree(out, ignore_errors=True)
@@ -211,7 +211,7 @@ def warm_up(cfg: RunConfig) -> Path:
 
 def direct_run(cfg: RunConfig, template: Path) -> Path:
     """One RL run of cfg's steps from the template's version 0, components supervised without Prefect."""
-    from flows.prepare import free_port, new_run_id, write_configs
+    from tasks.prepare import free_port, new_run_id, write_configs
 
     out = Path(cfg.output_dir)
     shutil.rmtree(out, ignore_errors=True)

@@ -28,7 +28,7 @@ VARIANTS = [
 
 
 def _model_cfg(width: int):
-    from rollflow.config import ModelConfig
+    from config.model import ModelConfig
 
     # Width scales hidden and MLP sizes together; depth and heads stay, so parameters grow ~width^2.
     return ModelConfig(hidden_size=width, intermediate_size=width * 8 // 3, num_layers=3, num_heads=4, num_kv_heads=2)
@@ -40,10 +40,10 @@ class Step:
     def __init__(self, group_size: int, length: int, width: int):
         import torch
 
+        from config.envs import EnvSpec
         from engines.envs import EnvMix
         from engines.model import CausalLM
         from engines.tokenizer import CharTokenizer
-        from rollflow.config import EnvSpec
 
         torch.set_num_threads(1)
         torch.manual_seed(0)

@@ -163,9 +163,9 @@ def throughput(name: str, tables: dict[str, pa.Table], repeats: int) -> list[str
 
 
 def tiny_model():
+    from config.loader import load_run_config
     from engines.model import CausalLM
     from engines.tokenizer import CharTokenizer
-    from rollflow.loader import load_run_config
 
     cfg = load_run_config(["profiles/tiny-cpu.toml"])
     return cfg, CausalLM(cfg.model, CharTokenizer().vocab_size)

@@ -15,8 +15,8 @@ TITLE = "4. Trainer: sequence packing vs padding"
 
 
 def _trainer(run: Path, packing: bool):
+    from config.process import TrainerProcessConfig
     from engines.trainer.rl import RLTrainer
-    from rollflow.config import TrainerProcessConfig
     from storage.fs import read_json
 
     cfg = TrainerProcessConfig.model_validate(read_json(str(run / "config" / "trainer.json")))

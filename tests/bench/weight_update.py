@@ -42,7 +42,7 @@ class Server:
     """The inference server as the flow starts it, on `out`, stopped on exit."""
 
     def __init__(self, out: Path, cfg):
-        from flows.prepare import free_port, new_run_id, write_configs
+        from tasks.prepare import free_port, new_run_id, write_configs
 
         cfg.inference.port = free_port(cfg.inference.host)
         self.url = f"http://{cfg.inference.host}:{cfg.inference.port}"

@@ -14,9 +14,11 @@ import httpx
 import pytest
 import torch
 
+from config.inference import InferenceConfig
+from config.model import ModelConfig
+from config.process import ComponentPaths, InferenceProcessConfig
 from engines.model import CausalLM, token_logprobs
 from engines.tokenizer import CharTokenizer
-from rollflow.config import ComponentPaths, InferenceConfig, InferenceProcessConfig, ModelConfig
 from storage import weights
 from storage.fs import get_fs
 

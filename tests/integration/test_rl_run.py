@@ -16,7 +16,7 @@ import pyarrow.dataset as ds
 import pytest
 from conftest import cli_argv, cli_env, processes_mentioning
 
-from rollflow.loader import load_run_config
+from config.loader import load_run_config
 from storage.rollouts import staleness
 
 ROOT = Path(__file__).resolve().parents[2]

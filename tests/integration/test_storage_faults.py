@@ -111,7 +111,7 @@ def test_a_corrupted_object_is_reported_with_its_path(proxy):
 
 
 def test_secrets_in_storage_options_are_refused():
-    from rollflow.loader import ConfigError, load_run_config
+    from config.loader import ConfigError, load_run_config
 
     with pytest.raises(ConfigError, match="AWS_SECRET_ACCESS_KEY"):
         load_run_config([], [("storage.options.secret", "x")])

@@ -8,15 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from config.loader import ConfigError, load_run_config, parse_value
+from config.process import InferenceProcessConfig, OrchestratorProcessConfig, SFTProcessConfig, TrainerProcessConfig
+from config.run import RunConfig
 from rollflow.cli import main, split_args
-from rollflow.config import (
-    InferenceProcessConfig,
-    OrchestratorProcessConfig,
-    RunConfig,
-    SFTProcessConfig,
-    TrainerProcessConfig,
-)
-from rollflow.loader import ConfigError, load_run_config, parse_value
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "profiles" / "tiny-cpu.toml"
@@ -239,3 +234,18 @@ def test_cli_bad_key_returns_2_with_message_on_stderr(tmp_path, capsys):
 def test_cli_help_returns_0(capsys):
     assert main(["rl", "--help"]) == 0
     assert "--dry-run" in capsys.readouterr().out
+
+
+def test_group_size_above_engine_batch_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError) as err:
+        load_run_config([TINY], [("orchestrator.group_size", "16"), ("inference.max_batch_size", "8")])
+    assert "orchestrator.group_size=16" in str(err.value) and "inference.max_batch_size=8" in str(err.value)
+
+
+def test_unknown_environment_and_backend_name_the_registry():
+    with pytest.raises(ConfigError) as err:
+        load_run_config([TINY], [("inference.backend", "tgi")])
+    assert "inference.backend" in str(err.value) and "embedded" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_run_config([TINY], [("envs", '[{name = "chess"}]')])
+    assert "chess" in str(err.value) and "reverse-text" in str(err.value)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from config.model import ModelConfig
 from engines.inference.engine import Engine, Request
 from engines.model import CausalLM
 from engines.tokenizer import CharTokenizer
-from rollflow.config import ModelConfig
 
 CFG = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
 TOK = CharTokenizer()

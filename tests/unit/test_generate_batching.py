@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from config.model import ModelConfig
 from engines.generate import _unique_prompts, generate
 from engines.model import CausalLM
 from engines.tokenizer import CharTokenizer
-from rollflow.config import ModelConfig
 
 TOK = CharTokenizer()
 CFG = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)

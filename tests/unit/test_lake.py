@@ -11,9 +11,8 @@ import numpy as np
 import pyarrow.dataset as ds
 import pytest
 
-from rollflow import lake
 from rollflow.cli import main as cli_main
-from storage import rollouts
+from storage import lake, rollouts
 from storage.fs import get_fs
 from tests.unit.test_rollouts import _rows
 

@@ -116,3 +116,40 @@ def test_k3_kl():
     log_r = (other - sampler) * mask
     expected = float(((log_r.exp() - 1 - log_r) * mask).sum())
     assert math.isclose(s2, expected, rel_tol=1e-6)
+
+
+def _grad_of(logprobs, sampler, adv, mask):
+    lp = logprobs.clone().requires_grad_(True)
+    out = policy_loss(lp, sampler, adv, mask, 0.5, 2.0, 8.0)
+    out.loss.backward()
+    return out, lp.grad
+
+
+def test_overflowing_ratio_or_minus_inf_sampler_logprob_gives_zero_loss_and_gradient_for_that_token():
+    torch.manual_seed(0)
+    logprobs = -torch.rand(2, 4)
+    sampler = logprobs + 0.01 * torch.randn(2, 4)
+    adv = torch.tensor([1.0, -0.5])
+    mask = torch.ones(2, 4)
+    without = mask.clone()
+    without[0, 1] = without[1, 2] = 0.0
+    ref_out, ref_grad = _grad_of(logprobs, sampler, adv, without)
+    bad = sampler.clone()
+    bad[0, 1] = logprobs[0, 1] - 100.0  # log ratio 100: exp overflows float32
+    bad[1, 2] = float("-inf")  # what an external engine may return
+    out, grad = _grad_of(logprobs, bad, adv, mask)
+    assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
+    assert torch.equal(out.loss, ref_out.loss)
+    assert torch.equal(grad, ref_grad)
+    assert grad[0, 1] == 0 and grad[1, 2] == 0
+    assert out.nonfinite_tokens == 1.0
+    assert out.masked_tokens == 2.0  # both offending tokens are outside the kept set
+    assert math.isfinite(out.sampler_kl_sum)
+
+
+def test_k3_kl_stays_finite_and_skips_nonfinite_reference_logprobs():
+    logprobs = torch.zeros(1, 3)
+    ref = torch.tensor([[0.0, -100.0, float("nan")]])
+    total, tokens = k3_kl(logprobs, ref, torch.ones(1, 3))
+    assert math.isfinite(total)
+    assert tokens == 2.0

@@ -12,12 +12,12 @@ import pyarrow as pa
 import pytest
 import torch
 
+from config.model import ModelConfig
 from engines.generate import generate
 from engines.model import CausalLM, token_logprobs
 from engines.tokenizer import CharTokenizer
 from engines.trainer.batch import make_batch
 from engines.trainer.common import batch_logprobs
-from rollflow.config import ModelConfig
 
 TOK = CharTokenizer()
 CFG = ModelConfig(

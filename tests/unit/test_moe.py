@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from config.model import ModelConfig
 from engines.model import CausalLM, token_logprobs
 from engines.moe import Routing
-from rollflow.config import ModelConfig
 
 VOCAB = 61
 CFG = ModelConfig(

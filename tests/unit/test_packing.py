@@ -6,12 +6,12 @@ import pyarrow as pa
 import pytest
 import torch
 
+from config.model import ModelConfig
 from engines.model import CausalLM
 from engines.tokenizer import CharTokenizer
 from engines.trainer.batch import make_batch, micro_batches, pack_batch, pack_rows, sample_lengths
 from engines.trainer.common import batch_logprobs, packed_logprobs
 from engines.trainer.loss import policy_loss
-from rollflow.config import ModelConfig
 
 TOK = CharTokenizer()
 CFG = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96, rope_theta=500.0)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from flows.prepare import RunDirError, claim_output_dir, public_config, write_configs
+from config.redact import redact_url
+from config.run import RunConfig
 from rollflow.cli import main
-from rollflow.config import RunConfig
-from rollflow.redact import redact_url
+from tasks.prepare import RunDirError, claim_output_dir, public_config, write_configs
 
 TINY = Path(__file__).resolve().parents[2] / "profiles" / "tiny-cpu.toml"
 

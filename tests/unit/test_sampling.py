@@ -1,10 +1,10 @@
 import torch
 
+from config.model import ModelConfig
 from engines.generate import generate
 from engines.model import CausalLM
 from engines.sampling import _mix, derive_seed, row_seeds, sample, splitmix64, uniform
 from engines.tokenizer import CharTokenizer
-from rollflow.config import ModelConfig
 
 TOK = CharTokenizer()
 

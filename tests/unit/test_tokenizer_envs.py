@@ -10,9 +10,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from engines.envs import REGISTRY, EnvMix, build
+from config.envs import EnvSpec
+from config.registry import ENVIRONMENTS
+from config.run import PROMPT_OVERHEAD_TOKENS
+from engines.envs import EnvMix, build
 from engines.tokenizer import CHARS, SPECIAL, CharTokenizer
-from rollflow.config import PROMPT_OVERHEAD_TOKENS, EnvSpec
 
 TOK = CharTokenizer()
 SAMPLE = "rev:hello world, 42! sort:a-b_c.d?="
@@ -60,7 +62,7 @@ def test_hf_export_matches(tmp_path):
     assert no_gen == "<bos>rev:abc"
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", sorted(ENVIRONMENTS))
 def test_tasks_deterministic_per_key(name):
     mix = EnvMix([EnvSpec(name=name)], seed=3)
     again = EnvMix([EnvSpec(name=name)], seed=3)
@@ -93,7 +95,7 @@ def test_reverse_and_sort_answers():
 
 
 def test_prompt_length_within_config_overhead():
-    for name in REGISTRY:
+    for name in ENVIRONMENTS:
         mix = EnvMix([EnvSpec(name=name, min_chars=8, max_chars=8)], seed=0)
         for k in range(20):
             t = mix.task(str(k))
@@ -114,7 +116,7 @@ def test_reward():
 
 
 def test_single_env_mix_only_draws_that_env():
-    for name in REGISTRY:
+    for name in ENVIRONMENTS:
         mix = EnvMix([EnvSpec(name=name, weight=0.3)], seed=1)
         assert {mix.task(str(k)).env for k in range(200)} == {name}
 

@@ -13,7 +13,7 @@ from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-from rollflow.config import RunConfig
+from config.run import RunConfig
 
 Key = tuple[str, ...]
 

@@ -7,8 +7,10 @@ import secrets
 import socket
 import time
 
-from rollflow.config import RunConfig, component_configs, resume_changes
-from rollflow.redact import redact_url
+from config.process import component_configs
+from config.redact import redact_url
+from config.resume import resume_changes
+from config.run import RunConfig
 from storage import runstate
 from storage.fs import get_fs, join, write_json
 

@@ -1,0 +1,109 @@
+"""The slice of the run config each process reads (OUTPUT_DIR/config/<component>.json)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+from config.base import Strict
+from config.envs import EnvSpec
+from config.inference import InferenceConfig
+from config.model import ModelConfig
+from config.orchestrator import OrchestratorConfig
+from config.run import RunConfig
+from config.tracking import TrackingConfig
+from config.trainer import CheckpointConfig, SFTConfig, TrainerConfig
+
+
+class ComponentPaths(Strict):
+    """Where a component finds the run: every process gets the same root, addressed by URL or path."""
+
+    output_dir: str
+    run_id: str
+
+
+class InferenceProcessConfig(Strict):
+    run: ComponentPaths
+    model: ModelConfig
+    inference: InferenceConfig
+    seed: int
+
+
+class OrchestratorProcessConfig(Strict):
+    run: ComponentPaths
+    envs: list[EnvSpec]
+    orchestrator: OrchestratorConfig
+    inference_url: str  # where the engine listens; resolved by the flow at launch
+    seed: int
+    max_steps: int
+    async_level: int
+    max_off_policy_steps: int
+
+
+class TrainerProcessConfig(Strict):
+    run: ComponentPaths
+    model: ModelConfig
+    trainer: TrainerConfig
+    tracking: TrackingConfig
+    mlflow_run_id: str | None  # set by the flow so trainer metrics land in the flow's MLflow run
+    checkpoint: CheckpointConfig
+    resume_step: int | None  # the verified checkpoint the flow chose to restart from (None: start at version 0)
+    seed: int
+    max_steps: int
+    max_off_policy_steps: int
+    mode: Literal["rl"] = "rl"
+
+
+class SFTProcessConfig(Strict):
+    run: ComponentPaths
+    model: ModelConfig
+    envs: list[EnvSpec]
+    sft: SFTConfig
+    num_threads: int
+    seed: int
+    mode: Literal["sft"] = "sft"
+
+
+def component_configs(
+    cfg: RunConfig,
+    run_id: str,
+    inference_url: str,
+    mlflow_run_id: str | None = None,
+    resume_step: int | None = None,
+) -> dict[str, BaseModel]:
+    """Split the run config into the slice each process reads."""
+    paths = ComponentPaths(output_dir=cfg.output_dir, run_id=run_id)
+    return {
+        "sft": SFTProcessConfig(
+            run=paths,
+            model=cfg.model,
+            envs=cfg.envs,
+            sft=cfg.sft,
+            num_threads=cfg.trainer.num_threads,
+            seed=cfg.seed,
+        ),
+        "inference": InferenceProcessConfig(run=paths, model=cfg.model, inference=cfg.inference, seed=cfg.seed),
+        "orchestrator": OrchestratorProcessConfig(
+            run=paths,
+            envs=cfg.envs,
+            orchestrator=cfg.orchestrator,
+            inference_url=inference_url,
+            seed=cfg.seed,
+            max_steps=cfg.max_steps,
+            async_level=cfg.async_level,
+            max_off_policy_steps=cfg.max_off_policy_steps,
+        ),
+        "trainer": TrainerProcessConfig(
+            run=paths,
+            model=cfg.model,
+            trainer=cfg.trainer,
+            tracking=cfg.tracking,
+            mlflow_run_id=mlflow_run_id,
+            checkpoint=cfg.checkpoint,
+            resume_step=resume_step,
+            seed=cfg.seed,
+            max_steps=cfg.max_steps,
+            max_off_policy_steps=cfg.max_off_policy_steps,
+        ),
+    }

@@ -1,0 +1,38 @@
+"""The extension points, each registered in one place: names a profile may use -> where the code lives.
+
+Values are import paths (`module:attribute`) or module names, never imports, so this stays in the
+ground layer and validation needs neither torch nor the engines. Adding an environment or an inference
+backend is one line here plus its code; nothing else names them.
+"""
+
+from __future__ import annotations
+
+# `[[envs]] name` -> the Environment class (engines/envs.py builds it from an EnvSpec).
+ENVIRONMENTS: dict[str, str] = {
+    "reverse-text": "engines.envs:ReverseText",
+    "sort-letters": "engines.envs:SortLetters",
+}
+
+# `inference.backend` -> the entry module the flow launches as `python -m MODULE --config inference.json`.
+INFERENCE_BACKENDS: dict[str, str] = {
+    "embedded": "engines.inference",
+}
+
+# The other components have one implementation each.
+COMPONENT_MODULES: dict[str, str] = {
+    "warmup": "engines.trainer",
+    "orchestrator": "engines.orchestrator",
+    "trainer": "engines.trainer",
+}
+
+
+def one_of(kind: str, name: str, registry: dict[str, str]) -> str:
+    """`name` if registered, else a ValueError naming what is valid (pydantic reports it with the key)."""
+    if name not in registry:
+        raise ValueError(f"unknown {kind} {name!r}; registered: {', '.join(sorted(registry))} (config/registry.py)")
+    return name
+
+
+def entry_modules(inference_backend: str) -> dict[str, str]:
+    """component -> the module its process runs, for this run's inference backend."""
+    return {**COMPONENT_MODULES, "inference": INFERENCE_BACKENDS[inference_backend]}

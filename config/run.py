@@ -1,0 +1,108 @@
+"""Typed run configuration: one pydantic model per component, composed into `RunConfig`.
+
+Data flow: TOML profiles (composed left to right) + dotted CLI overrides -> `load_run_config`
+-> `RunConfig` (validated, cross-component checks) -> `component_configs()` -> one JSON file per
+component in `OUTPUT_DIR/config/`, which each process reads at start. A component reads only its own
+slice; the fields it shares with others (model shape, seed, paths) are copied into that slice here.
+
+This module imports neither torch nor Prefect so that `--help`, `--dry-run` and validation are instant.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from config.base import Strict
+from config.envs import EnvSpec
+from config.inference import InferenceConfig
+from config.model import ModelConfig
+from config.orchestrator import OrchestratorConfig
+from config.storage import StorageConfig
+from config.tracking import TrackingConfig
+from config.trainer import CheckpointConfig, SFTConfig, TrainerConfig
+
+
+class RestartConfig(Strict):
+    """How the `rl` flow reacts to a component dying, and how runs are claimed for resumption."""
+
+    max_restarts: int = Field(3, ge=0, description="restarts in a row without a new checkpoint before giving up")
+    backoff_s: float = Field(2.0, ge=0, description="wait before the first restart; doubles each time")
+    backoff_max_s: float = Field(60.0, ge=0)
+    lease_ttl_s: float = Field(
+        30.0, gt=0, description="a run whose lease is not renewed for this long counts as not running"
+    )
+
+
+class RunConfig(Strict):
+    """The whole run: shared settings plus one slice per component."""
+
+    run_name: str = "tiny-cpu"
+    output_dir: str = "outputs/tiny-cpu"
+    seed: int = 0
+    max_steps: int = Field(100, gt=0)
+    async_level: int = Field(1, ge=0, description="0 = synchronous on-policy")
+    max_off_policy_steps: int = Field(2, ge=0)
+    model: ModelConfig = ModelConfig()
+    envs: list[EnvSpec] = Field(
+        default_factory=lambda: [EnvSpec(name="reverse-text"), EnvSpec(name="sort-letters")], min_length=1
+    )
+    sft: SFTConfig = SFTConfig()
+    inference: InferenceConfig = InferenceConfig()
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    restart: RestartConfig = RestartConfig()
+    storage: StorageConfig = StorageConfig()
+
+    @model_validator(mode="after")
+    def _retention_keeps_what_inference_may_load(self) -> RunConfig:
+        # The engine may still be loading any of the newest max_off_policy_steps + 2 publications.
+        need = self.max_off_policy_steps + 2
+        if self.storage.keep_last_weights is not None and self.storage.keep_last_weights < need:
+            raise ValueError(
+                f"storage.keep_last_weights={self.storage.keep_last_weights} is too small: the inference engine "
+                f"may still load any of the newest max_off_policy_steps + 2 = {need} publications; "
+                f"set storage.keep_last_weights >= {need}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _router_replay_needs_routes(self) -> RunConfig:
+        if not self.trainer.enable_router_replay or self.inference.enable_return_routed_experts:
+            return self
+        if "enable_return_routed_experts" in self.inference.model_fields_set:
+            raise ValueError(
+                "trainer.enable_router_replay = true needs the sampler's routing: "
+                "inference.enable_return_routed_experts must be true (or left unset, which turns it on)"
+            )
+        self.inference.enable_return_routed_experts = True
+        return self
+
+    @model_validator(mode="after")
+    def _cross_component(self) -> RunConfig:
+        if self.async_level > self.max_off_policy_steps:
+            raise ValueError(
+                f"async_level={self.async_level} exceeds max_off_policy_steps={self.max_off_policy_steps}: "
+                "every sample the orchestrator runs ahead would be dropped; "
+                f"set max_off_policy_steps >= {self.async_level}"
+            )
+        longest_prompt = max(e.max_chars for e in self.envs) + PROMPT_OVERHEAD_TOKENS
+        need = longest_prompt + self.orchestrator.max_new_tokens
+        if need > self.model.max_seq_len:
+            raise ValueError(
+                f"model.max_seq_len={self.model.max_seq_len} is too short: prompts take up to "
+                f"{longest_prompt} tokens plus orchestrator.max_new_tokens={self.orchestrator.max_new_tokens}; "
+                f"set model.max_seq_len >= {need}"
+            )
+        if self.orchestrator.group_size > self.inference.max_batch_size:
+            raise ValueError(
+                f"orchestrator.group_size={self.orchestrator.group_size} exceeds "
+                f"inference.max_batch_size={self.inference.max_batch_size}: the engine refuses a request for more "
+                f"samples than one batch holds; set inference.max_batch_size >= {self.orchestrator.group_size}"
+            )
+        return self
+
+
+# Tokens an environment prompt adds around its payload: <bos>, a task tag of up to 4 chars, ':' and '='.
+PROMPT_OVERHEAD_TOKENS = 7
