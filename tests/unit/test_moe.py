@@ -160,3 +160,36 @@ def test_dense_generation_records_nothing():
         model, [[1, 2]], max_new_tokens=[3], temperatures=[1.0], eos_id=0, pad_id=60, seeds=[1], record_routes=True
     )
     assert out.routed_experts is None
+
+
+def test_router_replay_turns_on_routed_experts_and_refuses_an_explicit_off():
+    from config.loader import load_run_config
+
+    profile = "profiles/tiny-moe-cpu.toml"
+    cfg = load_run_config([profile])
+    assert cfg.trainer.enable_router_replay and cfg.inference.enable_return_routed_experts
+    assert cfg.model.num_experts == 4 and cfg.model.num_experts_per_tok == 2
+    with pytest.raises(ValueError, match="inference.enable_return_routed_experts"):
+        load_run_config([profile], [("inference.enable_return_routed_experts", "false")])
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        load_run_config([profile], [("model.num_experts_per_tok", "5")])
+    with pytest.raises(ValueError, match="dtype"):
+        load_run_config([profile], [("inference.dtype", "float16")])
+
+
+def test_bf16_engine_model_samples_with_its_own_numbers():
+    """inference.dtype = bfloat16: the engine's copy runs in bf16 end to end (KV cache included), and its
+    logprobs differ from the fp32 trainer's by rounding only."""
+    from engines.generate import generate
+
+    model = _model(4)
+    sampler = _model(4).to(torch.bfloat16)
+    (out,) = generate(
+        sampler, [[1, 5, 7]], max_new_tokens=[8], temperatures=[1.0], eos_id=0, pad_id=60, seeds=[5], record_routes=True
+    )
+    assert out.routed_experts is not None and len(out.token_ids) > 0
+    seq = torch.tensor([[1, 5, 7, *out.token_ids]])
+    with torch.no_grad():
+        fp32 = token_logprobs(model(seq)[:, 2:-1], seq[:, 3:], 1.0)[0]
+    diff = (fp32 - torch.tensor(out.logprobs)).abs().max()
+    assert 0 < diff < 0.5
