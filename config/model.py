@@ -20,11 +20,15 @@ class ModelConfig(Strict):
     rms_norm_eps: float = Field(1e-6, gt=0)
     qk_norm: bool = False  # Qwen3-style per-head RMSNorm on q and k
     tie_word_embeddings: bool = True
-    # Qwen3-MoE: with num_experts > 0 every layer's MLP is a sparse block of that many experts
+    # Qwen3-MoE (config.json names): with num_experts > 0 the sparse layers' MLPs are expert blocks
     num_experts: int = Field(0, ge=0, description="experts per MoE layer; 0 = dense model")
     num_experts_per_tok: int = Field(2, gt=0, description="top-k experts each token is routed to")
-    moe_intermediate_size: int = Field(256, gt=0, description="hidden width of one expert")
+    moe_intermediate_size: int | None = Field(
+        None, gt=0, description="hidden width of one expert; None: intermediate_size"
+    )
     norm_topk_prob: bool = Field(True, description="renormalise the top-k gate weights to sum to 1")
+    decoder_sparse_step: int = Field(1, gt=0, description="every N-th layer is sparse")
+    mlp_only_layers: list[int] = Field(default_factory=list, description="layers that stay dense")
 
     @model_validator(mode="after")
     def _experts(self) -> ModelConfig:

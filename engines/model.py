@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from config.model import ModelConfig
-from engines.moe import Routing, SparseMoeBlock
+from engines.moe import Routing, SparseMoeBlock, build_sparse_mlp, is_sparse
 
 
 class RMSNorm(nn.Module):
@@ -116,13 +116,12 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
-    """Dense SwiGLU MLP, or the sparse MoE block when the model has experts (all layers sparse)."""
-    if not cfg.num_experts:
+def build_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    """The feed-forward block of decoder layer `layer`: dense SwiGLU, or a sparse MoE block."""
+    if not is_sparse(cfg, layer):
         return MLP(cfg)
-    return SparseMoeBlock(
-        cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, layer
-    )
+    index = sum(is_sparse(cfg, i) for i in range(layer))  # position among the MoE layers (routing payload axis)
+    return build_sparse_mlp(cfg, index)
 
 
 class DecoderLayer(nn.Module):
@@ -131,7 +130,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = make_mlp(cfg, layer)
+        self.mlp = build_mlp(cfg, layer)
 
     def forward(self, x, cos, sin, mask, cache, layer, routing: Routing | None = None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from config.model import ModelConfig
+
 
 @dataclass
 class Routing:
@@ -83,3 +85,14 @@ class SparseMoeBlock(nn.Module):
             y = self.experts[e](flat[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out.view(b, t, h)
+
+
+def is_sparse(cfg: ModelConfig, layer: int) -> bool:
+    """Qwen3-MoE's rule: experts unless the layer is listed dense or off the `decoder_sparse_step` grid."""
+    return bool(cfg.num_experts) and layer not in cfg.mlp_only_layers and (layer + 1) % cfg.decoder_sparse_step == 0
+
+
+def build_sparse_mlp(cfg: ModelConfig, index: int) -> SparseMoeBlock:
+    """The sparse block of the `index`-th MoE layer."""
+    width = cfg.moe_intermediate_size or cfg.intermediate_size
+    return SparseMoeBlock(cfg.hidden_size, width, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, index)

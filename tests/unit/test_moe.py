@@ -26,7 +26,7 @@ CFG = ModelConfig(
 )
 
 
-def hf_model(norm_topk_prob: bool):
+def hf_model(norm_topk_prob: bool, **extra):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
@@ -45,13 +45,14 @@ def hf_model(norm_topk_prob: bool):
         rms_norm_eps=CFG.rms_norm_eps,
         tie_word_embeddings=False,
         initializer_range=0.2,  # decisive routing: top-k is not a near-tie everywhere
+        **extra,
     )
     return Qwen3MoeForCausalLM(config).eval()
 
 
-def ours_from(hf, tmp_path, norm_topk_prob: bool) -> CausalLM:
+def ours_from(hf, tmp_path, norm_topk_prob: bool, **extra) -> CausalLM:
     hf.save_pretrained(tmp_path)
-    model = CausalLM(CFG.model_copy(update={"norm_topk_prob": norm_topk_prob}), VOCAB).eval()
+    model = CausalLM(CFG.model_copy(update={"norm_topk_prob": norm_topk_prob, **extra}), VOCAB).eval()
     model.load_published(load_file(tmp_path / "model.safetensors"))  # HF's on-disk names, strictly checked
     return model
 
@@ -69,6 +70,17 @@ def test_logprobs_match_transformers(tmp_path, norm_topk_prob):
         want = token_logprobs(hf(x).logits[:, :-1], x[:, 1:], 1.0)
         got = token_logprobs(ours(x)[:, :-1], x[:, 1:], 1.0)
     assert torch.allclose(got, want, atol=1e-5, rtol=0), float((got - want).abs().max())
+
+
+def test_dense_layers_among_sparse_ones_match_and_are_left_out_of_the_payload(tmp_path):
+    hf = hf_model(True, mlp_only_layers=[0])
+    ours = ours_from(hf, tmp_path, True, mlp_only_layers=[0])
+    x, rec = ids(), Routing()
+    with torch.no_grad():
+        want = token_logprobs(hf(x).logits[:, :-1], x[:, 1:], 1.0)
+        got = token_logprobs(ours(x, routing=rec)[:, :-1], x[:, 1:], 1.0)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    assert rec.stacked().shape == (3, 12, 1, CFG.num_experts_per_tok)  # one MoE layer of two
 
 
 def test_state_dict_names_are_hf_on_disk_names():
