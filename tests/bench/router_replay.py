@@ -24,7 +24,7 @@ SEEDS = (0, 1) if QUICK else (0, 1, 2)
 PROFILE = ROOT / "profiles/tiny-moe-cpu.toml"
 OVERRIDES = {
     "max_steps": 2 if QUICK else 5,
-    "sft.steps": 20 if QUICK else 150,
+    "sft.steps": 20 if QUICK else 100,
     "orchestrator.batch_size": 16,
     "inference.dtype": "bfloat16",
     "inference.enable_return_routed_experts": True,

@@ -205,3 +205,65 @@ def test_bf16_engine_model_samples_with_its_own_numbers():
         fp32 = token_logprobs(model(seq)[:, 2:-1], seq[:, 3:], 1.0)[0]
     diff = (fp32 - torch.tensor(out.logprobs)).abs().max()
     assert 0 < diff < 0.5
+
+
+def _rollout_table(model: CausalLM, sampler: CausalLM):
+    """A rollout step as the orchestrator writes it, sampled by `sampler` with routing recorded."""
+    from engines.generate import generate
+    from storage.rollouts import RolloutRow, to_table
+
+    prompts = [[1, 5, 7, 9], [1, 5, 7, 9], [1, 4, 2], [1, 3, 3, 8, 2, 6]]
+    outs = generate(
+        sampler, prompts, max_new_tokens=[7] * 4, temperatures=[1.0] * 4, eos_id=0, pad_id=60, seeds=[1, 2, 3, 4],
+        record_routes=True,
+    )  # fmt: skip
+    rows = [
+        RolloutRow(
+            run_id="r",
+            step=1,
+            sample_id=f"s{i}",
+            group_id="g",
+            env="e",
+            policy_version=0,
+            policy_version_end=0,
+            prompt_ids=p,
+            completion_ids=c.token_ids,
+            completion_logprobs=c.logprobs,
+            reward=0.0,
+            advantage=1.0,
+            temperature=1.0,
+            finish_reason=c.finish_reason,
+            prompt_text="",
+            completion_text="",
+            routed_experts=c.routed_experts.tolist() if c.routed_experts is not None else None,
+        )  # fmt: skip
+        for i, (p, c) in enumerate(zip(prompts, outs, strict=True))
+    ]
+    return to_table(rows)
+
+
+def test_trainer_replays_the_committed_payload_padded_and_packed():
+    from engines.trainer.batch import make_batch, pack_batch
+    from engines.trainer.common import expert_disagreement, routing_for, train_logprobs
+    from engines.trainer.mismatch import PolicyHistory
+
+    model = _model(5)
+    sampler = _model(5).to(torch.bfloat16)  # a sampler whose routing can differ from the trainer's
+    batch = make_batch(_rollout_table(model, sampler), pad_id=60)
+    assert batch.routes is not None and batch.routes.shape[:2] == batch.input_ids.shape
+    packed = pack_batch(batch, pad_id=60)
+    with torch.no_grad():
+        for replay in (True, False):
+            a = train_logprobs(model, batch, routing_for(batch, replay))
+            b = train_logprobs(model, packed, routing_for(packed, replay))
+            assert torch.allclose((a * batch.loss_mask).sum(), (b * packed.loss_mask).sum(), atol=1e-4)
+        own = routing_for(batch, replay=False)
+        train_logprobs(model, batch, own)
+        differ, scored = expert_disagreement(own, batch)
+        assert scored == float(batch.loss_mask.sum()) and 0 <= differ <= scored
+    history = PolicyHistory(model, keep=1)
+    history.add(0, model)
+    on, off = history.mismatch_kl(batch, 8, replay=True), history.mismatch_kl(batch, 8, 60, replay=False)
+    assert on.tokens == off.tokens == int(batch.loss_mask.sum())
+    assert on.expert_mismatch == off.expert_mismatch is not None
+    assert on.kl is not None and off.kl is not None and on.kl <= off.kl + 1e-6
