@@ -47,7 +47,7 @@ def _assert_routing_payloads(out: Path) -> None:
 
 def _assert_replay_in_effect(out: Path) -> None:
     rows = _metrics(out)
-    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["step"] for r in rows] == list(range(1, 5))
     assert all(r["replayed_fraction"] == 1.0 for r in rows)  # every scored token used the sampler's experts
     assert all(r["expert_mismatch"] is not None and 0.0 <= r["expert_mismatch"] <= 1.0 for r in rows)
     kls = [r["mismatch_kl"] for r in rows if r["mismatch_kl"] is not None]
@@ -91,14 +91,14 @@ def test_moe_run_keeps_routing_payloads_replays_them_and_resumes_exactly(tmp_pat
 
     cli = start_cli(tmp_path, tmp_path / "b.log", prefect_api, *ARGS, "--output-dir", str(resumed))
     _kill_after_first_checkpoint(cli, resumed)
-    assert len(_checkpoints(resumed)) < 3
+    assert _checkpoints(resumed)[-1] < 4, "killed after the last checkpoint: nothing left to resume"
     resume = start_cli(tmp_path, tmp_path / "b.log", prefect_api, "resume", str(resumed))
     assert resume.wait(300) == 0, (tmp_path / "b.log").read_text()[-3000:]
 
     a, b = _samples(straight), _samples(resumed)
     assert a.keys() == b.keys() and a == b  # same samples and the same routing payloads
-    wa = load_file(straight / "weights" / "step=000006" / "model.safetensors")
-    wb = load_file(resumed / "weights" / "step=000006" / "model.safetensors")
+    wa = load_file(straight / "weights" / "step=000004" / "model.safetensors")
+    wb = load_file(resumed / "weights" / "step=000004" / "model.safetensors")
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     print(f"final weights: max |difference| = {worst:.2e}")
     assert worst <= 1e-5  # the documented tolerance (docs/resume.md)
