@@ -215,7 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     engine, tokenizer = load_engine(cfg, cfg.run.output_dir)
     token = os.environ.get("ROLLFLOW_ADMIN_TOKEN") or secrets.token_hex(16)
     app = build_app(engine, tokenizer, cfg.run.output_dir, f"rollflow/{cfg.run.run_id}", token)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.inference.host, port=cfg.inference.port, log_level="warning"))
+    host, port = cfg.inference.host, cfg.inference.port
+    # keep-alive well above clients' idle expiry (the orchestrator's is 2 s), so the client closes first
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=30))
     app.state.server = server  # /shutdown sets server.should_exit
     log.info(f"serving policy version {engine.version} on http://{cfg.inference.host}:{cfg.inference.port}")
     server.run()

@@ -196,7 +196,10 @@ class Orchestrator:
 
 async def run(cfg: OrchestratorProcessConfig) -> None:
     token = os.environ.get("ROLLFLOW_ADMIN_TOKEN", "")
-    async with httpx.AsyncClient(base_url=cfg.inference_url, timeout=httpx.Timeout(600.0)) as client:
+    # Idle connections expire on this side first (2 s < the server's keep-alive): a request sent on a
+    # connection the server is closing at that moment fails with ReadError (seen with 5 s idle gaps).
+    limits = httpx.Limits(keepalive_expiry=2.0)
+    async with httpx.AsyncClient(base_url=cfg.inference_url, timeout=httpx.Timeout(600.0), limits=limits) as client:
         await wait_healthy(client, cfg.orchestrator.inference_timeout_s)
         sync = WeightSync(client, cfg.run.output_dir, token, cfg.orchestrator.poll_interval_s)
         await sync.refresh()
