@@ -12,6 +12,7 @@ from config.inference import InferenceConfig
 from config.model import ModelConfig
 from config.orchestrator import OrchestratorConfig
 from config.run import RunConfig
+from config.storage import StorageConfig
 from config.tracking import TrackingConfig
 from config.trainer import CheckpointConfig, SFTConfig, TrainerConfig
 
@@ -21,6 +22,7 @@ class ComponentPaths(Strict):
 
     output_dir: str
     run_id: str
+    storage: StorageConfig  # how to reach output_dir (endpoint, retries) and what to keep there
 
 
 class InferenceProcessConfig(Strict):
@@ -73,7 +75,7 @@ def component_configs(
     resume_step: int | None = None,
 ) -> dict[str, BaseModel]:
     """Split the run config into the slice each process reads."""
-    paths = ComponentPaths(output_dir=cfg.output_dir, run_id=run_id)
+    paths = ComponentPaths(output_dir=cfg.output_dir, run_id=run_id, storage=cfg.storage)
     return {
         "sft": SFTProcessConfig(
             run=paths,

@@ -43,13 +43,13 @@ def _ensure_mlflow_run(cfg: RunConfig, run: RunHandle) -> None:
     run.state.mlflow_run_id = start_mlflow_run(
         run.tracking_uri, cfg.tracking.experiment, run.run_id, public_config(cfg), tags
     )
-    runstate.write_state(*get_fs(cfg.output_dir), run.state)
+    runstate.write_state(*get_fs(cfg.output_dir, cfg.storage), run.state)
 
 
 def start_new_run(cfg: RunConfig, overwrite: bool) -> RunHandle:
     """Claim the directory and write config and state first: from then on `rollflow resume` works."""
-    claim_output_dir(cfg.output_dir, overwrite)
-    fs, root = get_fs(cfg.output_dir)
+    claim_output_dir(cfg.output_dir, overwrite, cfg.storage)
+    fs, root = get_fs(cfg.output_dir, cfg.storage)
     fs.makedirs(root, exist_ok=True)
     run_id = new_run_id(cfg)
     run = RunHandle(run_id, _tracking_uri(cfg), runstate.RunState(run_id=run_id, mlflow_run_id=None))
@@ -61,10 +61,10 @@ def start_new_run(cfg: RunConfig, overwrite: bool) -> RunHandle:
 
 def reopen_run(cfg: RunConfig, logger) -> RunHandle:
     changes = check_resumable(cfg)
-    fs, root = get_fs(cfg.output_dir)
+    fs, root = get_fs(cfg.output_dir, cfg.storage)
     state = runstate.read_state(fs, root)
     assert state is not None  # check_resumable refuses a directory without one
-    run = RunHandle(stored_config(cfg.output_dir)["run_id"], _tracking_uri(cfg), state)
+    run = RunHandle(stored_config(cfg.output_dir, cfg.storage)["run_id"], _tracking_uri(cfg), state)
     n = len(state.resumes) + 1
     if changes:
         listed = ", ".join(f"{k}: {o!r} -> {v!r}" for k, (o, v) in changes.items())
@@ -80,7 +80,7 @@ def reopen_run(cfg: RunConfig, logger) -> RunHandle:
 
 
 def close_run(cfg: RunConfig, run: RunHandle, finished: bool) -> None:
-    fs, root = get_fs(cfg.output_dir)
+    fs, root = get_fs(cfg.output_dir, cfg.storage)
     run.state.status = "finished" if finished else "failed"
     runstate.write_state(fs, root, run.state)
     if run.tracking_uri and run.state.mlflow_run_id:

@@ -20,7 +20,6 @@ import threading
 import time
 from pathlib import Path
 
-from fsspec.implementations.local import LocalFileSystem
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
@@ -28,8 +27,7 @@ from config.run import RunConfig
 from flows.lease import hold_lease
 from flows.lifecycle import RunHandle, close_run, reopen_run, start_new_run
 from flows.summary import summarize, to_markdown
-from storage.fs import configure as configure_storage
-from storage.fs import get_fs, join
+from storage.fs import CONFIG_STORAGE_ENV, Storage, is_local, join
 from storage.runstate import write_state
 from tasks.components import run_component
 from tasks.process import ComponentFailed
@@ -61,28 +59,28 @@ def _supervise(futures: dict, stop: threading.Event, logger) -> None:
                     raise ComponentFailed(f"the trainer was stopped before finishing (exit code {fut.result()})")
 
 
-def _logs_dir(output_dir: str, run_id: str) -> str:
+def _logs_dir(fs, root: str, run_id: str) -> str:
     """Component logs are appended line by line, which object stores cannot do: keep them on local disk."""
-    fs, root = get_fs(output_dir)
-    if isinstance(fs, LocalFileSystem):
+    if is_local(fs):
         return join(root, "logs")
     return str(Path("rollflow-logs", run_id).resolve())
 
 
-def _secrets_env(tracking_uri: str | None) -> dict[str, dict[str, str]]:
-    """Per-component environment for secrets: never in configs on disk, argv, or logs."""
+def _component_env(cfg: RunConfig, tracking_uri: str | None) -> dict[str, dict[str, str]]:
+    """Per-component environment: secrets (never in configs on disk, argv, or logs), and the storage
+    settings each process needs to read its config file from `output_dir`."""
+    storage = {CONFIG_STORAGE_ENV: cfg.storage.model_dump_json()}
     token = {"ROLLFLOW_ADMIN_TOKEN": secrets.token_hex(16)}  # admin routes of this attempt's engine
     return {
-        "warmup": {},
-        "inference": token,
-        "orchestrator": token,
-        "trainer": {"MLFLOW_TRACKING_URI": tracking_uri} if tracking_uri else {},
+        "warmup": storage,
+        "inference": {**storage, **token},
+        "orchestrator": {**storage, **token},
+        "trainer": {**storage, **({"MLFLOW_TRACKING_URI": tracking_uri} if tracking_uri else {})},
     }
 
 
-def _run_components(attempt: Attempt, logs: str, tracking_uri: str | None, logger) -> None:
+def _run_components(attempt: Attempt, logs: str, env: dict[str, dict[str, str]], logger) -> None:
     """Warm-up to completion if needed, then inference, orchestrator and trainer side by side."""
-    env = _secrets_env(tracking_uri)
     stop = threading.Event()
     try:
         if attempt.needs_warmup:
@@ -100,20 +98,21 @@ def _run_components(attempt: Attempt, logs: str, tracking_uri: str | None, logge
         stop.set()
 
 
-def _attempts(cfg: RunConfig, run: RunHandle, logger) -> None:
+def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger) -> None:
     """Attempt after attempt until the trainer finishes; give up after `max_restarts` failures in a row
     that each restarted from the same checkpoint."""
     rcfg, failures, last_start = cfg.restart, 0, -2
-    logs = _logs_dir(cfg.output_dir, run.run_id)
+    fs, root = storage.open(cfg.output_dir)
+    logs = _logs_dir(fs, root, run.run_id)
     while True:
         attempt = prepare_attempt(cfg, run.run_id, run.tracking_uri, run.state.mlflow_run_id)
         run.state.attempts += 1
-        write_state(*get_fs(cfg.output_dir), run.state)
+        write_state(fs, root, run.state)
         start = -1 if attempt.resume_step is None else attempt.resume_step
         failures = 0 if start > last_start else failures
         last_start = start
         try:
-            _run_components(attempt, logs, run.tracking_uri, logger)
+            _run_components(attempt, logs, _component_env(cfg, run.tracking_uri), logger)
             return
         except ComponentFailed as exc:
             failures += 1
@@ -132,19 +131,19 @@ def rl(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
     logger = get_run_logger()
     t0 = time.time()
     cfg = RunConfig.model_validate(config)
-    configure_storage(cfg.storage.model_dump(mode="json"))  # exported to the components' environment
-    fs, root = get_fs(cfg.output_dir)
+    storage = Storage(cfg.storage)
+    fs, root = storage.open(cfg.output_dir)
     fs.makedirs(root, exist_ok=True)
     with hold_lease(fs, root, cfg.restart.lease_ttl_s, logger):
         run = reopen_run(cfg, logger) if resume else start_new_run(cfg, overwrite)
         logger.info(f"run {run.run_id} -> {cfg.output_dir}" + (" (resumed)" if resume else ""))
         finished = False
         try:
-            _attempts(cfg, run, logger)
+            _attempts(cfg, storage, run, logger)
             finished = True
         finally:
             close_run(cfg, run, finished)
-    summary = summarize(cfg.output_dir, time.time() - t0)
+    summary = summarize(fs, root, cfg.output_dir, time.time() - t0)
     create_markdown_artifact(to_markdown(summary), key="rl-run-summary", description=f"run {run.run_id}")
     logger.info("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
     return summary

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from storage.fs import get_fs, read_manifest
+from storage.fs import read_manifest
 from storage.metrics import read_metrics
 from storage.rollouts import committed_rollout_steps, staleness, step_path
 
 
-def summarize(output_dir: str, wall_s: float) -> dict:
-    fs, root = get_fs(output_dir)
+def summarize(fs, root: str, output_dir: str, wall_s: float) -> dict:
     rows = read_metrics(fs, root)
     hist: Counter[int] = Counter()
     for step in committed_rollout_steps(fs, root):

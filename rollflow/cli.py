@@ -77,18 +77,16 @@ def split_args(tokens: list[str]) -> tuple[list[str], list[tuple[str, str]], set
 def _precheck(cfg: RunConfig, flags: set[str]) -> None:
     """Refuse early (before Prefect starts) what the flow would refuse: a live run, an existing run
     without --overwrite or --resume, a resume with incompatible settings."""
-    from storage.fs import configure
     from tasks.prepare import RunDirError, check_resumable, refuse_if_running, run_exists
 
-    configure(cfg.storage.model_dump(mode="json"))  # endpoint, timeouts, retries for these checks and the run
     try:
         if {"overwrite", "resume"} <= flags:
             raise RunDirError("--overwrite and --resume exclude each other: replace the run, or continue it")
-        exists = run_exists(cfg.output_dir)
+        exists = run_exists(cfg.output_dir, cfg.storage)
         if "dry-run" in flags and exists:
             raise RunDirError(f"{cfg.output_dir} already holds a run; --dry-run would overwrite its configs")
         if exists:
-            refuse_if_running(cfg.output_dir)
+            refuse_if_running(cfg.output_dir, cfg.storage)
         if "resume" in flags:
             check_resumable(cfg)
         elif exists and "overwrite" not in flags and "dry-run" not in flags:

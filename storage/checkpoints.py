@@ -14,9 +14,6 @@ def checkpoints_root(output_root: str) -> str:
 def save(fs: fsspec.AbstractFileSystem, output_root: str, step: int, component: str, files: dict[str, bytes]) -> str:
     directory = join(step_dir(checkpoints_root(output_root), step), component)
     commit_dir(fs, directory, files, {"step": step, "component": component})
-    from storage import retention
-
-    retention.enforce(fs, output_root)  # a no-op unless storage.keep_last_* is set
     return directory
 
 

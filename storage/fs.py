@@ -9,9 +9,10 @@ Object stores fail transiently (5xx, throttling, timeouts, connection resets). `
 non-local filesystem in `RetryingFileSystem`, which retries idempotent calls with exponential backoff
 and full jitter inside a time budget, and raises `StorageUnavailable` (naming the operation, the path
 and the budget) once the budget is spent. Settings that are not secret (endpoint, region, timeouts,
-retry budget, retention, delta publication) come from `configure()` or, in component processes, from
-the `ROLLFLOW_STORAGE` environment variable the flow sets; credentials never pass through here, only
-through the usual AWS environment variables or profiles that botocore reads itself.
+retry budget, retention, delta publication) are the process's own config slice (`StorageConfig`): each
+process builds one `Storage` from it in its entry point, and every filesystem it opens carries them;
+credentials never pass through here, only through the usual AWS environment variables or profiles that
+botocore reads itself.
 """
 
 from __future__ import annotations
@@ -28,15 +29,15 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from config.storage import StorageConfig
+
 MANIFEST = "_manifest.json"
 MANIFEST_CHECKSUM = "manifest_sha256"
-ENV_VAR = "ROLLFLOW_STORAGE"
 
 log = logging.getLogger("rollflow.storage")
 
@@ -50,65 +51,20 @@ class StorageUnavailable(IOError):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Settings
+# Settings: `config.storage.StorageConfig`, carried by the filesystem objects a `Storage` hands out
+
+DEFAULT_SETTINGS = StorageConfig()
 
 
-@dataclass(frozen=True)
-class StorageSettings:
-    """Non-secret storage settings; the same keys as `config.storage.StorageConfig` (validated there)."""
-
-    endpoint_url: str | None = None
-    region: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
-    timeout_s: float = 30.0
-    retry_budget_s: float = 120.0
-    retry_max_attempts: int = 12
-    retry_base_s: float = 0.2
-    retry_max_backoff_s: float = 10.0
-    keep_last_weights: int | None = None
-    keep_every_weights: int | None = None
-    keep_last_checkpoints: int | None = None
-    keep_every_checkpoints: int | None = None
-    weights_delta: bool = False
-    weights_full_every: int = 10
-    fsync: bool = True
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StorageSettings:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{ENV_VAR}: unknown storage setting(s) {', '.join(unknown)}; known: {sorted(known)}")
-        return cls(**data)
+def fs_settings(fs: Any) -> StorageConfig:
+    """The settings a filesystem from `Storage.open`/`get_fs` carries; defaults for a bare fsspec one."""
+    return getattr(fs, "settings", DEFAULT_SETTINGS)
 
 
-_settings: StorageSettings | None = None
-
-
-def configure(data: dict[str, Any] | None) -> StorageSettings:
-    """Set this process's storage settings and export them as `ROLLFLOW_STORAGE`, so that the component
-    processes it starts (which inherit the environment) use the same ones. The CLI and the flow call this."""
-    global _settings
-    _settings = StorageSettings.from_dict(data or {})
-    os.environ[ENV_VAR] = json.dumps(data or {}, sort_keys=True)
-    _fs_cache.clear()
-    return _settings
-
-
-def settings() -> StorageSettings:
-    """This process's settings: `configure()`d ones, else `ROLLFLOW_STORAGE` (JSON), else defaults."""
-    global _settings
-    if _settings is None:
-        raw = os.environ.get(ENV_VAR)
-        _settings = StorageSettings.from_dict(json.loads(raw) if raw else {})
-    return _settings
-
-
-def storage_options(protocol: str, s: StorageSettings | None = None) -> dict[str, Any]:
+def storage_options(protocol: str, s: StorageConfig) -> dict[str, Any]:
     """fsspec keyword arguments for `protocol`. For s3, botocore's and s3fs's own retries are switched
     off (s3fs's in `get_fs`) so that one layer, ours, owns backoff and the budget; timeouts bound a
     stalled request."""
-    s = s or settings()
     if protocol not in ("s3", "s3a"):
         return {}  # the settings describe the object store; local paths (configs, exports) need none
     client_kwargs: dict[str, Any] = {}
@@ -208,10 +164,9 @@ def _describe(exc: BaseException) -> str:
     return _USERINFO.sub(r"\1***@", f"{type(exc).__name__}: {exc}")[:500]
 
 
-def call_with_retry(fn: Callable[[], Any], what: str, s: StorageSettings | None = None, idempotent_rm: bool = False):
+def call_with_retry(fn: Callable[[], Any], what: str, s: StorageConfig, idempotent_rm: bool = False):
     """Run `fn`; retry transient failures with exponential backoff and full jitter until
     `retry_max_attempts` or `retry_budget_s` runs out, then raise `StorageUnavailable`."""
-    s = s or settings()
     start = time.monotonic()
     attempt = 0
     while True:
@@ -247,16 +202,19 @@ _RETRIED = frozenset(
 
 
 class RetryingFileSystem:
-    """Wraps an fsspec filesystem: the calls in `_RETRIED` go through `call_with_retry`; anything else
-    passes straight through. `.fs` is the wrapped filesystem (e.g. for pyarrow)."""
+    """Wraps an fsspec filesystem together with this process's storage settings (`.settings`). On an
+    object store the calls in `_RETRIED` go through `call_with_retry`; a local disk is not retried
+    (its errors are not transient). Anything else passes straight through. `.fs` is the wrapped
+    filesystem (e.g. for pyarrow)."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, s: StorageSettings | None = None):
+    def __init__(self, fs: fsspec.AbstractFileSystem, s: StorageConfig):
         self.fs = fs
-        self._settings = s
+        self.settings = s
+        self._retry = not isinstance(fs, LocalFileSystem)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.fs, name)
-        if name not in _RETRIED or not callable(attr):
+        if not self._retry or name not in _RETRIED or not callable(attr):
             return attr
 
         @functools.wraps(attr)
@@ -264,7 +222,7 @@ class RetryingFileSystem:
             target = args[0] if args else kwargs.get("path", "")
             what = f"{name} {self.fs.unstrip_protocol(str(target)) if target else ''}".strip()
             return call_with_retry(
-                lambda: attr(*args, **kwargs), what, self._settings, idempotent_rm=name in ("rm", "rm_file")
+                lambda: attr(*args, **kwargs), what, self.settings, idempotent_rm=name in ("rm", "rm_file")
             )
 
         return retried
@@ -273,27 +231,37 @@ class RetryingFileSystem:
         return f"RetryingFileSystem({self.fs!r})"
 
 
-_fs_cache: dict[str, Any] = {}
-
-
-def get_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """(filesystem, root path) for a local path or URL, with this process's storage options; non-local
-    filesystems come wrapped in `RetryingFileSystem`."""
+def get_fs(url: str, s: StorageConfig = DEFAULT_SETTINGS) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, root path) for a local path or URL with settings `s`, wrapped in `RetryingFileSystem`.
+    A process uses its `Storage` object's `open`; this is the same without the reuse."""
     protocol = fsspec.core.split_protocol(url)[0] or "file"
-    fs, root = fsspec.core.url_to_fs(url, **storage_options(protocol))
-    if not isinstance(fs, LocalFileSystem):
-        key = f"{protocol}:{id(fs)}"
-        if key not in _fs_cache:  # one wrapper per fsspec instance (fsspec caches instances too)
-            if hasattr(fs, "retries"):
-                fs.retries = 1  # s3fs retries some errors itself (a class attribute, not an option)
-            _fs_cache[key] = cast(fsspec.AbstractFileSystem, RetryingFileSystem(fs))
-        fs = _fs_cache[key]
-    return fs, root.rstrip("/")
+    fs, root = fsspec.core.url_to_fs(url, **storage_options(protocol, s))
+    if hasattr(fs, "retries"):
+        fs.retries = 1  # s3fs retries some errors itself (a class attribute, not an option)
+    return cast(fsspec.AbstractFileSystem, RetryingFileSystem(fs, s)), root.rstrip("/")
+
+
+class Storage:
+    """One per process, built in its entry point from its own config slice and passed down: the storage
+    settings and the filesystems opened with them (one wrapper per fsspec instance)."""
+
+    def __init__(self, settings: StorageConfig | None = None):
+        self.settings = settings or DEFAULT_SETTINGS
+        self._wrapped: dict[int, fsspec.AbstractFileSystem] = {}
+
+    def open(self, url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+        fs, root = get_fs(url, self.settings)
+        inner = raw_fs(fs)
+        return self._wrapped.setdefault(id(inner), fs), root
 
 
 def raw_fs(fs: Any) -> fsspec.AbstractFileSystem:
     """The plain fsspec filesystem under a `RetryingFileSystem` (pyarrow wants a real one)."""
     return fs.fs if isinstance(fs, RetryingFileSystem) else fs
+
+
+def is_local(fs: Any) -> bool:
+    return isinstance(raw_fs(fs), LocalFileSystem)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -311,7 +279,7 @@ def sha256(data: bytes) -> str:
 def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Whole-or-nothing write: temp file + rename locally; a single PUT (atomic per object) elsewhere."""
     parent, name = path.rsplit("/", 1)
-    if not isinstance(fs, LocalFileSystem):
+    if not is_local(fs):
         fs.pipe_file(path, data)  # object stores have no directories to create
         return
     fs.makedirs(parent, exist_ok=True)
@@ -321,7 +289,7 @@ def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
-            if settings().fsync:  # durable across power loss; a process crash is covered by the rename
+            if fs_settings(fs).fsync:  # durable across power loss; a process crash is covered by the rename
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
@@ -462,9 +430,18 @@ def step_dir(parent: str, step: int) -> str:
     return join(parent, f"step={step:06d}")
 
 
-def read_json(url: str) -> Any:
-    """Read a JSON document from a local path or any fsspec URL (component configs travel this way)."""
-    fs, path = get_fs(url)
+# The flow passes a component its storage settings in this variable, for reading its config file only:
+# the config may live on the object store those settings describe. Everything after reads the config's own slice.
+CONFIG_STORAGE_ENV = "ROLLFLOW_STORAGE"
+
+
+def read_json(url: str, s: StorageConfig | None = None) -> Any:
+    """Read a JSON document from a local path or any fsspec URL (component configs travel this way);
+    without `s`, with the settings in ROLLFLOW_STORAGE, else the defaults."""
+    if s is None:
+        raw = os.environ.get(CONFIG_STORAGE_ENV)
+        s = StorageConfig.model_validate_json(raw) if raw else DEFAULT_SETTINGS
+    fs, path = get_fs(url, s)
     return json.loads(fs.cat_file(path))
 
 

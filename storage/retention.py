@@ -25,14 +25,14 @@ from dataclasses import dataclass
 
 import fsspec
 
+from config.storage import StorageConfig
 from storage.fs import (
     MANIFEST,
-    StorageSettings,
     committed_steps,
+    fs_settings,
     join,
     read_manifest,
     remove_committed,
-    settings,
     step_dir,
 )
 
@@ -87,34 +87,39 @@ class Plan:
     checkpoints: list[int]
 
 
-_bases: dict[str, int | None] = {}  # publication dir -> base_version; a committed manifest does not change
+def _base_reader(fs: fsspec.AbstractFileSystem, root: str, bases: dict[int, int | None]) -> Callable[[int], int | None]:
+    """`base_of` reading manifests once: `bases` (version -> base_version) is the caller's memo, which a
+    publisher fills as it commits, so retention need not read those manifests back."""
 
-
-def remember_base(directory: str, base: int | None) -> None:
-    """The publisher records what it just committed, so retention need not read that manifest back."""
-    _bases[directory] = base
-
-
-def _base_reader(fs: fsspec.AbstractFileSystem, root: str) -> Callable[[int], int | None]:
     def base_of(version: int) -> int | None:
-        directory = step_dir(join(root, "weights"), version)
-        if directory not in _bases:
-            base = read_manifest(fs, directory).get("base_version")
-            _bases[directory] = None if base is None else int(base)
-        return _bases[directory]
+        if version not in bases:
+            base = read_manifest(fs, step_dir(join(root, "weights"), version)).get("base_version")
+            bases[version] = None if base is None else int(base)
+        return bases[version]
 
     return base_of
 
 
-def plan(fs: fsspec.AbstractFileSystem, root: str, s: StorageSettings | None = None) -> Plan:
-    """What `enforce` would delete under `root`, from the committed steps and the settings."""
-    s = s or settings()
+def plan(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    s: StorageConfig | None = None,
+    bases: dict[int, int | None] | None = None,
+) -> Plan:
+    """What `enforce` would delete under `root`, from the committed steps and the settings (by default
+    those `fs` carries)."""
+    s = s or fs_settings(fs)
     ckpts = committed_steps(fs, join(root, "checkpoints"), "trainer")
     keep_c = checkpoints_to_keep(ckpts, s.keep_last_checkpoints, s.keep_every_checkpoints)
     newest = ckpts[-1] if ckpts else None
     versions = committed_steps(fs, join(root, "weights"))
     keep_w = weights_to_keep(
-        versions, newest, s.keep_last_weights, s.keep_every_weights, _base_reader(fs, root), keep_c
+        versions,
+        newest,
+        s.keep_last_weights,
+        s.keep_every_weights,
+        _base_reader(fs, root, {} if bases is None else bases),
+        keep_c,
     )
     return Plan(weights=[v for v in versions if v not in keep_w], checkpoints=[c for c in ckpts if c not in keep_c])
 
@@ -123,7 +128,6 @@ def apply(fs: fsspec.AbstractFileSystem, root: str, p: Plan) -> None:
     for v in p.weights:
         directory = step_dir(join(root, "weights"), v)
         remove_committed(fs, directory, [join(directory, MANIFEST)])
-        _bases.pop(directory, None)
     for c in p.checkpoints:
         directory = step_dir(join(root, "checkpoints"), c)
         components = [e for e in fs.ls(directory, detail=False) if not e.rstrip("/").endswith(MANIFEST)]
@@ -132,11 +136,17 @@ def apply(fs: fsspec.AbstractFileSystem, root: str, p: Plan) -> None:
         log.info(f"retention: deleted weight publications {p.weights} and checkpoints {p.checkpoints}")
 
 
-def enforce(fs: fsspec.AbstractFileSystem, root: str, s: StorageSettings | None = None) -> Plan:
-    """Apply the configured retention under `root`; a no-op (no listing at all) when nothing is limited."""
-    s = s or settings()
+def enforce(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    s: StorageConfig | None = None,
+    bases: dict[int, int | None] | None = None,
+) -> Plan:
+    """Apply the configured retention under `root`; a no-op (no listing at all) when nothing is limited.
+    The writer that decides (the trainer, after each publication and checkpoint) calls it."""
+    s = s or fs_settings(fs)
     if s.keep_last_weights is None and s.keep_last_checkpoints is None:
         return Plan([], [])
-    p = plan(fs, root, s)
+    p = plan(fs, root, s, bases)
     apply(fs, root, p)
     return p

@@ -20,21 +20,16 @@ from storage.fs import (
     CorruptError,
     commit_dir,
     committed_steps,
+    fs_settings,
     join,
     read_manifest,
     read_verified,
-    settings,
     sha256,
     step_dir,
 )
 
 WEIGHTS_FILE = "model.safetensors"
 DELTA_FILE = "model.delta.safetensors"
-
-# Last publication per run root, kept by the publisher as the base of the next delta (delta mode only).
-_published: dict[str, tuple[int, dict]] = {}
-# Last loaded publications by directory and content, so following a delta chain does not reload the base each time.
-_loaded: dict[str, dict] = {}
 
 
 def weights_root(output_root: str) -> str:
@@ -50,32 +45,46 @@ def _sibling(directory: str, version: int) -> str:
     return step_dir(directory.rstrip("/").rsplit("/", 1)[0], version)
 
 
+class Publisher:
+    """The writer's side (one per publishing process): commits versions, keeping the last one as the base
+    of the next delta (with `storage.weights_delta`, from the settings `fs` carries), and what each
+    committed version was rebuilt from (`bases`, for retention's delta-chain closure)."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, output_root: str):
+        self.fs, self.root = fs, output_root
+        self.settings = fs_settings(fs)
+        self.last: tuple[int, dict] | None = None  # (version, tensors) of the last publication, delta mode only
+        self.bases: dict[int, int | None] = {}
+
+    def publish(self, version: int, state_dict: dict) -> str:
+        """Serialize and commit a state dict as policy `version`; returns the publication's directory."""
+        from safetensors.torch import save
+
+        s = self.settings
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+        full = save(tensors)
+        directory = version_dir(self.root, version)
+        meta = {"version": version, "model_sha256": sha256(full), "full_bytes": len(full)}
+        base = self.last if s.weights_delta else None
+        if base is not None and base[0] < version and version % s.weights_full_every != 0:
+            from storage import delta
+
+            payload, counts = delta.encode(base[1], tensors)
+            meta.update(encoding="delta", base_version=base[0], payload_bytes=len(payload), tensors=counts)
+            commit_dir(self.fs, directory, {DELTA_FILE: payload}, meta)
+        else:
+            meta.update(encoding="full", payload_bytes=len(full))
+            digests = {WEIGHTS_FILE: str(meta["model_sha256"])}
+            commit_dir(self.fs, directory, {WEIGHTS_FILE: full}, meta, digests=digests)
+        if s.weights_delta:
+            self.last = (version, {k: v.clone() for k, v in tensors.items()})  # params change in place
+        self.bases[version] = base[0] if meta["encoding"] == "delta" and base else None
+        return directory
+
+
 def publish(fs: fsspec.AbstractFileSystem, output_root: str, version: int, state_dict: dict) -> str:
-    """Serialize and commit a state dict as policy `version`; returns the publication's directory."""
-    from safetensors.torch import save
-
-    s = settings()
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    full = save(tensors)
-    directory = version_dir(output_root, version)
-    meta = {"version": version, "model_sha256": sha256(full), "full_bytes": len(full)}
-    base = _published.get(output_root) if s.weights_delta else None
-    if base is not None and base[0] < version and version % s.weights_full_every != 0:
-        from storage import delta
-
-        payload, counts = delta.encode(base[1], tensors)
-        meta.update(encoding="delta", base_version=base[0], payload_bytes=len(payload), tensors=counts)
-        commit_dir(fs, directory, {DELTA_FILE: payload}, meta)
-    else:
-        meta.update(encoding="full", payload_bytes=len(full))
-        commit_dir(fs, directory, {WEIGHTS_FILE: full}, meta, digests={WEIGHTS_FILE: str(meta["model_sha256"])})
-    if s.weights_delta:
-        _published[output_root] = (version, {k: v.clone() for k, v in tensors.items()})  # params change in place
-    from storage import retention
-
-    retention.remember_base(directory, base[0] if meta["encoding"] == "delta" and base else None)
-    retention.enforce(fs, output_root)
-    return directory
+    """A one-off full publication (no delta base to keep): the warm-up's version 0, a resume's repair."""
+    return Publisher(fs, output_root).publish(version, state_dict)
 
 
 def latest_version(fs: fsspec.AbstractFileSystem, output_root: str) -> int | None:
@@ -88,13 +97,15 @@ def read_version(fs: fsspec.AbstractFileSystem, directory: str) -> int:
     return int(read_manifest(fs, directory)["version"])
 
 
-def load(fs: fsspec.AbstractFileSystem, directory: str) -> dict:
+def load(fs: fsspec.AbstractFileSystem, directory: str, cache: dict[str, dict] | None = None) -> dict:
     """Load a committed publication (checksum-verified; a delta is rebuilt from its base chain and checked
-    against `model_sha256`) as a CPU state dict. Callers must not modify the tensors in place."""
-    return _load(fs, directory.rstrip("/"), from_cache=False)
+    against `model_sha256`) as a CPU state dict. Callers must not modify the tensors in place. A reader
+    that follows versions in order passes its own `cache` (the last two loaded), so a delta's base is not
+    rebuilt each time."""
+    return _load(fs, directory.rstrip("/"), {} if cache is None else cache, from_cache=False)
 
 
-def _load(fs: fsspec.AbstractFileSystem, directory: str, from_cache: bool) -> dict:
+def _load(fs: fsspec.AbstractFileSystem, directory: str, cache: dict[str, dict], from_cache: bool) -> dict:
     # The publication asked for is always read and verified; only delta bases, verified when they were
     # loaded, may come from the cache (an engine following versions in order rebuilds from the last one).
     from safetensors.torch import load as st_load
@@ -102,8 +113,8 @@ def _load(fs: fsspec.AbstractFileSystem, directory: str, from_cache: bool) -> di
 
     manifest = read_manifest(fs, directory)
     key = f"{directory}#{manifest.get('model_sha256') or manifest.get(MANIFEST_CHECKSUM)}"  # a rewrite misses
-    if from_cache and key in _loaded:
-        return dict(_loaded[key])
+    if from_cache and key in cache:
+        return dict(cache[key])
     if manifest.get("encoding") != "delta":
         state = st_load(read_verified(fs, directory, WEIGHTS_FILE, manifest))
     else:
@@ -112,7 +123,7 @@ def _load(fs: fsspec.AbstractFileSystem, directory: str, from_cache: bool) -> di
         payload = read_verified(fs, directory, DELTA_FILE, manifest)
         base_dir = _sibling(directory, int(manifest["base_version"]))
         try:
-            state = delta.decode(_load(fs, base_dir, from_cache=True), payload)
+            state = delta.decode(_load(fs, base_dir, cache, from_cache=True), payload)
         except (ValueError, FileNotFoundError) as exc:
             raise CorruptError(f"{directory}: cannot rebuild from its base {base_dir}: {exc}") from exc
         if sha256(save(state)) != manifest["model_sha256"]:
@@ -120,9 +131,9 @@ def _load(fs: fsspec.AbstractFileSystem, directory: str, from_cache: bool) -> di
                 f"{directory}/{DELTA_FILE}: rebuilt weights do not match model_sha256 in the manifest "
                 f"(base {base_dir}); the delta or its base is corrupted"
             )
-    if len(_loaded) >= 2:
-        _loaded.pop(next(iter(_loaded)))
-    _loaded[key] = state
+    if len(cache) >= 2:
+        cache.pop(next(iter(cache)))
+    cache[key] = state
     return dict(state)
 
 

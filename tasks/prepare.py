@@ -11,8 +11,9 @@ from config.process import component_configs
 from config.redact import redact_url
 from config.resume import resume_changes
 from config.run import RunConfig
+from config.storage import StorageConfig
 from storage import runstate
-from storage.fs import get_fs, join, write_json
+from storage.fs import DEFAULT_SETTINGS, get_fs, join, write_json
 
 # What a run owns inside OUTPUT_DIR; --overwrite removes exactly these, nothing else there (the lease
 # stays: it belongs to whoever is claiming the directory right now).
@@ -44,26 +45,26 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def run_exists(output_dir: str) -> bool:
+def run_exists(output_dir: str, storage: StorageConfig = DEFAULT_SETTINGS) -> bool:
     """True when OUTPUT_DIR holds a rollflow run's data (not just the configs a --dry-run wrote)."""
-    fs, root = get_fs(output_dir)
+    fs, root = get_fs(output_dir, storage)
     return any(fs.exists(join(root, d)) for d in DATA_ENTRIES)
 
 
-def refuse_if_running(output_dir: str) -> None:
+def refuse_if_running(output_dir: str, storage: StorageConfig = DEFAULT_SETTINGS) -> None:
     """The CLI's early check; the flow itself relies on acquiring the lease."""
-    fs, root = get_fs(output_dir)
+    fs, root = get_fs(output_dir, storage)
     lease = runstate.read_lease(fs, root)
     if runstate.is_live(lease):
         assert lease is not None
         raise RunDirError(f"{output_dir} is being run right now ({runstate.describe(lease)}); refusing to touch it")
 
 
-def claim_output_dir(output_dir: str, overwrite: bool) -> None:
+def claim_output_dir(output_dir: str, overwrite: bool, storage: StorageConfig = DEFAULT_SETTINGS) -> None:
     """Refuse an existing run unless `overwrite`; never delete data that rollflow did not write."""
-    if not run_exists(output_dir):
+    if not run_exists(output_dir, storage):
         return
-    fs, root = get_fs(output_dir)
+    fs, root = get_fs(output_dir, storage)
     if not fs.exists(join(root, "config", "run.json")):
         raise RunDirError(
             f"{output_dir} holds weights/, rollouts/ or checkpoints/ but no config/run.json: not a rollflow "
@@ -76,9 +77,9 @@ def claim_output_dir(output_dir: str, overwrite: bool) -> None:
             fs.rm(join(root, entry), recursive=True)
 
 
-def stored_config(output_dir: str) -> dict:
+def stored_config(output_dir: str, storage: StorageConfig = DEFAULT_SETTINGS) -> dict:
     """The run config a run was last started with (`config/run.json`, credentials redacted)."""
-    fs, root = get_fs(output_dir)
+    fs, root = get_fs(output_dir, storage)
     path = join(root, "config", "run.json")
     if not fs.exists(path) or runstate.read_state(fs, root) is None:
         raise RunDirError(f"{output_dir} holds no rollflow run to resume (no config/run.json and state.json)")
@@ -87,7 +88,7 @@ def stored_config(output_dir: str) -> dict:
 
 def check_resumable(cfg: RunConfig) -> dict[str, tuple]:
     """Refuse a resume when incompatible settings changed; returns the compatible changes (to record)."""
-    stored = stored_config(cfg.output_dir)
+    stored = stored_config(cfg.output_dir, cfg.storage)
     stored.pop("run_id", None)
     bad, ok = resume_changes(stored, public_config(cfg))
     if bad:
@@ -108,7 +109,7 @@ def public_config(cfg: RunConfig) -> dict:
 
 def write_run_config(cfg: RunConfig, run_id: str) -> None:
     """`config/run.json`: what `rollflow resume` restarts with, and what a resume is compared against."""
-    fs, root = get_fs(cfg.output_dir)
+    fs, root = get_fs(cfg.output_dir, cfg.storage)
     write_json(fs, join(root, "config", "run.json"), {"run_id": run_id, **public_config(cfg)})
 
 
@@ -121,7 +122,7 @@ def write_configs(
     resume_step: int | None = None,
 ) -> dict[str, str]:
     """Write `config/run.json` and one resolved config per component; returns component -> config URL."""
-    fs, root = get_fs(cfg.output_dir)
+    fs, root = get_fs(cfg.output_dir, cfg.storage)
     slices = component_configs(cfg, run_id, inference_url, mlflow_run_id, resume_step)
     trainer = slices["trainer"]
     # The trainer gets the full URI through its environment; files on disk keep a redacted copy.

@@ -27,7 +27,7 @@ class Attempt:
 @task(cache_policy=NONE)
 def prepare_attempt(cfg: RunConfig, run_id: str, tracking_uri: str | None, mlflow_run_id: str | None) -> Attempt:
     logger = get_run_logger()
-    fs, root = get_fs(cfg.output_dir)
+    fs, root = get_fs(cfg.output_dir, cfg.storage)
     step = resume_point(fs, root, logger.warning)
     for what in rollback(fs, root, step):
         logger.info(f"rolled back: removed {what}")

@@ -32,19 +32,20 @@ def _auth_dependency(token: str):
     return check
 
 
-def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_token: str):
+def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_token: str, storage=None):
     """The FastAPI app around an `Engine`; split from `main` so tests can serve it in-process."""
     import jinja2
     from fastapi import Depends, FastAPI, HTTPException
 
     from engines.tokenizer import CHAT_TEMPLATE
     from storage import weights
-    from storage.fs import CorruptError, get_fs, is_committed
+    from storage.fs import CorruptError, Storage, is_committed
 
     app = FastAPI(title="rollflow embedded inference")
     admin = Depends(_auth_dependency(admin_token))
     template = jinja2.Environment().from_string(CHAT_TEMPLATE)
-    fs, root = get_fs(output_root_url)
+    fs, root = (storage or Storage()).open(output_root_url)
+    loaded: dict[str, dict] = {}  # the last publications loaded: a delta's base is not rebuilt each update
 
     async def sample(prompt_ids: list[int], n: int, max_tokens: int, temperature: float, seed: int | None):
         from engines.inference.engine import Request
@@ -157,7 +158,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
             version = await asyncio.to_thread(weights.read_version, fs, directory)
             if version < engine.version:
                 raise HTTPException(409, f"{directory} holds version {version}, older than served {engine.version}")
-            state = await asyncio.to_thread(weights.load, fs, directory)
+            state = await asyncio.to_thread(weights.load, fs, directory, loaded)
             t1 = time.perf_counter()
             served = await asyncio.to_thread(engine.update_weights, state, version)
         except (CorruptError, ValueError) as exc:
@@ -173,7 +174,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
     return app
 
 
-def load_engine(cfg, output_root_url: str):
+def load_engine(cfg, output_root_url: str, storage):
     """Build the model, load the newest committed weights, wrap them in an `Engine`."""
     import torch
 
@@ -181,11 +182,10 @@ def load_engine(cfg, output_root_url: str):
     from engines.model import CausalLM
     from engines.tokenizer import CharTokenizer
     from storage import weights
-    from storage.fs import get_fs
 
     torch.set_num_threads(cfg.inference.num_threads)
     tokenizer = CharTokenizer()
-    fs, root = get_fs(output_root_url)
+    fs, root = storage.open(output_root_url)
     latest = weights.load_latest(fs, root)
     if latest is None:
         raise SystemExit(f"no committed weights under {weights.weights_root(output_root_url)}; run the warm-up first")
@@ -208,16 +208,20 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from config.process import InferenceProcessConfig
-    from storage.fs import read_json
+    from storage.fs import Storage, read_json
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = InferenceProcessConfig.model_validate(read_json(args.config))
-    engine, tokenizer = load_engine(cfg, cfg.run.output_dir)
+    storage = Storage(cfg.run.storage)
+    engine, tokenizer = load_engine(cfg, cfg.run.output_dir, storage)
     token = os.environ.get("ROLLFLOW_ADMIN_TOKEN") or secrets.token_hex(16)
-    app = build_app(engine, tokenizer, cfg.run.output_dir, f"rollflow/{cfg.run.run_id}", token)
-    host, port = cfg.inference.host, cfg.inference.port
-    # keep-alive well above clients' idle expiry (the orchestrator's is 2 s), so the client closes first
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=30))
+    app = build_app(engine, tokenizer, cfg.run.output_dir, f"rollflow/{cfg.run.run_id}", token, storage)
+    # Keep-alive longer than the client's (httpx: 5 s): with equal timeouts a request can reuse a connection
+    # the server is closing at that moment and fail with a ReadError after a few idle seconds.
+    config = uvicorn.Config(
+        app, host=cfg.inference.host, port=cfg.inference.port, log_level="warning", timeout_keep_alive=60
+    )
+    server = uvicorn.Server(config)
     app.state.server = server  # /shutdown sets server.should_exit
     log.info(f"serving policy version {engine.version} on http://{cfg.inference.host}:{cfg.inference.port}")
     server.run()

@@ -34,7 +34,7 @@ from engines.orchestrator.advantages import group_advantages
 from engines.sampling import derive_seed
 from engines.tokenizer import CharTokenizer
 from storage import rollouts, weights
-from storage.fs import get_fs, read_json
+from storage.fs import Storage, read_json
 from storage.rollouts import RolloutRow, staleness
 
 log = logging.getLogger("rollflow.orchestrator")
@@ -43,9 +43,9 @@ log = logging.getLogger("rollflow.orchestrator")
 class WeightSync:
     """Tracks the engine's policy version and pushes newer publications to it."""
 
-    def __init__(self, client: httpx.AsyncClient, output_dir: str, token: str, poll_s: float):
+    def __init__(self, client: httpx.AsyncClient, fs, root: str, token: str, poll_s: float):
         self.client, self.poll_s = client, poll_s
-        self.fs, self.root = get_fs(output_dir)
+        self.fs, self.root = fs, root
         self.headers = {"Authorization": f"Bearer {token}"}
         self.engine_version = -1
         self.changed = asyncio.Event()
@@ -115,10 +115,10 @@ async def wait_healthy(client: httpx.AsyncClient, timeout_s: float = 120.0) -> N
 class Orchestrator:
     def __init__(self, cfg: OrchestratorProcessConfig, client: httpx.AsyncClient, sync: WeightSync):
         self.cfg, self.client, self.sync = cfg, client, sync
+        self.fs, self.root = sync.fs, sync.root
         self.ocfg = cfg.orchestrator
         self.mix = EnvMix(cfg.envs, cfg.seed)
         self.tok = CharTokenizer()
-        self.fs, self.root = get_fs(cfg.run.output_dir)
         self.limit = asyncio.Semaphore(self.ocfg.requests_in_flight)
 
     async def sample_group(self, step: int, group: int) -> list[RolloutRow]:
@@ -196,12 +196,10 @@ class Orchestrator:
 
 async def run(cfg: OrchestratorProcessConfig) -> None:
     token = os.environ.get("ROLLFLOW_ADMIN_TOKEN", "")
-    # Idle connections expire on this side first (2 s < the server's keep-alive): a request sent on a
-    # connection the server is closing at that moment fails with ReadError (seen with 5 s idle gaps).
-    limits = httpx.Limits(keepalive_expiry=2.0)
-    async with httpx.AsyncClient(base_url=cfg.inference_url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with httpx.AsyncClient(base_url=cfg.inference_url, timeout=httpx.Timeout(600.0)) as client:
         await wait_healthy(client, cfg.orchestrator.inference_timeout_s)
-        sync = WeightSync(client, cfg.run.output_dir, token, cfg.orchestrator.poll_interval_s)
+        fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
+        sync = WeightSync(client, fs, root, token, cfg.orchestrator.poll_interval_s)
         await sync.refresh()
         sync.start()
         orch = Orchestrator(cfg, client, sync)

@@ -18,8 +18,8 @@ from engines.trainer.common import build_model, log, routing_for, seed_everythin
 from engines.trainer.loss import policy_loss
 from engines.trainer.mismatch import Mismatch, PolicyHistory
 from engines.trainer.tracking import Tracker
-from storage import rollouts, weights
-from storage.fs import get_fs, is_committed
+from storage import retention, rollouts, weights
+from storage.fs import Storage, is_committed
 from storage.rollouts import staleness
 
 
@@ -34,10 +34,17 @@ class RLTrainer:
     def __init__(self, cfg: TrainerProcessConfig):
         self.cfg, self.tcfg = cfg, cfg.trainer
         seed_everything(cfg.seed, self.tcfg.num_threads)
-        self.fs, self.root = get_fs(cfg.run.output_dir)
+        self.fs, self.root = Storage(cfg.run.storage).open(cfg.run.output_dir)
+        self.publisher = weights.Publisher(self.fs, self.root)
         self.tok = CharTokenizer()
         self.model = build_model(cfg.model, self.tok.vocab_size)
         self.optimizer, self.scheduler = self._build_optimizer()
+        self.state = checkpoint.TrainerState(
+            self.model,
+            {"optimizer": self.optimizer, "scheduler": self.scheduler, "rng": checkpoint.RNGState()},
+            cfg.mlflow_run_id,
+            cfg.seed,
+        )
         self.version = self._restore()
         self.history = self._build_history() if self.tcfg.measure_mismatch else None
         self.tracker = Tracker(self.fs, self.root, cfg.tracking.tracking_uri, cfg.mlflow_run_id)
@@ -53,7 +60,7 @@ class RLTrainer:
         """Start from the checkpoint the flow chose, or from the warm-up's version 0; returns the version."""
         step = self.cfg.resume_step
         if step is not None:
-            checkpoint.restore(self, step)
+            checkpoint.restore(self.fs, self.root, step, self.state)
             log.info(f"resumed from checkpoint step={step}")
             return step
         if not is_committed(self.fs, weights.version_dir(self.root, 0)):
@@ -137,7 +144,8 @@ class RLTrainer:
         )
         stats = self.train_on(batch)
         t2 = time.perf_counter()
-        weights.publish(self.fs, self.root, step, self.model.publishable_state_dict())
+        self.publisher.publish(step, self.model.publishable_state_dict())
+        retention.enforce(self.fs, self.root, bases=self.publisher.bases)  # a no-op unless storage.keep_last_*
         self.version = step
         if self.history:
             self.history.add(step, self.model)
@@ -174,4 +182,5 @@ class RLTrainer:
                 f"| train {row['train_s']:.2f}s wait {row['wait_s']:.2f}s"
             )
             if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.max_steps:
-                log.info(f"checkpoint written: {checkpoint.save(self, step)}")
+                log.info(f"checkpoint written: {checkpoint.save(self.fs, self.root, step, self.state)}")
+                retention.enforce(self.fs, self.root, bases=self.publisher.bases)

@@ -15,7 +15,7 @@ from engines.tokenizer import CharTokenizer
 from engines.trainer.batch import right_pad
 from engines.trainer.common import build_model, log, seed_everything
 from storage import weights
-from storage.fs import get_fs, join, write_bytes_atomic
+from storage.fs import Storage, join, write_bytes_atomic
 
 
 def sft_batch(mix: EnvMix, tok: CharTokenizer, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,7 +35,7 @@ def sft_batch(mix: EnvMix, tok: CharTokenizer, step: int, size: int) -> tuple[to
 
 def run_sft(cfg: SFTProcessConfig) -> None:
     seed_everything(cfg.seed, cfg.num_threads)
-    fs, root = get_fs(cfg.run.output_dir)
+    fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
     tok = CharTokenizer()
     model = build_model(cfg.model, tok.vocab_size)
     mix = EnvMix(cfg.envs, cfg.seed)

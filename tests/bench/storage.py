@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from config.storage import StorageConfig
 from storage import fs as sfs
 from storage import rollouts, weights
 
@@ -105,26 +106,24 @@ def list_and_load(fs, root: str) -> None:
 
 
 @contextlib.contextmanager
-def backend(name: str) -> Iterator[tuple[str, pafs.FileSystem, str]]:
-    """(rollflow URL root, pyarrow filesystem, pyarrow path root) for one storage backend."""
+def backend(name: str) -> Iterator[tuple[str, StorageConfig, pafs.FileSystem, str]]:
+    """(rollflow URL root, its storage settings, pyarrow filesystem, pyarrow path root) for one backend."""
     if name.startswith("local"):
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
-            sfs.configure({"fsync": name != "local-nofsync"})
-            yield tmp, pafs.LocalFileSystem(), tmp
+            yield tmp, StorageConfig(fsync=name != "local-nofsync"), pafs.LocalFileSystem(), tmp
         return
     from tests.s3util import BUCKET, CREDENTIALS, moto_s3
 
     os.environ.update(CREDENTIALS)
     with moto_s3() as endpoint:
-        sfs.configure({"endpoint_url": endpoint})
         s3 = pafs.S3FileSystem(endpoint_override=endpoint, region="us-east-1")
-        yield f"s3://{BUCKET}/bench", s3, f"{BUCKET}/bench"
+        yield f"s3://{BUCKET}/bench", StorageConfig(endpoint_url=endpoint), s3, f"{BUCKET}/bench"
 
 
 def throughput(name: str, tables: dict[str, pa.Table], repeats: int) -> list[str]:
     rows = []
-    with backend(name) as (url, pa_fs, pa_root):
-        fs, root = sfs.get_fs(url)
+    with backend(name) as (url, settings, pa_fs, pa_root):
+        fs, root = sfs.get_fs(url, settings)
         for label, table in tables.items():
             w_rf, w_raw, r_rf, r_raw, sha = [], [], [], [], []
             ipc = rollouts._ipc_bytes(table)
@@ -182,12 +181,11 @@ def step_overhead(name: str, repeats: int, step_s: float) -> list[str]:
     for delta in (False, True):
         per_step: list[float] = []
         parts: dict[str, list[float]] = {"commit shard": [], "check+read shard": [], "publish": [], "list+load": []}
-        with backend(name) as (url, _, _):
-            s = {**json.loads(os.environ.get(sfs.ENV_VAR, "{}")), "weights_delta": delta}
-            sfs.configure(s)
-            fs, root = sfs.get_fs(url + f"/overhead-{int(delta)}")
-            weights._published.clear()
-            weights.publish(fs, root, 0, model.publishable_state_dict())
+        with backend(name) as (url, settings, _, _):
+            s = settings.model_copy(update={"weights_delta": delta})
+            fs, root = sfs.get_fs(url + f"/overhead-{int(delta)}", s)
+            publisher = weights.Publisher(fs, root)
+            publisher.publish(0, model.publishable_state_dict())
             for step in range(1, repeats + 1):
                 with torch.no_grad():
                     for p in model.parameters():
@@ -195,7 +193,7 @@ def step_overhead(name: str, repeats: int, step_s: float) -> list[str]:
                 t = [
                     timed(rollouts.write_step, fs, root, step, table, {"gen_s": 0.1}),
                     timed(check_and_read, fs, root, step),
-                    timed(weights.publish, fs, root, step, model.publishable_state_dict()),
+                    timed(publisher.publish, step, model.publishable_state_dict()),
                     timed(list_and_load, fs, root),
                 ]
                 for key, v in zip(parts, t, strict=True):
@@ -227,10 +225,9 @@ def delta_ratio(steps: int) -> list[str]:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.optim.lr, betas=cfg.trainer.optim.betas)
     ratios, fulls, payloads = [], 0, 0
     with tempfile.TemporaryDirectory() as tmp:
-        sfs.configure({"weights_delta": True, "weights_full_every": 10**9})
-        fs, root = sfs.get_fs(tmp)
-        weights._published.clear()
-        weights.publish(fs, root, 0, model.publishable_state_dict())
+        fs, root = sfs.get_fs(tmp, StorageConfig(weights_delta=True, weights_full_every=10**9))
+        publisher = weights.Publisher(fs, root)
+        publisher.publish(0, model.publishable_state_dict())
         for v in range(1, steps + 1):
             ids, mask = sft_batch(mix, tok, v, cfg.orchestrator.batch_size)
             logits = model(ids)[:, :-1]
@@ -238,16 +235,14 @@ def delta_ratio(steps: int) -> list[str]:
             opt.zero_grad()
             ((nll * mask).sum() / mask.sum()).backward()
             opt.step()
-            weights.publish(fs, root, v, model.publishable_state_dict())
+            publisher.publish(v, model.publishable_state_dict())
             m = sfs.read_manifest(fs, weights.version_dir(root, v))
             assert m["encoding"] == "delta"
-            weights._loaded.clear()
             rebuilt = weights.load(fs, weights.version_dir(root, v))  # exact, or CorruptError
             assert all(torch.equal(rebuilt[k], t) for k, t in model.publishable_state_dict().items())
             ratios.append(m["payload_bytes"] / m["full_bytes"])
             fulls += m["full_bytes"]
             payloads += m["payload_bytes"]
-    sfs.configure({})
     n = sum(p.numel() for p in model.parameters())
     return [
         f"| tiny-cpu ({n / 1e6:.2f}M params, fp32, AdamW lr {cfg.trainer.optim.lr}) | {steps} "

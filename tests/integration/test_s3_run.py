@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from config.storage import StorageConfig
 from storage import checkpoints, rollouts, weights
 from storage import fs as sfs
 from storage.metrics import read_metrics
@@ -36,17 +37,9 @@ def s3(prefect_api):
     the session's Prefect API instead of starting a temporary one per command."""
     with moto_s3() as endpoint:
         env = {**os.environ, **CREDENTIALS, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": prefect_api}
-        for k in ("AWS_ENDPOINT_URL", "AWS_PROFILE", sfs.ENV_VAR):
+        for k in ("AWS_ENDPOINT_URL", "AWS_PROFILE", sfs.CONFIG_STORAGE_ENV):
             env.pop(k, None)
         yield endpoint, env
-
-
-@pytest.fixture(autouse=True)
-def _restore_storage_settings():
-    """This test process reads the bucket with `configure()`d settings; later tests must not inherit them."""
-    yield
-    sfs.configure({})
-    os.environ.pop(sfs.ENV_VAR, None)
 
 
 def _rollflow(cwd: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
@@ -93,8 +86,7 @@ def test_tiny_run_on_s3(s3, tmp_path, monkeypatch):
 
     for k, v in CREDENTIALS.items():  # this test process reads the bucket with the same settings
         monkeypatch.setenv(k, v)
-    sfs.configure({"endpoint_url": endpoint})
-    fs, root = sfs.get_fs(out)
+    fs, root = sfs.get_fs(out, StorageConfig(endpoint_url=endpoint))
 
     # everything a local run writes is in the bucket, committed
     assert rollouts.committed_rollout_steps(fs, root) == list(range(1, MAX_STEPS + 1))

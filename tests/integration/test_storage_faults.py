@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from config.storage import StorageConfig
 from storage import fs as sfs
 from storage import rollouts
 from storage.fs import CorruptError, StorageUnavailable, commit_dir, get_fs, read_manifest, read_verified
@@ -24,7 +25,7 @@ from tests.unit.test_rollouts import _rows
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = [ROOT / "profiles/tiny-cpu.toml", ROOT / "tests/profiles/s3-short.toml"]
 
-FAST = {"timeout_s": 1.0, "retry_budget_s": 20.0, "retry_base_s": 0.02, "retry_max_backoff_s": 0.2}
+FAST = StorageConfig(timeout_s=1.0, retry_budget_s=20.0, retry_base_s=0.02, retry_max_backoff_s=0.2)
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +40,7 @@ def proxy(endpoint, monkeypatch):
         monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
         for k, v in CREDENTIALS.items():
             monkeypatch.setenv(k, v)
-        sfs.configure(FAST)
         yield p
-    sfs.configure({})
-    monkeypatch.delenv(sfs.ENV_VAR, raising=False)
 
 
 def _url(name: str) -> str:
@@ -51,7 +49,7 @@ def _url(name: str) -> str:
 
 @pytest.mark.parametrize("kind", ["503", "reset", "stall"])
 def test_transient_faults_are_retried_and_the_commit_succeeds(proxy, kind, caplog):
-    fs, root = get_fs(_url(kind))
+    fs, root = get_fs(_url(kind), FAST)
     table = rollouts.to_table(_rows(1, n=4))
     proxy.fail_next(2, kind)
     rollouts.write_step(fs, root, 1, table, {"gen_s": 0.1})
@@ -65,10 +63,9 @@ def test_transient_faults_are_retried_and_the_commit_succeeds(proxy, kind, caplo
 
 def test_outage_longer_than_the_budget_fails_clearly_and_keeps_committed_data(proxy):
     url = _url("outage")
-    fs, root = get_fs(url)
+    fs, root = get_fs(url, FAST)
     commit_dir(fs, f"{root}/a", {"x.bin": b"committed" * 100}, {"k": 1})
-    sfs.configure({**FAST, "retry_budget_s": 1.0})
-    fs, root = get_fs(url)
+    fs, root = get_fs(url, FAST.model_copy(update={"retry_budget_s": 1.0}))
     proxy.outage("503")
     t0 = time.monotonic()
     with pytest.raises(StorageUnavailable) as exc:
@@ -84,7 +81,7 @@ def test_outage_longer_than_the_budget_fails_clearly_and_keeps_committed_data(pr
 
 
 def test_permanent_errors_are_not_retried(proxy):
-    fs, root = get_fs(_url("missing"))
+    fs, root = get_fs(_url("missing"), FAST)
     before = proxy.requests
     with pytest.raises(FileNotFoundError):
         fs.cat_file(f"{root}/nope")
@@ -92,7 +89,7 @@ def test_permanent_errors_are_not_retried(proxy):
 
 
 def test_a_corrupted_object_is_reported_with_its_path(proxy):
-    fs, root = get_fs(_url("corrupt"))
+    fs, root = get_fs(_url("corrupt"), FAST)
     rollouts.write_step(fs, root, 1, rollouts.to_table(_rows(1)), {})
     shard = f"{rollouts.step_path(root, 1)}/part-00000.arrow"
     data = bytearray(fs.cat_file(shard))
@@ -132,7 +129,7 @@ def _cli(out: str, cwd: Path, api_url: str, *extra: str, env_extra: dict | None 
     cmd += ["--output-dir", out, "--overwrite", *extra]
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **(env_extra or {})}
     env["PREFECT_API_URL"] = api_url  # the session's Prefect API: no temporary one per command
-    env.pop(sfs.ENV_VAR, None)
+    env.pop(sfs.CONFIG_STORAGE_ENV, None)
     if wait:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -150,7 +147,7 @@ def test_a_run_survives_transient_storage_faults(proxy, tmp_path, prefect_api):
     assert proxy.injected.get("503", 0) >= 2 and proxy.injected.get("reset", 0) >= 1, proxy.injected
     assert "retry 1" in proc.stdout + proc.stderr
     proxy.heal()
-    fs, root = get_fs(out)
+    fs, root = get_fs(out, FAST)
     assert rollouts.committed_rollout_steps(fs, root) == [1, 2, 3, 4]
     for step in (1, 2, 3, 4):
         rollouts.read_step(fs, root, step)  # every committed shard verifies
@@ -159,7 +156,7 @@ def test_a_run_survives_transient_storage_faults(proxy, tmp_path, prefect_api):
 @pytest.mark.slow
 def test_a_storage_outage_stops_the_run_with_a_clear_message_and_loses_nothing(proxy, tmp_path, prefect_api):
     out = _url("outage-run")
-    fs, root = get_fs(out)
+    fs, root = get_fs(out, FAST)
     run = _cli(
         out, tmp_path, prefect_api, *FAULT_FLAGS, "--storage.retry_budget_s", "2", "--max-steps", "40", wait=False
     )

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from config.storage import StorageConfig
 from storage import delta, weights
-from storage.fs import CorruptError, StorageSettings, get_fs, read_manifest
+from storage.fs import CorruptError, get_fs, read_manifest
 
 
 def _states(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -57,33 +58,31 @@ def test_decode_refuses_a_base_that_does_not_fit():
         delta.decode(bad, payload)
 
 
-@pytest.fixture
-def delta_mode(monkeypatch):
-    monkeypatch.setattr("storage.fs._settings", StorageSettings(weights_delta=True, weights_full_every=4))
-    monkeypatch.setattr(weights, "_published", {})
-    monkeypatch.setattr(weights, "_loaded", {})
+DELTA = StorageConfig(weights_delta=True, weights_full_every=4)
 
 
-def test_delta_publications_rebuild_exactly_through_the_chain(tmp_path, delta_mode):
-    fs, root = get_fs(str(tmp_path / "run"))
-    states = _states(7)
+def _publish_all(fs, root, states) -> None:
+    publisher = weights.Publisher(fs, root)  # one publisher keeps the last version as the next delta's base
     for v, sd in enumerate(states):
-        weights.publish(fs, root, v, sd)
+        publisher.publish(v, sd)
+
+
+def test_delta_publications_rebuild_exactly_through_the_chain(tmp_path):
+    fs, root = get_fs(str(tmp_path / "run"), DELTA)
+    states = _states(7)
+    _publish_all(fs, root, states)
     kinds = [read_manifest(fs, weights.version_dir(root, v))["encoding"] for v in range(7)]
     assert kinds == ["full", "delta", "delta", "delta", "full", "delta", "delta"]
     m3 = read_manifest(fs, weights.version_dir(root, 3))
     assert m3["base_version"] == 2 and m3["payload_bytes"] < m3["full_bytes"]
     for v in (6, 3, 5, 1):  # out of order: each rebuild walks its own chain
-        weights._loaded.clear()
         _equal(weights.load(fs, weights.version_dir(root, v)), states[v])
     assert weights.load_latest(fs, root)[0] == 6
 
 
-def test_a_corrupted_base_fails_the_rebuild_with_its_path(tmp_path, delta_mode):
-    fs, root = get_fs(str(tmp_path / "run"))
-    for v, sd in enumerate(_states(3)):
-        weights.publish(fs, root, v, sd)
-    weights._loaded.clear()
+def test_a_corrupted_base_fails_the_rebuild_with_its_path(tmp_path):
+    fs, root = get_fs(str(tmp_path / "run"), DELTA)
+    _publish_all(fs, root, _states(3))
     base = Path(weights.version_dir(root, 1)) / weights.DELTA_FILE
     data = bytearray(base.read_bytes())
     data[-3] ^= 0x40
@@ -92,20 +91,18 @@ def test_a_corrupted_base_fails_the_rebuild_with_its_path(tmp_path, delta_mode):
         weights.load(fs, weights.version_dir(root, 2))
 
 
-def test_a_wrong_model_checksum_is_refused(tmp_path, delta_mode):
+def test_a_wrong_model_checksum_is_refused(tmp_path):
     """Exactness is checked: a manifest whose model_sha256 does not match the rebuilt weights fails."""
     import json
 
     from storage.fs import MANIFEST, MANIFEST_CHECKSUM, _manifest_digest
 
-    fs, root = get_fs(str(tmp_path / "run"))
-    for v, sd in enumerate(_states(2)):
-        weights.publish(fs, root, v, sd)
+    fs, root = get_fs(str(tmp_path / "run"), DELTA)
+    _publish_all(fs, root, _states(2))
     path = Path(weights.version_dir(root, 1)) / MANIFEST
     manifest = json.loads(path.read_text())
     manifest["model_sha256"] = "0" * 64
     manifest[MANIFEST_CHECKSUM] = _manifest_digest(manifest)  # a consistent manifest, wrong content hash
     path.write_text(json.dumps(manifest))
-    weights._loaded.clear()
     with pytest.raises(CorruptError, match="model_sha256"):
         weights.load(fs, weights.version_dir(root, 1))

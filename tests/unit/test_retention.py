@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from config.storage import StorageConfig
 from storage import checkpoints, retention, weights
-from storage.fs import MANIFEST, StorageSettings, committed_steps, get_fs, join
+from storage.fs import MANIFEST, committed_steps, get_fs, join
 from storage.retention import checkpoints_to_keep, weights_to_keep
 
 
@@ -43,21 +44,27 @@ def test_weights_keep_the_delta_chain_of_kept_versions():
 
 
 def _publish(fs, root, versions):
+    """As the trainer does: publish, then enforce retention."""
     for v in versions:
         weights.publish(fs, root, v, {"w": torch.full((4,), float(v))})
+        retention.enforce(fs, root)
+
+
+def _checkpoint(fs, root, step, component, files):
+    checkpoints.save(fs, root, step, component, files)
+    retention.enforce(fs, root)
 
 
 def test_enforce_deletes_manifest_first_and_keeps_what_resume_needs(tmp_path, monkeypatch):
-    fs, root = get_fs(str(tmp_path / "run"))
-    s = StorageSettings(keep_last_weights=2, keep_last_checkpoints=1)
-    monkeypatch.setattr("storage.fs._settings", s)
+    s = StorageConfig(keep_last_weights=2, keep_last_checkpoints=1)
+    fs, root = get_fs(str(tmp_path / "run"), s)
     _publish(fs, root, range(0, 6))
     assert committed_steps(fs, join(root, "weights")) == [0, 4, 5]  # 0: no checkpoint yet
-    checkpoints.save(fs, root, 3, "trainer", {"model.safetensors": b"x"})
-    checkpoints.save(fs, root, 3, "orchestrator", {"state.json": b"{}"})
+    _checkpoint(fs, root, 3, "trainer", {"model.safetensors": b"x"})
+    _checkpoint(fs, root, 3, "orchestrator", {"state.json": b"{}"})
     _publish(fs, root, [6])
     assert committed_steps(fs, join(root, "weights")) == [4, 5, 6]  # everything from checkpoint 3 on
-    checkpoints.save(fs, root, 6, "trainer", {"model.safetensors": b"y"})
+    _checkpoint(fs, root, 6, "trainer", {"model.safetensors": b"y"})
     assert checkpoints.checkpoint_steps(fs, root) == [6]
     assert committed_steps(fs, join(root, "weights")) == [5, 6]  # last 2, and >= checkpoint 6
     assert not (tmp_path / "run" / "checkpoints" / "step=000003").exists()  # all components gone
@@ -71,7 +78,6 @@ def test_enforce_deletes_manifest_first_and_keeps_what_resume_needs(tmp_path, mo
 
 def test_apply_removes_the_manifest_before_the_files(tmp_path, monkeypatch):
     fs, root = get_fs(str(tmp_path / "run"))
-    monkeypatch.setattr("storage.fs._settings", StorageSettings())
     _publish(fs, root, range(3))
     order: list[str] = []
     real_rm = fs.rm
@@ -89,4 +95,4 @@ def test_apply_removes_the_manifest_before_the_files(tmp_path, monkeypatch):
 def test_enforce_without_limits_does_not_even_list(tmp_path, monkeypatch):
     fs, root = get_fs(str(tmp_path / "run"))
     monkeypatch.setattr(fs, "find", lambda *a, **k: (_ for _ in ()).throw(AssertionError("listed")))
-    assert retention.enforce(fs, root, StorageSettings()) == retention.Plan([], [])
+    assert retention.enforce(fs, root, StorageConfig()) == retention.Plan([], [])

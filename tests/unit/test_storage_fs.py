@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
+from config.storage import StorageConfig
 from storage.fs import (
     MANIFEST,
     CorruptError,
-    StorageSettings,
     StorageUnavailable,
     call_with_retry,
     commit_dir,
@@ -23,7 +23,7 @@ from storage.fs import (
     read_manifest,
 )
 
-FAST = StorageSettings(retry_base_s=0.001, retry_max_backoff_s=0.01, retry_budget_s=0.5, retry_max_attempts=50)
+FAST = StorageConfig(retry_base_s=0.001, retry_max_backoff_s=0.01, retry_budget_s=0.5, retry_max_attempts=50)
 
 
 def _client_error(status: int, code: str) -> ClientError:
@@ -111,7 +111,7 @@ def test_the_budget_bounds_an_outage_and_the_message_names_op_path_and_budget():
 
 
 def test_attempt_limit_and_masked_credentials():
-    s = StorageSettings(retry_base_s=0.001, retry_max_backoff_s=0.001, retry_budget_s=60, retry_max_attempts=3)
+    s = StorageConfig(retry_base_s=0.001, retry_max_backoff_s=0.001, retry_budget_s=60, retry_max_attempts=3)
     calls = []
 
     def down():
