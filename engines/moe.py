@@ -58,27 +58,29 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts = nn.ModuleList([Expert(hidden, intermediate) for _ in range(num_experts)])
 
-    def route(self, x: torch.Tensor, routing: Routing | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(expert ids [N, k], gate weights [N, k] in x's dtype) for flattened tokens x [N, H]."""
+    def route(self, x: torch.Tensor, replay: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(expert ids used [N, k], their gate weights [N, k] in x's dtype, this router's own top-k ids [N, k])
+        for flattened tokens x [N, H]; `replay` [N, k] forces ids where it is >= 0."""
         logits = self.gate(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if routing is not None:
-            routing.fresh.append(ids)
-            if routing.replay is not None:
-                given = routing.replay[:, :, self.index].reshape(-1, self.top_k)
-                ids = torch.where(given >= 0, given, ids)
-                weights = probs.gather(-1, ids)
+        weights, own = torch.topk(probs, self.top_k, dim=-1)
+        ids = own
+        if replay is not None:
+            ids = torch.where(replay >= 0, replay, own)
+            weights = probs.gather(-1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights.to(logits.dtype)
+        return ids, weights.to(logits.dtype), own
 
     def forward(self, x: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
         b, t, h = x.shape
         flat = x.reshape(-1, h)
-        ids, weights = self.route(flat, routing)
+        replay = None
+        if routing is not None and routing.replay is not None:
+            replay = routing.replay[:, :, self.index].reshape(-1, self.top_k)
+        ids, weights, own = self.route(flat, replay)
         if routing is not None:
-            routing.fresh[-1] = routing.fresh[-1].view(b, t, self.top_k)
+            routing.fresh.append(own.view(b, t, self.top_k))
         out = torch.zeros_like(flat)
         for e in torch.unique(ids).tolist():
             token, slot = torch.where(ids == e)
