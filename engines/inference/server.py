@@ -34,16 +34,13 @@ def _auth_dependency(token: str):
 
 def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_token: str, storage=None):
     """The FastAPI app around an `Engine`; split from `main` so tests can serve it in-process."""
-    import jinja2
     from fastapi import Depends, FastAPI, HTTPException
 
-    from engines.tokenizer import CHAT_TEMPLATE
     from storage import weights
     from storage.fs import CorruptError, Storage, is_committed
 
     app = FastAPI(title="rollflow embedded inference")
     admin = Depends(_auth_dependency(admin_token))
-    template = jinja2.Environment().from_string(CHAT_TEMPLATE)
     fs, root = (storage or Storage()).open(output_root_url)
     loaded: dict[str, dict] = {}  # the last publications loaded: a delta's base is not rebuilt each update
 
@@ -116,10 +113,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
 
     @app.post("/v1/chat/completions")
     async def chat(req: api.ChatRequest) -> api.ChatResponse:
-        text = template.render(
-            messages=[m.model_dump() for m in req.messages], bos_token="<bos>", add_generation_prompt=True
-        )
-        ids = [tokenizer.bos_id, *tokenizer.encode(text.removeprefix("<bos>"), bos=False)]
+        ids = tokenizer.render_messages([m.model_dump() for m in req.messages])
         check_request(ids, req.max_tokens, req.n)
         outs = await sample(ids, req.n, req.max_tokens, req.temperature, req.seed)
         choices = []
@@ -175,21 +169,20 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
 
 
 def load_engine(cfg, output_root_url: str, storage):
-    """Build the model, load the newest committed weights, wrap them in an `Engine`."""
+    """Build the model (engines/modeldir.py), load the newest committed weights, wrap them in an `Engine`."""
     import torch
 
+    from engines import modeldir
     from engines.inference.engine import Engine
-    from engines.model import CausalLM
-    from engines.tokenizer import CharTokenizer
     from storage import weights
 
     torch.set_num_threads(cfg.inference.num_threads)
-    tokenizer = CharTokenizer()
     fs, root = storage.open(output_root_url)
     latest = weights.load_latest(fs, root)
     if latest is None:
         raise SystemExit(f"no committed weights under {weights.weights_root(output_root_url)}; run the warm-up first")
-    model = CausalLM(cfg.model, tokenizer.vocab_size)
+    loaded = modeldir.load(cfg.model, pretrained=False)
+    model, tokenizer = loaded.model, loaded.tokenizer
     version, state = latest
     model.load_published(state)
     # inference.dtype: the sampler may run in lower precision than the fp32 trainer (as vLLM serves bf16)

@@ -21,6 +21,7 @@ from collections import Counter
 import httpx
 
 from config.process import OrchestratorProcessConfig
+from engines import modeldir
 from engines.envs import EnvMix, Task
 from engines.inference.api import (
     CompletionChoice,
@@ -32,7 +33,6 @@ from engines.inference.api import (
 )
 from engines.orchestrator.advantages import group_advantages
 from engines.sampling import derive_seed
-from engines.tokenizer import CharTokenizer
 from storage import rollouts, weights
 from storage.fs import Storage, read_json
 from storage.rollouts import RolloutRow, staleness
@@ -117,13 +117,13 @@ class Orchestrator:
         self.cfg, self.client, self.sync = cfg, client, sync
         self.fs, self.root = sync.fs, sync.root
         self.ocfg = cfg.orchestrator
-        self.mix = EnvMix(cfg.envs, cfg.seed)
-        self.tok = CharTokenizer()
+        self.tok = modeldir.load_tokenizer(modeldir.resolve(cfg.model))
+        self.mix = EnvMix(cfg.envs, cfg.seed, self.tok.prompt_style)
         self.limit = asyncio.Semaphore(self.ocfg.requests_in_flight)
 
     async def sample_group(self, step: int, group: int) -> list[RolloutRow]:
         task = self.mix.task(f"step={step}/group={group}")
-        prompt_ids = self.tok.encode(task.prompt)
+        prompt_ids = self.tok.render_prompt(task.prompt)
         request = CompletionRequest(
             prompt=prompt_ids,
             n=self.ocfg.group_size,
@@ -136,6 +136,8 @@ class Orchestrator:
         )
         async with self.limit:
             r = await self.client.post("/v1/completions", json=request.model_dump(exclude_none=True))
+        if r.status_code == 400:  # e.g. prompt + max_new_tokens over model.max_seq_len
+            raise RuntimeError(f"inference refused step {step} group {group}: {r.json().get('detail')}")
         r.raise_for_status()
         response = CompletionResponse.model_validate_json(r.content)
         return self.score_group(step, group, task, prompt_ids, response.choices)
