@@ -13,6 +13,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from config.base import Strict
+from config.deployment import DeploymentConfig
 from config.envs import EnvSpec
 from config.inference import InferenceConfig
 from config.model import ModelConfig
@@ -54,6 +55,7 @@ class RunConfig(Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     restart: RestartConfig = RestartConfig()
     storage: StorageConfig = StorageConfig()
+    deployment: DeploymentConfig = DeploymentConfig()  # where components run on Slurm (docs/slurm.md)
 
     @model_validator(mode="after")
     def _retention_keeps_what_inference_may_load(self) -> RunConfig:

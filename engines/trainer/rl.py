@@ -6,6 +6,8 @@ measurement -> micro-batched loss/backward -> optimizer step -> `weights/step=N/
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 
 import torch
@@ -21,6 +23,9 @@ from engines.trainer.tracking import Tracker
 from storage import retention, rollouts, weights
 from storage.fs import Storage, is_committed
 from storage.rollouts import staleness
+
+# Set by SIGUSR1, which the flow relays when Slurm's walltime warning arrives: checkpoint after this step.
+CHECKPOINT_NOW = threading.Event()
 
 
 def _scoring(mb: Batch | PackedBatch) -> torch.Tensor:
@@ -174,6 +179,7 @@ class RLTrainer:
         }
 
     def run(self) -> None:
+        signal.signal(signal.SIGUSR1, lambda *_: CHECKPOINT_NOW.set())
         for step in range(self.version + 1, self.cfg.max_steps + 1):
             row = self.step(step)
             self.tracker.record(row)
@@ -183,6 +189,7 @@ class RLTrainer:
                 f"| mismatch_kl {kl} | staleness {row['staleness_mean']:.2f} | masked {row['masked_fraction']:.3f} "
                 f"| train {row['train_s']:.2f}s wait {row['wait_s']:.2f}s"
             )
-            if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.max_steps:
+            if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.max_steps or CHECKPOINT_NOW.is_set():
+                CHECKPOINT_NOW.clear()
                 log.info(f"checkpoint written: {checkpoint.save(self.fs, self.root, step, self.state)}")
                 retention.enforce(self.fs, self.root, bases=self.publisher.bases)
