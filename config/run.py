@@ -70,6 +70,18 @@ class RunConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _router_replay_needs_routes(self) -> RunConfig:
+        if not self.trainer.enable_router_replay or self.inference.enable_return_routed_experts:
+            return self
+        if "enable_return_routed_experts" in self.inference.model_fields_set:
+            raise ValueError(
+                "trainer.enable_router_replay = true needs the sampler's routing: "
+                "inference.enable_return_routed_experts must be true (or left unset, which turns it on)"
+            )
+        self.inference.enable_return_routed_experts = True
+        return self
+
+    @model_validator(mode="after")
     def _cross_component(self) -> RunConfig:
         if self.async_level > self.max_off_policy_steps:
             raise ValueError(

@@ -238,14 +238,14 @@ def main(argv: list[str] | None = None) -> int:
         "rl": (cmd_rl, USAGE),
         "resume": (cmd_resume, RESUME_USAGE),
         "lake": (cmd_lake, LAKE_USAGE),
-        "submit": (cmd_submit, SUBMIT_USAGE),
         "models": (cmd_models, MODELS_USAGE),
+        "submit": (cmd_submit, SUBMIT_USAGE),
     }
     sub.add_parser("rl", help="run RL from profiles and overrides", usage=USAGE, add_help=False)
     sub.add_parser("resume", help="continue a run from its last complete checkpoint", usage=RESUME_USAGE)
     sub.add_parser("lake", help="inspect a run's rollouts, weights and checkpoints", usage=LAKE_USAGE)
-    sub.add_parser("submit", help="submit the run as one Slurm job (no Prefect server needed)", usage=SUBMIT_USAGE)
     sub.add_parser("models", help="fetch a pretrained model into the local cache", usage=MODELS_USAGE)
+    sub.add_parser("submit", help="submit the run as one Slurm job (no Prefect server needed)", usage=SUBMIT_USAGE)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
