@@ -14,10 +14,12 @@ CPUS=$(nproc)
 MEM_MB=$(awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.85}' /proc/meminfo)
 
 log() { echo "slurm-up: $*" >&2; }
+# Live (not defunct) processes named $1: a daemon stopped here can linger as a zombie under PID 1.
+alive() { ps -C "$1" -o pid=,stat= 2>/dev/null | awk '$2 !~ /^Z/ {print $1}'; }
 
 if [[ "${1:-}" == "--down" ]]; then
     for d in slurmd slurmctld; do
-        if pid=$(pgrep -x "$d"); then kill $pid; fi
+        pid=$(alive "$d"); [[ -n "$pid" ]] && kill $pid
     done
     exit 0
 fi
@@ -93,17 +95,21 @@ start_munge() {
     chmod 400 /etc/munge/munge.key
     mkdir -p /run/munge /var/lib/munge /var/log/munge
     chown munge:munge /run/munge /var/lib/munge /var/log/munge
-    pgrep -x munged >/dev/null || runuser -u munge -- /usr/sbin/munged
+    # A credential round trip, not pgrep: a defunct munged would still match the name.
+    if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+        runuser -u munge -- /usr/sbin/munged --force
+    fi
 }
 
 start_slurm() {
     if [[ "${CONFIG_CHANGED:-0}" == 1 ]]; then
         for d in slurmd slurmctld; do
-            if pid=$(pgrep -x "$d"); then kill $pid; while kill -0 $pid 2>/dev/null; do sleep 0.2; done; fi
+            pid=$(alive "$d")
+            if [[ -n "$pid" ]]; then kill $pid; while [[ -n "$(alive "$d")" ]]; do sleep 0.2; done; fi
         done
     fi
-    pgrep -x slurmctld >/dev/null || slurmctld
-    pgrep -x slurmd >/dev/null || slurmd
+    [[ -n "$(alive slurmctld)" ]] || slurmctld
+    [[ -n "$(alive slurmd)" ]] || slurmd
 }
 
 wait_idle() {

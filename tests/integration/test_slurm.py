@@ -214,7 +214,7 @@ def test_a_cancellation_in_prefect_leaves_no_job_step_or_process(tmp_path, slurm
 
 def test_walltime_stops_the_job_and_resume_unfinished_carries_the_run_to_the_end(tmp_path, slurm_worker):
     runs = tmp_path / "runs"
-    out, steps = runs / "a", 10
+    out, steps = runs / "a", 30  # longer than the job on a fast machine (~2 s a step), short under load
     params = {"profiles": PROFILES, "output_dir": str(out), "overrides": {"max_steps": steps}}
     # Slurm checks time limits about every 30 s: the warning comes 45-75 s after the start.
     fr = _start("rl/rl-slurm", params, {"time_limit": "2", "signal_before_s": 45})
