@@ -1,0 +1,34 @@
+"""vLLM worker extension (`--worker-extension-cls rollflow_vllm_worker.WeightLoader`): in-flight weight loads.
+
+Runs inside vLLM's worker processes, in vLLM's own environment, so it imports only torch and safetensors
+(nothing of rollflow): the launcher puts this directory, and only it, on the workers' PYTHONPATH. The
+rollflow proxy calls `rollflow_load` on every worker through vLLM's `/collective_rpc` while generation is
+paused; each worker reads the publication's safetensors (a local file) and hands the tensors to the
+model's own `load_weights`, which knows the Hugging Face names and the tensor-parallel sharding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+
+class WeightLoader:
+    """Mixed into vLLM's worker class; `self.model_runner` is the worker's."""
+
+    def rollflow_load(self, path: str, version: int) -> dict:
+        """Load every tensor of the safetensors file at `path`; returns what was loaded, for the caller to check."""
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        loaded = model.load_weights(weights=iter(state.items()))
+        self.rollflow_version = version
+        return {"version": version, "tensors": len(state), "loaded": len(loaded or state)}
+
+    def rollflow_fingerprint(self) -> dict:
+        """The served version and a digest of the parameters: a test can tell that a load changed them."""
+        digest = hashlib.sha256()
+        for name, param in sorted(self.model_runner.model.named_parameters()):  # type: ignore[attr-defined]
+            digest.update(name.encode())
+            digest.update(param.detach().float().cpu().numpy().tobytes())
+        return {"version": getattr(self, "rollflow_version", None), "sha256": digest.hexdigest()}
