@@ -108,8 +108,8 @@ def wait_ready(urls: list[str], procs: list[subprocess.Popen], timeout_s: float)
     t0 = time.monotonic()
     pending = list(urls)
     while pending:
-        if dead := [p.args[0] for p in procs if p.poll() is not None]:
-            raise SystemExit(f"vLLM process exited during start-up: {dead}")
+        if dead := [p.pid for p in procs if p.poll() is not None]:
+            raise SystemExit(f"vLLM process(es) {dead} exited during start-up (their output is above)")
         if time.monotonic() - t0 > timeout_s:
             raise SystemExit(f"vLLM not healthy after {timeout_s:.0f}s (inference.vllm.startup_timeout_s): {pending}")
         try:
@@ -126,7 +126,7 @@ async def watch(procs: list[subprocess.Popen], server) -> None:
     """Stop serving as soon as any vLLM process exits, so the flow sees the component fail."""
     while not server.should_exit:
         if dead := [p for p in procs if p.poll() is not None]:
-            log.error(f"vLLM process {dead[0].args[0]} exited with code {dead[0].returncode}; stopping")
+            log.error(f"vLLM process {dead[0].pid} exited with code {dead[0].returncode}; stopping")
             server.should_exit = True
             server.rollflow_failed = True
         await asyncio.sleep(1)
@@ -206,9 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         urls = [p.url for p in replica.processes if p.url]
         waited = wait_ready(urls, procs, cfg.inference.vllm.startup_timeout_s)
-        log.info(
-            f"vLLM ready in {waited:.1f}s; policy version {version} on {cfg.inference.host}:{cfg.inference.port}"
-        )
+        log.info(f"vLLM ready in {waited:.1f}s; policy version {version} on {cfg.inference.host}:{cfg.inference.port}")
         died = serve(cfg, replica, procs, version, fs, root, cache)
     finally:
         stop(procs)

@@ -120,7 +120,10 @@ def _mooncake(ctx: Context, r: int, nodes: list[str], offload: KVCacheOffloadCon
     DRAM (and SSD) to the shared pool; vLLM's workers attach in standalone-store mode."""
     assert offload.cpu is not None
     master = f"{nodes[0]}:{MOONCAKE_MASTER_PORT}"
-    store = {"metadata_server": f"http://{nodes[0]}:{MOONCAKE_METADATA_PORT}/metadata", "protocol": "rdma"}
+    store: dict[str, Any] = {
+        "metadata_server": f"http://{nodes[0]}:{MOONCAKE_METADATA_PORT}/metadata",
+        "protocol": "rdma",
+    }
     store |= {"master_server_address": master, "mode": "standalone-store", "global_segment_size": 0}
     files = {f"mooncake-r{r}.json": json.dumps(store, sort_keys=True)}
     argv = ["mooncake_master", f"--rpc_port={MOONCAKE_MASTER_PORT}", "--enable_http_metadata_server=true"]

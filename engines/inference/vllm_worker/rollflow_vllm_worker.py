@@ -20,7 +20,7 @@ class WeightLoader:
         from safetensors.torch import load_file
 
         state = load_file(path)
-        model = self.model_runner.model  # type: ignore[attr-defined]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]  # unwraps CUDA-graph wrappers
         loaded = model.load_weights(weights=iter(state.items()))
         self.rollflow_version = version
         return {"version": version, "tensors": len(state), "loaded": len(loaded or state)}
@@ -28,7 +28,7 @@ class WeightLoader:
     def rollflow_fingerprint(self) -> dict:
         """The served version and a digest of the parameters: a test can tell that a load changed them."""
         digest = hashlib.sha256()
-        for name, param in sorted(self.model_runner.model.named_parameters()):  # type: ignore[attr-defined]
+        for name, param in sorted(self.model_runner.get_model().named_parameters()):  # type: ignore[attr-defined]
             digest.update(name.encode())
             digest.update(param.detach().float().cpu().numpy().tobytes())
         return {"version": getattr(self, "rollflow_version", None), "sha256": digest.hexdigest()}
