@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
 
 # The publication materialized for the workers: (version) -> local safetensors path.
 Materialize = Callable[[int], Awaitable[str]]
@@ -53,12 +55,12 @@ async def apply_update(client: httpx.AsyncClient, up: Upstream, path: str, versi
     """Pause (keeping in-flight requests), load `path` on every worker of every server, resume."""
     up.open_gate.clear()
     try:
-        await _each(client, up.servers, "/pause", params={"mode": "keep"})
         try:
+            await _each(client, up.servers, "/pause", params={"mode": "keep"})
             rpc = {"method": "rollflow_load", "args": [path, version], "timeout": 600}
             responses = await _each(client, up.servers, "/collective_rpc", json=rpc)
             up.version = version
-        finally:
+        finally:  # resume whatever did pause, also when the load failed (the error then reaches the caller)
             await _each(client, up.servers, "/resume")
     finally:
         up.open_gate.set()
@@ -67,9 +69,6 @@ async def apply_update(client: httpx.AsyncClient, up: Upstream, path: str, versi
 
 def build_app(up: Upstream, materialize: Materialize, admin_token: str, client: httpx.AsyncClient):
     """The FastAPI app; `client` talks to vLLM (the servers bind loopback unless configured otherwise)."""
-    from fastapi import Depends, FastAPI, Header, HTTPException, Request
-    from fastapi.responses import JSONResponse, Response
-
     app = FastAPI(title="rollflow vLLM proxy")
 
     def check(authorization: str | None = Header(default=None)) -> None:

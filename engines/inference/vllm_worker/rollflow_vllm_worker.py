@@ -3,8 +3,10 @@
 Runs inside vLLM's worker processes, in vLLM's own environment, so it imports only torch and safetensors
 (nothing of rollflow): the launcher puts this directory, and only it, on the workers' PYTHONPATH. The
 rollflow proxy calls `rollflow_load` on every worker through vLLM's `/collective_rpc` while generation is
-paused; each worker reads the publication's safetensors (a local file) and hands the tensors to the
-model's own `load_weights`, which knows the Hugging Face names and the tensor-parallel sharding.
+paused; each worker reads the publication's safetensors (a local file) and hands the tensors to vLLM's
+in-place reload (`Worker.reload_weights`), which maps the Hugging Face names, shards for tensor
+parallelism and redoes the kernel-format processing (e.g. the CPU backend's repacked linear weights;
+calling the model's `load_weights` directly fails there on the already-processed parameters).
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ class WeightLoader:
         from safetensors.torch import load_file
 
         state = load_file(path)
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]  # unwraps CUDA-graph wrappers
-        loaded = model.load_weights(weights=iter(state.items()))
+        self.reload_weights(weights_iterator=iter(state.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
         self.rollflow_version = version
-        return {"version": version, "tensors": len(state), "loaded": len(loaded or state)}
+        return {"version": version, "tensors": len(state)}
 
     def rollflow_fingerprint(self) -> dict:
         """The served version and a digest of the parameters: a test can tell that a load changed them."""
