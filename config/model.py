@@ -1,34 +1,84 @@
-"""The policy model's shape."""
+"""The policy model: its source (built-in or a Hugging Face directory), implementation and shape."""
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
 
 from config.base import Strict
+from config.registry import MODEL_FAMILIES, one_of
 
 
 class ModelConfig(Strict):
-    """Decoder-only transformer shape (Llama/Qwen3 naming). `vocab_size` comes from the tokenizer."""
+    """The policy model. Without `path`: rollflow's built-in decoder (Llama/Qwen3 naming) of the shape below,
+    with the character tokenizer and a supervised warm-up. With `path`: a Hugging Face model directory whose
+    config.json sets the architecture fields below (their values here are then ignored) and whose tokenizer
+    and chat template the run uses (docs/models.md). `vocab_size` None means the tokenizer's."""
 
+    path: str | None = Field(
+        None,
+        description="Hugging Face model directory, a name in the local HF cache (org/name), or a name "
+        "fetched by `rollflow models fetch`; None builds the built-in model from the fields below",
+    )
+    impl: Literal["auto", "custom", "hf"] = Field(
+        "auto",
+        description="custom: rollflow's model code; hf: transformers' AutoModelForCausalLM; "
+        "auto: custom when config.json's model_type is a registered family it supports, else hf",
+    )
+    family: str | None = Field(
+        None,
+        description="registered family (config/registry.py); None: qwen3_moe with experts, qwen3 with "
+        "qk_norm, else llama",
+    )
     hidden_size: int = Field(192, gt=0)
     num_layers: int = Field(3, gt=0)
     num_heads: int = Field(4, gt=0)
     num_kv_heads: int = Field(2, gt=0)
+    head_dim: int | None = Field(None, gt=0, description="None: hidden_size // num_heads")
     intermediate_size: int = Field(512, gt=0)
-    max_seq_len: int = Field(64, gt=0)
+    vocab_size: int | None = Field(None, gt=0)
+    max_seq_len: int = Field(64, gt=0, description="longest prompt + completion the run serves and trains")
     rope_theta: float = Field(10000.0, gt=0)
     rms_norm_eps: float = Field(1e-6, gt=0)
     qk_norm: bool = False  # Qwen3-style per-head RMSNorm on q and k
+    attention_bias: bool = False
+    mlp_bias: bool = False
     tie_word_embeddings: bool = True
+    # Mixture of experts (family qwen3_moe); 0 experts = dense.
+    num_experts: int = Field(0, ge=0)
+    num_experts_per_tok: int = Field(2, gt=0)
+    moe_intermediate_size: int | None = Field(None, gt=0, description="None: intermediate_size")
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = Field(1, gt=0, description="every N-th layer is sparse")
+    mlp_only_layers: list[int] = Field(default_factory=list, description="layers that stay dense")
+
+    @field_validator("family")
+    @classmethod
+    def _registered(cls, family: str | None) -> str | None:
+        return family if family is None else one_of("model family", family, MODEL_FAMILIES)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
-        if self.hidden_size % self.num_heads:
+        if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
-                f"model.hidden_size={self.hidden_size} must be divisible by model.num_heads={self.num_heads}"
+                f"model.hidden_size={self.hidden_size} must be divisible by model.num_heads={self.num_heads} "
+                "(or set model.head_dim)"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model.num_heads={self.num_heads} must be divisible by model.num_kv_heads={self.num_kv_heads}"
             )
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds model.num_experts={self.num_experts}"
+            )
         return self
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def family_name(self) -> str:
+        return self.family or ("qwen3_moe" if self.num_experts else "qwen3" if self.qk_norm else "llama")

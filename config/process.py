@@ -34,6 +34,7 @@ class InferenceProcessConfig(Strict):
 
 class OrchestratorProcessConfig(Strict):
     run: ComponentPaths
+    model: ModelConfig  # for the tokenizer and chat template that render prompts
     envs: list[EnvSpec]
     orchestrator: OrchestratorConfig
     inference_url: str  # where the engine listens; resolved by the flow at launch
@@ -88,6 +89,7 @@ def component_configs(
         "inference": InferenceProcessConfig(run=paths, model=cfg.model, inference=cfg.inference, seed=cfg.seed),
         "orchestrator": OrchestratorProcessConfig(
             run=paths,
+            model=cfg.model,
             envs=cfg.envs,
             orchestrator=cfg.orchestrator,
             inference_url=inference_url,

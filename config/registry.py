@@ -13,6 +13,14 @@ ENVIRONMENTS: dict[str, str] = {
     "sort-letters": "engines.envs:SortLetters",
 }
 
+# `model.family` and config.json `model_type` -> the Family (engines/families.py) that maps its config.json
+# fields to ModelConfig; rollflow's own model code (engines/model.py) implements these.
+MODEL_FAMILIES: dict[str, str] = {
+    "llama": "engines.families:LLAMA",
+    "qwen3": "engines.families:QWEN3",
+    "qwen3_moe": "engines.families:QWEN3_MOE",
+}
+
 # `inference.backend` -> the entry module the flow launches as `python -m MODULE --config inference.json`.
 INFERENCE_BACKENDS: dict[str, str] = {
     "embedded": "engines.inference",

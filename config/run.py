@@ -77,7 +77,9 @@ class RunConfig(Strict):
             )
         longest_prompt = max(e.max_chars for e in self.envs) + PROMPT_OVERHEAD_TOKENS
         need = longest_prompt + self.orchestrator.max_new_tokens
-        if need > self.model.max_seq_len:
+        # With model.path the chat template's length is known only once the tokenizer loads: the engine
+        # refuses longer requests then (docs/models.md).
+        if self.model.path is None and need > self.model.max_seq_len:
             raise ValueError(
                 f"model.max_seq_len={self.model.max_seq_len} is too short: prompts take up to "
                 f"{longest_prompt} tokens plus orchestrator.max_new_tokens={self.orchestrator.max_new_tokens}; "

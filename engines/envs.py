@@ -3,7 +3,10 @@
 To add one, implement `Environment` (`sample(rng) -> Task`, `reward(task, completion)`) and register its
 import path in config/registry.py's ENVIRONMENTS; its name then becomes valid in `[[envs]]`
 (docs/environments.md).
-Prompts are `<tag>:<payload>=` and the model answers after `=`, ending with `<eos>`.
+A task's `prompt` is the user message; the tokenizer renders it through its chat template
+(`Tokenizer.render_prompt`). In the `tag` style (the built-in model) the message is `<tag>:<payload>`
+and the character tokenizer's template makes it `<bos><tag>:<payload>=`; the `instruct` style (chat
+models) asks in a sentence. The model's answer ends with its tokenizer's end-of-sequence token.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from config.registry import ENVIRONMENTS
 @dataclass(frozen=True)
 class Task:
     env: str
-    prompt: str  # text after <bos>, ends with '='
+    prompt: str  # the user message (rendered by the tokenizer's chat template)
     answer: str  # the reference completion (without <eos>)
 
 
@@ -49,6 +52,7 @@ class _StringTask:
     min_chars: int
     max_chars: int
     lengths: str = "uniform"
+    style: str = "tag"  # "tag" or "instruct"
 
     def _length(self, rng: random.Random) -> int:
         if self.lengths == "long-tail":
@@ -61,19 +65,23 @@ class _StringTask:
 
     def sample(self, rng: random.Random) -> Task:
         payload = self._payload(rng)
-        return Task(self.name, f"{self.tag}:{payload}=", self.solve(payload))
+        prompt = self.instruction.format(payload=payload) if self.style == "instruct" else f"{self.tag}:{payload}"
+        return Task(self.name, prompt, self.solve(payload))
 
-    tag = ""  # the prompt's task marker, `<tag>:<payload>=`
+    tag = ""  # the tag-style message's task marker, `<tag>:<payload>`
+    instruction = "{payload}"  # the instruct-style message
 
     def solve(self, payload: str) -> str:
         raise NotImplementedError
 
     def reward(self, task: Task, completion: str) -> float:
-        return similarity(completion, task.answer)
+        # chat models wrap answers in whitespace that says nothing about the answer
+        return similarity(completion.strip() if self.style == "instruct" else completion, task.answer)
 
 
 class ReverseText(_StringTask):
     tag = "rev"
+    instruction = "Reverse the text {payload}\nReply with the reversed text only."
 
     def solve(self, payload: str) -> str:
         return payload[::-1]
@@ -81,22 +89,25 @@ class ReverseText(_StringTask):
 
 class SortLetters(_StringTask):
     tag = "sort"
+    instruction = "Sort the letters of {payload} alphabetically.\nReply with them only."
 
     def solve(self, payload: str) -> str:
         return "".join(sorted(payload))
 
 
-def build(spec: EnvSpec) -> Environment:
+def build(spec: EnvSpec, default_style: str = "tag") -> Environment:
+    """`default_style` applies where the spec says `prompt = "auto"` (the tokenizer's `prompt_style`)."""
     module, _, attr = ENVIRONMENTS[spec.name].partition(":")
     cls = getattr(importlib.import_module(module), attr)
-    return cls(spec.name, spec.min_chars, spec.max_chars, spec.lengths)
+    style = default_style if spec.prompt == "auto" else spec.prompt
+    return cls(spec.name, spec.min_chars, spec.max_chars, spec.lengths, style)
 
 
 class EnvMix:
     """Weighted choice among environments; `task(key)` is a pure function of (seed, key)."""
 
-    def __init__(self, specs: list[EnvSpec], seed: int):
-        self.envs: dict[str, Environment] = {s.name: build(s) for s in specs}
+    def __init__(self, specs: list[EnvSpec], seed: int, default_style: str = "tag"):
+        self.envs: dict[str, Environment] = {s.name: build(s, default_style) for s in specs}
         self.names = [s.name for s in specs]
         self.weights = [s.weight for s in specs]
         self.seed = seed

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engines.model import CausalLM, KVCache
+from engines.model import CausalLM
 from engines.sampling import sample
 
 
@@ -78,7 +78,7 @@ def _prefill(model: CausalLM, prompts: list[list[int]], pad_id: int, capacity: i
     """
     unique, row_of = _unique_prompts(prompts)
     ids, valid = _left_pad(unique, pad_id)
-    cache = KVCache.empty(model.cfg, len(unique), capacity, next(model.parameters()).dtype)
+    cache = model.new_cache(len(unique), capacity, next(model.parameters()).dtype)
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(ids, positions, _prefill_mask(valid)[:, None], cache)[:, -1]
     expand = torch.tensor(row_of, dtype=torch.long)

@@ -56,8 +56,7 @@ class KVCache:
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype) -> KVCache:
-        head_dim = cfg.hidden_size // cfg.num_heads
-        shape = (batch, cfg.num_kv_heads, capacity, head_dim)
+        shape = (batch, cfg.num_kv_heads, capacity, cfg.head_size)
         return cls(
             keys=[torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)],
             values=[torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)],
@@ -73,11 +72,12 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
-        self.head_dim = cfg.hidden_size // cfg.num_heads
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.head_dim = cfg.head_size
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -112,13 +112,18 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def build_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    """The feed-forward block of decoder layer `layer` (the one place a sparse block can be chosen)."""
+    return MLP(cfg)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = build_mlp(cfg, layer)
 
     def forward(self, x, cos, sin, mask, cache, layer):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
@@ -129,11 +134,51 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class CausalLM(nn.Module):
+class Publishable:
+    """Publication I/O shared by rollflow's model and the transformers wrapper (engines/hf_model.py):
+    state dicts with the family's Hugging Face names, the tied `lm_head.weight` alias left out."""
+
+    cfg: ModelConfig
+
+    def weights_module(self) -> nn.Module:
+        """The module whose state dict carries the Hugging Face parameter names."""
+        assert isinstance(self, nn.Module)
+        return self
+
+    def publishable_state_dict(self) -> dict[str, torch.Tensor]:
+        """State dict without the tied `lm_head.weight` alias (HF convention; safetensors rejects aliases)."""
+        sd = self.weights_module().state_dict()
+        if self.cfg.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        return sd
+
+    def check_published(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Raise ValueError unless `state_dict` has exactly this model's published keys and shapes."""
+        expected = {k: tuple(v.shape) for k, v in self.publishable_state_dict().items()}
+        got = {
+            k: tuple(v.shape)
+            for k, v in state_dict.items()
+            if not (k == "lm_head.weight" and self.cfg.tie_word_embeddings)
+        }
+        missing, unexpected = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+        wrong = sorted(k for k in expected.keys() & got.keys() if expected[k] != got[k])
+        if missing or unexpected or wrong:
+            shapes = [f"{k}: {got[k]} vs model {expected[k]}" for k in wrong[:5]]
+            raise ValueError(
+                f"weights do not fit the model: missing={missing[:5]} unexpected={unexpected[:5]} shapes={shapes}"
+            )
+
+    def load_published(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load published weights; checks everything first so a bad file leaves the model untouched."""
+        self.check_published(state_dict)
+        self.weights_module().load_state_dict(state_dict, strict=False)
+
+
+class CausalLM(Publishable, nn.Module):
     """`forward(ids, positions, mask, cache) -> logits`; mask None means plain causal attention."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int):
@@ -159,7 +204,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         if positions is None:
             positions = torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1)
-        cos, sin = rope_cos_sin(positions, self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_size, self.cfg.rope_theta)
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, cache, i)
@@ -167,33 +212,8 @@ class CausalLM(nn.Module):
             cache.length += input_ids.shape[1]
         return self.lm_head(self.model.norm(x))
 
-    def publishable_state_dict(self) -> dict[str, torch.Tensor]:
-        """State dict without the tied `lm_head.weight` alias (HF convention; safetensors rejects aliases)."""
-        sd = self.state_dict()
-        if self.cfg.tie_word_embeddings:
-            sd.pop("lm_head.weight", None)
-        return sd
-
-    def check_published(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Raise ValueError unless `state_dict` has exactly this model's published keys and shapes."""
-        expected = {k: tuple(v.shape) for k, v in self.publishable_state_dict().items()}
-        got = {
-            k: tuple(v.shape)
-            for k, v in state_dict.items()
-            if not (k == "lm_head.weight" and self.cfg.tie_word_embeddings)
-        }
-        missing, unexpected = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
-        wrong = sorted(k for k in expected.keys() & got.keys() if expected[k] != got[k])
-        if missing or unexpected or wrong:
-            shapes = [f"{k}: {got[k]} vs model {expected[k]}" for k in wrong[:5]]
-            raise ValueError(
-                f"weights do not fit the model: missing={missing[:5]} unexpected={unexpected[:5]} shapes={shapes}"
-            )
-
-    def load_published(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load published weights; checks everything first so a bad file leaves the model untouched."""
-        self.check_published(state_dict)
-        self.load_state_dict(state_dict, strict=False)
+    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype) -> KVCache:
+        return KVCache.empty(self.cfg, batch, capacity, dtype)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:

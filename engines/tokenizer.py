@@ -1,13 +1,17 @@
-"""Character-level tokenizer built in-process, saved with the run in Hugging Face format.
+"""Tokenizers behind one interface: the built-in character tokenizer and Hugging Face tokenizers.
 
-Encoding is a dict lookup per character (fast, no dependencies). `save_pretrained` writes
-`tokenizer.json` + `tokenizer_config.json` that `transformers.AutoTokenizer` loads to the same ids.
+`Tokenizer` is what the engine, trainer and orchestrator use: ids of special tokens, `encode`/`decode`,
+`render_prompt` (a user message through the chat template, with the generation prompt) and
+`save_pretrained`. `CharTokenizer` is built in-process: encoding is a dict lookup per character, and
+`save_pretrained` writes `tokenizer.json` + `tokenizer_config.json` that `transformers.AutoTokenizer` loads
+to the same ids. `HFTokenizer` wraps the tokenizer of a model directory (engines/modeldir.py).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Protocol
 
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 :=.,!?-_")
@@ -16,7 +20,44 @@ CHAT_TEMPLATE = (
 )
 
 
+class Tokenizer(Protocol):
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int | None: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def prompt_style(self) -> str:
+        """The environment prompt style it suits: "tag" or "instruct" (engines/envs.py)."""
+        ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, bos: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str: ...
+
+    def render_prompt(self, content: str) -> list[int]: ...
+
+    def render_messages(self, messages: list[dict]) -> list[int]: ...
+
+    def save_pretrained(self, directory: str | Path) -> None: ...
+
+
+def _compiled(template: str) -> Any:
+    import jinja2
+
+    return jinja2.Environment().from_string(template)
+
+
 class CharTokenizer:
+    prompt_style = "tag"
+
     def __init__(self) -> None:
         self.vocab = {tok: i for i, tok in enumerate(SPECIAL + CHARS)}
         self.inverse = {i: tok for tok, i in self.vocab.items()}
@@ -33,6 +74,16 @@ class CharTokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         special = set(range(len(SPECIAL))) if skip_special else set()
         return "".join(self.inverse.get(i, "") for i in ids if i not in special)
+
+    def render_prompt(self, content: str) -> list[int]:
+        """`<bos>` + content + `=` through CHAT_TEMPLATE: the ids `encode(content + "=")` gives."""
+        return self.render_messages([{"role": "user", "content": content}])
+
+    def render_messages(self, messages: list[dict]) -> list[int]:
+        if not hasattr(self, "_template"):
+            self._template = _compiled(CHAT_TEMPLATE)
+        text = self._template.render(messages=messages, bos_token="<bos>", add_generation_prompt=True)
+        return [self.bos_id, *self.encode(text.removeprefix("<bos>"), bos=False)]
 
     def save_pretrained(self, directory: str | Path) -> None:
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -54,3 +105,47 @@ class CharTokenizer:
             "model_max_length": 4096,
         }
         (d / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer directory; prompts go through its chat template."""
+
+    prompt_style = "instruct"
+
+    def __init__(self, directory: str | Path):
+        from transformers import AutoTokenizer
+
+        self.directory = Path(directory)
+        self.hf = AutoTokenizer.from_pretrained(str(directory))
+        if not self.hf.chat_template:
+            raise ValueError(
+                f"{self.directory / 'tokenizer_config.json'}: no chat_template (nor chat_template.jinja): the "
+                "environments render prompts through it; use an instruct/chat checkpoint or add a chat template"
+            )
+        if self.hf.eos_token_id is None:
+            raise ValueError(f"{self.directory / 'tokenizer_config.json'}: no eos_token; generation needs one")
+        self.eos_id: int = self.hf.eos_token_id
+        self.bos_id: int | None = self.hf.bos_token_id
+        self.pad_id: int = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        ids = self.hf.encode(text, add_special_tokens=False)
+        return [self.bos_id, *ids] if bos and self.bos_id is not None else ids
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return str(self.hf.decode(ids, skip_special_tokens=skip_special))
+
+    def render_prompt(self, content: str) -> list[int]:
+        """One user message through the chat template, ending with the assistant turn's opening."""
+        return self.render_messages([{"role": "user", "content": content}])
+
+    def render_messages(self, messages: list[dict]) -> list[int]:
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        self.hf.save_pretrained(str(directory))

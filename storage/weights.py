@@ -9,6 +9,11 @@ as `base_version`; every `storage.weights_full_every`-th version, and the first 
 publishes, is full. Both kinds record `model_sha256`, the sha256 of the full safetensors serialization,
 and the loader checks a rebuilt delta against it, so reconstruction is exact or it fails loudly.
 `full_bytes` and `payload_bytes` in the manifest give the payload ratio.
+
+Next to the weights, a publication carries the files that make it a Hugging Face model directory
+(config.json, generation_config.json, tokenizer files: engines/modeldir.py builds them), committed
+in the same manifest, so a full publication loads with `AutoModelForCausalLM.from_pretrained`. A delta
+publication holds no model.safetensors: `export_hf` writes a loadable copy of any publication.
 """
 
 from __future__ import annotations
@@ -56,8 +61,9 @@ class Publisher:
         self.last: tuple[int, dict] | None = None  # (version, tensors) of the last publication, delta mode only
         self.bases: dict[int, int | None] = {}
 
-    def publish(self, version: int, state_dict: dict) -> str:
-        """Serialize and commit a state dict as policy `version`; returns the publication's directory."""
+    def publish(self, version: int, state_dict: dict, files: dict[str, bytes] | None = None) -> str:
+        """Serialize and commit a state dict as policy `version`, with `files` (config.json, tokenizer files)
+        in the same commit; returns the publication's directory."""
         from safetensors.torch import save
 
         s = self.settings
@@ -71,20 +77,26 @@ class Publisher:
 
             payload, counts = delta.encode(base[1], tensors)
             meta.update(encoding="delta", base_version=base[0], payload_bytes=len(payload), tensors=counts)
-            commit_dir(self.fs, directory, {DELTA_FILE: payload}, meta)
+            commit_dir(self.fs, directory, {DELTA_FILE: payload, **(files or {})}, meta)
         else:
             meta.update(encoding="full", payload_bytes=len(full))
             digests = {WEIGHTS_FILE: str(meta["model_sha256"])}
-            commit_dir(self.fs, directory, {WEIGHTS_FILE: full}, meta, digests=digests)
+            commit_dir(self.fs, directory, {WEIGHTS_FILE: full, **(files or {})}, meta, digests=digests)
         if s.weights_delta:
             self.last = (version, {k: v.clone() for k, v in tensors.items()})  # params change in place
         self.bases[version] = base[0] if meta["encoding"] == "delta" and base else None
         return directory
 
 
-def publish(fs: fsspec.AbstractFileSystem, output_root: str, version: int, state_dict: dict) -> str:
+def publish(
+    fs: fsspec.AbstractFileSystem,
+    output_root: str,
+    version: int,
+    state_dict: dict,
+    files: dict[str, bytes] | None = None,
+) -> str:
     """A one-off full publication (no delta base to keep): the warm-up's version 0, a resume's repair."""
-    return Publisher(fs, output_root).publish(version, state_dict)
+    return Publisher(fs, output_root).publish(version, state_dict, files)
 
 
 def latest_version(fs: fsspec.AbstractFileSystem, output_root: str) -> int | None:
@@ -143,3 +155,23 @@ def load_latest(fs: fsspec.AbstractFileSystem, output_root: str) -> tuple[int, d
     if version is None:
         return None
     return version, load(fs, version_dir(output_root, version))
+
+
+def extra_files(fs: fsspec.AbstractFileSystem, directory: str) -> dict[str, bytes]:
+    """The checksum-verified files of a publication besides its weights (config.json, tokenizer, ...)."""
+    manifest = read_manifest(fs, directory)
+    names = [n for n in manifest.get("files", {}) if n not in (WEIGHTS_FILE, DELTA_FILE)]
+    return {n: read_verified(fs, directory, n, manifest) for n in names}
+
+
+def export_hf(fs: fsspec.AbstractFileSystem, directory: str, dest: str) -> None:
+    """Write publication `directory` (full or delta) as a plain Hugging Face directory at local `dest`."""
+    import os
+
+    from safetensors.torch import save_file
+
+    os.makedirs(dest, exist_ok=True)
+    save_file(load(fs, directory), os.path.join(dest, WEIGHTS_FILE), metadata={"format": "pt"})
+    for name, data in extra_files(fs, directory).items():
+        with open(os.path.join(dest, name), "wb") as f:
+            f.write(data)

@@ -34,16 +34,13 @@ def _auth_dependency(token: str):
 
 def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_token: str, storage=None):
     """The FastAPI app around an `Engine`; split from `main` so tests can serve it in-process."""
-    import jinja2
     from fastapi import Depends, FastAPI, HTTPException
 
-    from engines.tokenizer import CHAT_TEMPLATE
     from storage import weights
     from storage.fs import CorruptError, Storage, is_committed
 
     app = FastAPI(title="rollflow embedded inference")
     admin = Depends(_auth_dependency(admin_token))
-    template = jinja2.Environment().from_string(CHAT_TEMPLATE)
     fs, root = (storage or Storage()).open(output_root_url)
     loaded: dict[str, dict] = {}  # the last publications loaded: a delta's base is not rebuilt each update
 
@@ -112,10 +109,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
 
     @app.post("/v1/chat/completions")
     async def chat(req: api.ChatRequest) -> api.ChatResponse:
-        text = template.render(
-            messages=[m.model_dump() for m in req.messages], bos_token="<bos>", add_generation_prompt=True
-        )
-        ids = [tokenizer.bos_id, *tokenizer.encode(text.removeprefix("<bos>"), bos=False)]
+        ids = tokenizer.render_messages([m.model_dump() for m in req.messages])
         check_request(ids, req.max_tokens, req.n)
         outs = await sample(ids, req.n, req.max_tokens, req.temperature, req.seed)
         choices = []
@@ -170,21 +164,20 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
 
 
 def load_engine(cfg, output_root_url: str, storage):
-    """Build the model, load the newest committed weights, wrap them in an `Engine`."""
+    """Build the model (engines/modeldir.py), load the newest committed weights, wrap them in an `Engine`."""
     import torch
 
+    from engines import modeldir
     from engines.inference.engine import Engine
-    from engines.model import CausalLM
-    from engines.tokenizer import CharTokenizer
     from storage import weights
 
     torch.set_num_threads(cfg.inference.num_threads)
-    tokenizer = CharTokenizer()
     fs, root = storage.open(output_root_url)
     latest = weights.load_latest(fs, root)
     if latest is None:
         raise SystemExit(f"no committed weights under {weights.weights_root(output_root_url)}; run the warm-up first")
-    model = CausalLM(cfg.model, tokenizer.vocab_size)
+    loaded = modeldir.load(cfg.model, pretrained=False)
+    model, tokenizer = loaded.model, loaded.tokenizer
     version, state = latest
     model.load_published(state)
     engine = Engine(model, version, tokenizer.eos_id, tokenizer.pad_id, cfg.inference.max_batch_size, cfg.seed)
@@ -207,7 +200,12 @@ def main(argv: list[str] | None = None) -> None:
     engine, tokenizer = load_engine(cfg, cfg.run.output_dir, storage)
     token = os.environ.get("ROLLFLOW_ADMIN_TOKEN") or secrets.token_hex(16)
     app = build_app(engine, tokenizer, cfg.run.output_dir, f"rollflow/{cfg.run.run_id}", token, storage)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.inference.host, port=cfg.inference.port, log_level="warning"))
+    # Keep-alive longer than the client's (httpx: 5 s): with equal timeouts a request can reuse a connection
+    # the server is closing at that moment and fail with a ReadError after a few idle seconds.
+    config = uvicorn.Config(
+        app, host=cfg.inference.host, port=cfg.inference.port, log_level="warning", timeout_keep_alive=60
+    )
+    server = uvicorn.Server(config)
     app.state.server = server  # /shutdown sets server.should_exit
     log.info(f"serving policy version {engine.version} on http://{cfg.inference.host}:{cfg.inference.port}")
     server.run()

@@ -19,10 +19,10 @@ from collections import Counter
 import httpx
 
 from config.process import OrchestratorProcessConfig
+from engines import modeldir
 from engines.envs import EnvMix, Task
 from engines.orchestrator.advantages import group_advantages
 from engines.sampling import derive_seed
-from engines.tokenizer import CharTokenizer
 from storage import rollouts, weights
 from storage.fs import Storage, read_json
 from storage.rollouts import staleness
@@ -99,13 +99,13 @@ class Orchestrator:
         self.cfg, self.client, self.sync = cfg, client, sync
         self.fs, self.root = sync.fs, sync.root
         self.ocfg = cfg.orchestrator
-        self.mix = EnvMix(cfg.envs, cfg.seed)
-        self.tok = CharTokenizer()
+        self.tok = modeldir.load_tokenizer(modeldir.resolve(cfg.model))
+        self.mix = EnvMix(cfg.envs, cfg.seed, self.tok.prompt_style)
         self.limit = asyncio.Semaphore(self.ocfg.requests_in_flight)
 
     async def sample_group(self, step: int, group: int) -> list[dict]:
         task = self.mix.task(f"step={step}/group={group}")
-        prompt_ids = self.tok.encode(task.prompt)
+        prompt_ids = self.tok.render_prompt(task.prompt)
         body = {
             "prompt": prompt_ids,
             "n": self.ocfg.group_size,
@@ -118,6 +118,8 @@ class Orchestrator:
         }
         async with self.limit:
             r = await self.client.post("/v1/completions", json=body)
+        if r.status_code == 400:  # e.g. prompt + max_new_tokens over model.max_seq_len
+            raise RuntimeError(f"inference refused step {step} group {group}: {r.json().get('detail')}")
         r.raise_for_status()
         return self.score_group(step, group, task, prompt_ids, r.json()["choices"])
 

@@ -1,6 +1,7 @@
 """Trainer checkpoints: everything a resumed trainer needs to continue as if never stopped.
 
-`checkpoints/step=N/trainer/` holds the weights (safetensors), the optimizer, scheduler and RNG states
+`checkpoints/step=N/trainer/` holds the weights (safetensors, with the publication's config.json and
+tokenizer files, so it is a Hugging Face directory too), the optimizer, scheduler and RNG states
 (`trainer_state.pt`) and `run_state.json`, the run-level progress at that point: committed rollout
 steps, where the orchestrator's prompt cursor stands, and the MLflow run. A manifest with checksums is
 written last, so a checkpoint is complete or ignored.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import io
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import fsspec
@@ -47,6 +48,7 @@ class TrainerState:
     parts: dict[str, Stateful]  # e.g. optimizer, scheduler, rng
     mlflow_run_id: str | None  # the run's MLflow run, kept so a resume reopens it
     seed: int
+    files: dict[str, bytes] = field(default_factory=dict)  # config.json, tokenizer: saved beside the weights
 
 
 def save(fs: fsspec.AbstractFileSystem, root: str, step: int, state: TrainerState) -> str:
@@ -68,6 +70,7 @@ def save(fs: fsspec.AbstractFileSystem, root: str, step: int, state: TrainerStat
         "model.safetensors": st_save(state.model.publishable_state_dict()),
         "trainer_state.pt": buf.getvalue(),
         "run_state.json": json.dumps(run_state, indent=1).encode(),
+        **state.files,
     }
     return checkpoints.save(fs, root, step, "trainer", files)
 

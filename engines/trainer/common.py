@@ -7,7 +7,6 @@ import random
 
 import torch
 
-from config.model import ModelConfig
 from engines.model import CausalLM, token_logprobs
 from engines.trainer.batch import Batch, PackedBatch
 
@@ -18,13 +17,6 @@ def seed_everything(seed: int, num_threads: int) -> None:
     torch.set_num_threads(num_threads)
     torch.manual_seed(seed)
     random.seed(seed)
-
-
-def build_model(cfg: ModelConfig, vocab_size: int) -> CausalLM:
-    model = CausalLM(cfg, vocab_size)
-    n = sum(p.numel() for p in model.parameters())
-    log.info(f"model: {n / 1e6:.2f}M parameters, {cfg.num_layers} layers, hidden {cfg.hidden_size}")
-    return model
 
 
 def batch_logprobs(model: CausalLM, batch: Batch) -> torch.Tensor:

@@ -11,10 +11,10 @@ import time
 import torch
 
 from config.process import TrainerProcessConfig
-from engines.tokenizer import CharTokenizer
+from engines import modeldir
 from engines.trainer import checkpoint
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
-from engines.trainer.common import build_model, log, seed_everything, train_logprobs
+from engines.trainer.common import log, seed_everything, train_logprobs
 from engines.trainer.loss import policy_loss
 from engines.trainer.mismatch import PolicyHistory
 from engines.trainer.tracking import Tracker
@@ -29,14 +29,16 @@ class RLTrainer:
         seed_everything(cfg.seed, self.tcfg.num_threads)
         self.fs, self.root = Storage(cfg.run.storage).open(cfg.run.output_dir)
         self.publisher = weights.Publisher(self.fs, self.root)
-        self.tok = CharTokenizer()
-        self.model = build_model(cfg.model, self.tok.vocab_size)
+        loaded = modeldir.load(cfg.model, pretrained=False)  # version 0 or a checkpoint is loaded next
+        self.tok, self.model = loaded.tokenizer, loaded.model
+        self.publication_files = loaded.publication_files()  # config.json, tokenizer: same every version
         self.optimizer, self.scheduler = self._build_optimizer()
         self.state = checkpoint.TrainerState(
             self.model,
             {"optimizer": self.optimizer, "scheduler": self.scheduler, "rng": checkpoint.RNGState()},
             cfg.mlflow_run_id,
             cfg.seed,
+            self.publication_files,
         )
         self.version = self._restore()
         self.history = self._build_history() if self.tcfg.measure_mismatch else None
@@ -131,7 +133,7 @@ class RLTrainer:
         )
         stats = self.train_on(batch)
         t2 = time.perf_counter()
-        self.publisher.publish(step, self.model.publishable_state_dict())
+        self.publisher.publish(step, self.model.publishable_state_dict(), self.publication_files)
         retention.enforce(self.fs, self.root, bases=self.publisher.bases)  # a no-op unless storage.keep_last_*
         self.version = step
         if self.history:

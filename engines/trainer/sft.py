@@ -1,29 +1,30 @@
-"""Supervised warm-up: teach the format (prompt `tag:payload=` -> answer + <eos>) briefly, so RL starts
-from a reward that is neither ~0 nor saturated; the result is published as policy version 0.
+"""Supervised warm-up: teach the format (the rendered prompt -> answer + end-of-sequence) briefly, so RL
+starts from a reward that is neither ~0 nor saturated; the result is published as policy version 0.
+
+The model comes from `model` (engines/modeldir.py): the built-in one is trained from scratch; a
+pretrained directory is loaded with its weights, and with `sft.steps = 0` published as it is.
 """
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import torch
 
 from config.process import SFTProcessConfig
+from engines import modeldir
 from engines.envs import EnvMix
-from engines.tokenizer import CharTokenizer
+from engines.tokenizer import Tokenizer
 from engines.trainer.batch import right_pad
-from engines.trainer.common import build_model, log, seed_everything
+from engines.trainer.common import log, seed_everything
 from storage import weights
 from storage.fs import Storage, join, write_bytes_atomic
 
 
-def sft_batch(mix: EnvMix, tok: CharTokenizer, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded token ids and a loss mask that covers answer tokens and <eos> only."""
+def sft_batch(mix: EnvMix, tok: Tokenizer, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token ids and a loss mask that covers answer tokens and the end-of-sequence only."""
     seqs, starts = [], []
     for j in range(size):
         task = mix.task(f"sft/{step}/{j}")
-        prompt = tok.encode(task.prompt)
+        prompt = tok.render_prompt(task.prompt)
         seqs.append(prompt + tok.encode(task.answer, bos=False) + [tok.eos_id])
         starts.append(len(prompt) - 1)
     ids = right_pad(seqs, tok.pad_id)
@@ -36,9 +37,9 @@ def sft_batch(mix: EnvMix, tok: CharTokenizer, step: int, size: int) -> tuple[to
 def run_sft(cfg: SFTProcessConfig) -> None:
     seed_everything(cfg.seed, cfg.num_threads)
     fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
-    tok = CharTokenizer()
-    model = build_model(cfg.model, tok.vocab_size)
-    mix = EnvMix(cfg.envs, cfg.seed)
+    loaded = modeldir.load(cfg.model, pretrained=True)
+    tok, model = loaded.tokenizer, loaded.model
+    mix = EnvMix(cfg.envs, cfg.seed, tok.prompt_style)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr)
     for step in range(1, cfg.sft.steps + 1):
         ids, mask = sft_batch(mix, tok, step, cfg.sft.batch_size)
@@ -50,14 +51,14 @@ def run_sft(cfg: SFTProcessConfig) -> None:
         opt.step()
         if step % 10 == 0 or step == cfg.sft.steps:
             log.info(f"warm-up step {step}/{cfg.sft.steps} | loss {loss.item():.3f}")
-    save_tokenizer(tok, fs, join(root, "tokenizer"))
-    weights.publish(fs, root, 0, model.eval().publishable_state_dict())
+    files = loaded.publication_files()
+    save_tokenizer(files, fs, join(root, "tokenizer"))
+    weights.publish(fs, root, 0, model.eval().publishable_state_dict(), files)
     log.info("warm-up done: published policy version 0")
 
 
-def save_tokenizer(tok: CharTokenizer, fs, directory: str) -> None:
-    """HF-format tokenizer files into the run directory (any fsspec filesystem)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        tok.save_pretrained(tmp)
-        for f in sorted(Path(tmp).iterdir()):
-            write_bytes_atomic(fs, join(directory, f.name), f.read_bytes())
+def save_tokenizer(files: dict[str, bytes], fs, directory: str) -> None:
+    """The run's HF-format tokenizer files (any fsspec filesystem): a publication's files minus its configs."""
+    for name, data in files.items():
+        if name not in ("config.json", "generation_config.json"):
+            write_bytes_atomic(fs, join(directory, name), data)

@@ -17,6 +17,7 @@ import torch
 from config.inference import InferenceConfig
 from config.model import ModelConfig
 from config.process import ComponentPaths, InferenceProcessConfig
+from config.storage import StorageConfig
 from engines.model import CausalLM, token_logprobs
 from engines.tokenizer import CharTokenizer
 from storage import weights
@@ -50,7 +51,10 @@ def server(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = InferenceProcessConfig(
-        run=ComponentPaths(output_dir=root, run_id="t"), model=MODEL, inference=InferenceConfig(port=port), seed=0
+        run=ComponentPaths(output_dir=root, run_id="t", storage=StorageConfig()),
+        model=MODEL,
+        inference=InferenceConfig(port=port),
+        seed=0,
     )
     path = f"{root}/inference.json"
     with open(path, "w") as f:

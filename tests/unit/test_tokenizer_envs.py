@@ -82,13 +82,13 @@ def test_reverse_and_sort_answers():
     srt = build(EnvSpec(name="sort-letters", min_chars=2, max_chars=6))
     for _ in range(50):
         t = rev.sample(rng)
-        assert t.prompt.startswith("rev:") and t.prompt.endswith("=")
-        payload = t.prompt[len("rev:") : -1]
+        assert t.prompt.startswith("rev:") and TOK.render_prompt(t.prompt) == TOK.encode(t.prompt + "=")
+        payload = t.prompt[len("rev:") :]
         assert 2 <= len(payload) <= 6 and payload.isalpha() and payload.islower()
         assert t.answer == payload[::-1]
         s = srt.sample(rng)
-        assert s.prompt.startswith("sort:") and s.prompt.endswith("=")
-        payload = s.prompt[len("sort:") : -1]
+        assert s.prompt.startswith("sort:")
+        payload = s.prompt[len("sort:") :]
         assert 2 <= len(payload) <= 6
         assert s.answer == "".join(sorted(payload))
         assert list(s.answer) == sorted(s.answer)
@@ -99,8 +99,9 @@ def test_prompt_length_within_config_overhead():
         mix = EnvMix([EnvSpec(name=name, min_chars=8, max_chars=8)], seed=0)
         for k in range(20):
             t = mix.task(str(k))
-            assert len(TOK.encode(t.prompt)) <= 8 + PROMPT_OVERHEAD_TOKENS
-            assert TOK.decode(TOK.encode(t.prompt)) == t.prompt  # every prompt char is in the vocab
+            ids = TOK.render_prompt(t.prompt)
+            assert len(ids) <= 8 + PROMPT_OVERHEAD_TOKENS
+            assert TOK.decode(ids) == t.prompt + "="  # every prompt char is in the vocab
 
 
 def test_reward():
@@ -136,3 +137,22 @@ def test_env_spec_validation():
         EnvSpec(name="reverse-text", weight=0)
     with pytest.raises(ValueError):
         EnvSpec(name="no-such-env")
+
+
+def test_char_chat_template_renders_the_tag_prompt_ids():
+    """The built-in format through the template: <bos> + message + '=' (the ids runs always used)."""
+    assert TOK.render_prompt("rev:abc") == [TOK.bos_id, *TOK.encode("rev:abc=", bos=False)]
+    two = [{"role": "user", "content": "rev:"}, {"role": "user", "content": "ab"}]
+    assert TOK.render_messages(two) == TOK.encode("rev:ab=")
+
+
+def test_instruct_style_prompts_and_reward():
+    rng = random.Random(0)
+    env = build(EnvSpec(name="reverse-text", min_chars=4, max_chars=4), default_style="instruct")
+    t = env.sample(rng)
+    payload = t.answer[::-1]
+    assert payload in t.prompt and t.prompt.startswith("Reverse") and not t.prompt.startswith("rev:")
+    assert env.reward(t, f" {t.answer}\n") == 1.0  # chat answers' surrounding whitespace is ignored
+    tag = build(EnvSpec(name="reverse-text", min_chars=4, max_chars=4, prompt="tag"), default_style="instruct")
+    assert tag.sample(random.Random(0)).prompt == f"rev:{payload}"  # same draw, explicit style wins
+    assert tag.reward(t, f" {t.answer}") < 1.0  # the tag style scores the text as generated

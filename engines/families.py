@@ -1,0 +1,155 @@
+"""Model families rollflow's own model code (engines/model.py) implements: the one registry.
+
+A family maps a Hugging Face `config.json` (its `model_type`) to `ModelConfig` fields, says which
+configs the custom code cannot run (then `impl = "auto"` falls back to transformers), and writes the
+`config.json` of a publication back. Parameter names are the family's Hugging Face names, so weights
+load by name in both directions. To add a family: define its `Family` (here or in any module) and add
+its import path to config/registry.py's MODEL_FAMILIES; `model.family` and `model.impl` accept it from
+then on (docs/models.md). Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from config.model import ModelConfig
+from config.registry import MODEL_FAMILIES
+
+
+class UnsupportedConfig(ValueError):
+    """A config.json the custom model code cannot run (the reason names the field)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # config.json model_type
+    architecture: str  # config.json architectures[0], the transformers class
+    qk_norm: bool
+    moe: bool = False
+    # extra checks of a config.json beyond the shared ones: return a reason the custom code cannot run it
+    check: Callable[[dict], str | None] = lambda hf: None
+    extra_fields: dict[str, str] = field(default_factory=dict)  # config.json key -> ModelConfig field
+
+
+def registered() -> dict[str, Family]:
+    """model_type -> Family, from config/registry.py's MODEL_FAMILIES."""
+    out = {}
+    for name, path in MODEL_FAMILIES.items():
+        module, _, attr = path.partition(":")
+        out[name] = getattr(importlib.import_module(module), attr)
+    return out
+
+
+def get(name: str) -> Family:
+    families = registered()
+    if name not in families:
+        raise UnsupportedConfig(
+            f"model family {name!r} is not registered (registered: {', '.join(sorted(families))}); "
+            "use model.impl = 'hf' to run it with transformers' own modeling"
+        )
+    return families[name]
+
+
+# config.json key -> ModelConfig field, shared by every registered family.
+SHARED_FIELDS = {
+    "hidden_size": "hidden_size",
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "intermediate_size": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "rms_norm_eps": "rms_norm_eps",
+    "tie_word_embeddings": "tie_word_embeddings",
+    "attention_bias": "attention_bias",
+}
+MOE_FIELDS = {
+    "num_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "moe_intermediate_size": "moe_intermediate_size",
+    "norm_topk_prob": "norm_topk_prob",
+    "decoder_sparse_step": "decoder_sparse_step",
+    "mlp_only_layers": "mlp_only_layers",
+}
+
+
+def rope(hf: dict) -> tuple[str, float]:
+    """(rope type, theta) from transformers 5 `rope_parameters` or the older `rope_scaling`/`rope_theta`."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    return kind, float(theta)
+
+
+def _shared_check(hf: dict) -> str | None:
+    kind, _ = rope(hf)
+    if kind != "default":
+        return f"rope type {kind!r} (only the default RoPE is implemented)"
+    if hf.get("hidden_act", "silu") != "silu":
+        return f"hidden_act={hf.get('hidden_act')!r} (only silu)"
+    if hf.get("use_sliding_window"):
+        return "use_sliding_window=true (sliding-window attention is not implemented)"
+    if hf.get("mlp_bias"):
+        return "mlp_bias=true"
+    return None
+
+
+def unsupported(hf: dict) -> str | None:
+    """Why the custom code cannot run this config.json, or None when it can."""
+    families = registered()
+    family = families.get(str(hf.get("model_type")))
+    if family is None:
+        return f"model_type {hf.get('model_type')!r} is not a registered family ({', '.join(sorted(families))})"
+    return _shared_check(hf) or family.check(hf)
+
+
+def model_fields(hf: dict) -> dict:
+    """ModelConfig fields set by a config.json of a registered family."""
+    family = get(str(hf.get("model_type")))
+    out = {"family": family.name, "qk_norm": family.qk_norm}
+    for key, name in {**SHARED_FIELDS, **family.extra_fields}.items():
+        if hf.get(key) is not None:
+            out[name] = hf[key]
+    out["num_kv_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    out["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    out["rope_theta"] = rope(hf)[1]
+    return out
+
+
+def hf_config(cfg: ModelConfig, vocab_size: int, special: dict[str, int | None]) -> dict:
+    """The config.json of a publication of `cfg` (float32 weights), for transformers' from_pretrained.
+
+    `special`: bos/eos/pad token ids of the run's tokenizer."""
+    family = get(cfg.family_name)
+    data = {
+        "architectures": [family.architecture],
+        "model_type": family.name,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_size,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "dtype": "float32",
+        "bos_token_id": special.get("bos"),
+        "eos_token_id": special.get("eos"),
+        "pad_token_id": special.get("pad"),
+    }
+    for key, name in {**SHARED_FIELDS, **family.extra_fields}.items():
+        data[key] = getattr(cfg, name)
+    data["vocab_size"] = vocab_size
+    if family.name == "llama":
+        data["mlp_bias"] = False
+    if family.moe:
+        data["moe_intermediate_size"] = cfg.moe_intermediate_size or cfg.intermediate_size
+    return data
+
+
+def _llama_check(hf: dict) -> str | None:
+    return "pretraining_tp > 1" if hf.get("pretraining_tp", 1) != 1 else None
+
+
+LLAMA = Family("llama", "LlamaForCausalLM", qk_norm=False, check=_llama_check)
+QWEN3 = Family("qwen3", "Qwen3ForCausalLM", qk_norm=True)
+# The sparse block itself lives with the MoE layer; this entry maps its config fields.
+QWEN3_MOE = Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True, extra_fields=MOE_FIELDS)

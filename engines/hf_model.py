@@ -1,0 +1,78 @@
+"""`model.impl = "hf"`: transformers' own modeling behind rollflow's model interface.
+
+`HFCausalLM.forward(ids, positions, mask, cache) -> logits` is what the trainer (padded or packed
+batches: position ids and a 4-D boolean mask) and the embedded engine (left-padded prefill, cached
+decode) call on `engines.model.CausalLM`; here it goes to `AutoModelForCausalLM` with the same position
+ids and mask, and the cache is transformers' `DynamicCache`. Publications use the transformers module's
+own state dict, whose names are the family's Hugging Face names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from config.model import ModelConfig
+from engines.model import Publishable
+
+
+class HFCache:
+    """A `DynamicCache` with the two things `engines.generate` uses: `length` and `select_rows`."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.length = 0
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.inner.reorder_cache(rows)  # index_select on every layer's keys and values
+
+
+class HFCausalLM(Publishable, nn.Module):
+    hf: Any  # a transformers PreTrainedModel
+
+    def __init__(self, hf_model: Any, cfg: ModelConfig):
+        super().__init__()
+        self.hf = hf_model
+        self.cfg = cfg
+        self.vocab_size = int(hf_model.config.vocab_size)
+
+    def weights_module(self) -> nn.Module:
+        return self.hf
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        cache: HFCache | None = None,
+    ) -> torch.Tensor:
+        out = self.hf(
+            input_ids=input_ids,
+            position_ids=positions,
+            attention_mask=mask,
+            past_key_values=cache.inner if cache is not None else None,
+            use_cache=cache is not None,
+        )
+        if cache is not None:
+            cache.length += input_ids.shape[1]
+        return out.logits
+
+    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype) -> HFCache:
+        from transformers import DynamicCache
+
+        return HFCache(DynamicCache(config=self.hf.config))
+
+
+def from_directory(directory: str, cfg: ModelConfig, pretrained: bool) -> HFCausalLM:
+    """transformers' model of a Hugging Face directory in float32: its weights when `pretrained`, else
+    freshly initialised (the caller loads a publication next)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if pretrained:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="sdpa")
+    else:
+        config = AutoConfig.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return HFCausalLM(model, cfg)

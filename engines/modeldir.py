@@ -1,0 +1,280 @@
+"""Where the policy model comes from, and what a publication holds besides the weights.
+
+`resolve(ModelConfig) -> ModelSource`: without `model.path` the built-in model (its shape from the
+config, the character tokenizer); with it, a Hugging Face directory (a local path, a name fetched by
+`rollflow models fetch`, or `org/name` in the local Hugging Face cache, offline), checked file by file:
+config.json (its `model_type` picks the family, engines/families.py, whose fields fill the
+ModelConfig), safetensors weights, tokenizer files with a chat template. `model.impl` picks the code:
+`custom` (engines/model.py, weights loaded by name), `hf` (transformers, engines/hf_model.py), or
+`auto` (custom where the family is registered and its config supported, else hf).
+
+`build_model`, `load_tokenizer` and `publication_files` (config.json, generation_config.json, tokenizer
+files: what makes `weights/step=N/` a Hugging Face directory) are what the trainer, the warm-up and the
+engine call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from config.model import ModelConfig
+from engines import families
+from engines.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+
+log = logging.getLogger("rollflow.models")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+TOKENIZER_EXTRA = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+
+
+class ModelDirError(ValueError):
+    """A model directory that cannot be used as configured; the message names the file and what is valid."""
+
+
+@dataclass
+class ModelSource:
+    cfg: ModelConfig  # architecture fields filled from config.json when there is a directory
+    impl: str  # "custom" or "hf"
+    directory: Path | None = None
+    hf_config: dict | None = None
+
+
+def cache_dir() -> Path:
+    """Where `rollflow models fetch` puts converted models: $ROLLFLOW_CACHE/models, ~/.cache/rollflow/models."""
+    base = os.environ.get("ROLLFLOW_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rollflow")
+    return Path(base) / "models"
+
+
+def resolve_dir(path: str) -> Path:
+    """A local directory, a fetched model's name, or `org/name` from the local Hugging Face cache."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    if (cache_dir() / path).is_dir():
+        return cache_dir() / path
+    if path.count("/") == 1 and not path.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(path, local_files_only=True))
+        except Exception as exc:  # not cached (offline), or not a valid repo id
+            hint = f"not in the local Hugging Face cache ({type(exc).__name__})"
+    else:
+        hint = "not a directory"
+    raise ModelDirError(
+        f"model.path={path!r}: {hint}; give a Hugging Face model directory (config.json, *.safetensors, "
+        f"tokenizer files), a name under {cache_dir()} (`rollflow models fetch NAME`), or an org/name that "
+        "is in the local Hugging Face cache"
+    )
+
+
+def read_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ModelDirError(f"{path}: missing; a Hugging Face model directory has a config.json")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelDirError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(data, dict) or not data.get("model_type"):
+        raise ModelDirError(f"{path}: no model_type (registered families: {', '.join(sorted(families.registered()))})")
+    return data
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a directory: model.safetensors, or the shards its index lists."""
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (directory / s).is_file()]
+        if missing:
+            raise ModelDirError(f"{index}: lists shards that are missing: {missing[:3]}")
+        return [directory / s for s in shards]
+    raise ModelDirError(
+        f"{single}: missing (nor model.safetensors.index.json); rollflow loads safetensors weights only "
+        "(convert .bin or GGUF checkpoints first, e.g. with transformers' save_pretrained)"
+    )
+
+
+def check_tokenizer_files(directory: Path) -> None:
+    if not any((directory / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelDirError(f"{directory}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)} is needed)")
+
+
+def pick_impl(cfg: ModelConfig, hf: dict, config_path: Path) -> str:
+    reason = families.unsupported(hf) or _moe_reason(hf)
+    if cfg.impl == "custom" and reason:
+        raise ModelDirError(
+            f"{config_path}: model.impl='custom' cannot run it: {reason}; registered families: "
+            f"{', '.join(sorted(families.registered()))}; use model.impl = 'hf' (or 'auto') for transformers' modeling"
+        )
+    if cfg.impl == "auto":
+        if reason:
+            log.info(f"model.impl=auto: transformers' modeling ({reason})")
+        return "hf" if reason else "custom"
+    return cfg.impl
+
+
+def sparse_block_available() -> bool:
+    """Whether engines/model.py's `build_mlp` builds something other than the dense MLP for an MoE layer."""
+    from engines import model
+
+    probe = ModelConfig(
+        hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=8, num_experts=2,
+        num_experts_per_tok=1, qk_norm=True,
+    )  # fmt: skip
+    return not isinstance(model.build_mlp(probe, 0), model.MLP)
+
+
+def _moe_reason(hf: dict) -> str | None:
+    family = families.registered().get(str(hf.get("model_type")))
+    if family is not None and family.moe and not sparse_block_available():
+        return "the sparse (MoE) block is not available in engines/model.py"
+    return None
+
+
+def resolve(cfg: ModelConfig) -> ModelSource:
+    """Check the model directory (if any) and settle the architecture and implementation."""
+    if cfg.path is None:
+        if cfg.impl == "hf":
+            raise ModelDirError(
+                "model.impl='hf' needs model.path (a Hugging Face directory); without it "
+                "rollflow builds its own model (impl 'auto' or 'custom')"
+            )
+        if families.get(cfg.family_name).moe and not sparse_block_available():
+            raise ModelDirError(
+                f"model.family={cfg.family_name!r} (model.num_experts={cfg.num_experts}) needs the sparse (MoE) "
+                "block, which engines/model.py does not build yet"
+            )
+        return ModelSource(cfg, "custom")
+    directory = resolve_dir(cfg.path)
+    hf = read_config(directory)
+    weight_files(directory)
+    check_tokenizer_files(directory)
+    impl = pick_impl(cfg, hf, directory / "config.json")
+    if impl == "custom":
+        filled = cfg.model_copy(update=families.model_fields(hf))
+    else:
+        filled = cfg.model_copy(update={"tie_word_embeddings": bool(hf.get("tie_word_embeddings", False))})
+    return ModelSource(ModelConfig.model_validate(filled.model_dump()), impl, directory, hf)
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
+    if source.directory is None:
+        return CharTokenizer()
+    try:
+        return HFTokenizer(source.directory)
+    except ValueError as exc:
+        raise ModelDirError(str(exc)) from exc
+    except OSError as exc:
+        raise ModelDirError(f"{source.directory}: the tokenizer does not load: {exc}") from exc
+
+
+def read_weights(directory: Path) -> dict:
+    from safetensors.torch import load_file
+
+    state: dict = {}
+    for f in weight_files(directory):
+        state.update(load_file(str(f)))
+    # buffers some older checkpoints saved; rollflow computes RoPE frequencies itself
+    return {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+
+
+def build_model(source: ModelSource, tok: Tokenizer, pretrained: bool) -> Any:
+    """The policy model in float32: rollflow's `CausalLM` or transformers' (`HFCausalLM`). With
+    `pretrained` the directory's weights are loaded (by name); else the caller loads a publication."""
+    if source.impl == "hf":
+        from engines.hf_model import from_directory
+
+        assert source.directory is not None
+        return from_directory(str(source.directory), source.cfg, pretrained)
+    from engines.model import CausalLM
+
+    model = CausalLM(source.cfg, source.cfg.vocab_size or tok.vocab_size)
+    if pretrained and source.directory is not None:
+        try:
+            model.load_published(read_weights(source.directory))
+        except ValueError as exc:
+            raise ModelDirError(f"{source.directory}: the safetensors do not fit its config.json: {exc}") from exc
+    return model
+
+
+def _special(tok: Tokenizer) -> dict[str, int | None]:
+    return {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
+
+
+def hf_config_json(source: ModelSource, tok: Tokenizer, vocab_size: int) -> dict:
+    """A publication's config.json: the directory's own (weights now float32), or the built-in model's."""
+    if source.hf_config is None:
+        return families.hf_config(source.cfg, vocab_size, _special(tok))
+    data = dict(source.hf_config)
+    data["dtype"] = "float32"
+    data.pop("torch_dtype", None)
+    data.pop("quantization_config", None)
+    return data
+
+
+def generation_config_json(source: ModelSource, tok: Tokenizer) -> dict:
+    """The directory's generation_config.json (if any), its missing special token ids from the tokenizer."""
+    data: dict = {}
+    if source.directory is not None and (source.directory / "generation_config.json").is_file():
+        data = json.loads((source.directory / "generation_config.json").read_text())
+    for key, value in _special(tok).items():
+        if data.get(f"{key}_token_id") is None:
+            data[f"{key}_token_id"] = value
+    return data
+
+
+def tokenizer_files(tok: Tokenizer) -> dict[str, bytes]:
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        return {f.name: f.read_bytes() for f in sorted(Path(tmp).iterdir()) if f.is_file()}
+
+
+def publication_files(source: ModelSource, tok: Tokenizer, vocab_size: int) -> dict[str, bytes]:
+    """Everything besides the weights that makes a publication a Hugging Face model directory."""
+
+    def dump(d: dict) -> bytes:
+        return json.dumps(d, indent=1, sort_keys=True).encode()
+
+    return {
+        "config.json": dump(hf_config_json(source, tok, vocab_size)),
+        "generation_config.json": dump(generation_config_json(source, tok)),
+        **tokenizer_files(tok),
+    }
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    tokenizer: Tokenizer
+    model: Any  # CausalLM | HFCausalLM
+
+    def publication_files(self) -> dict[str, bytes]:
+        return publication_files(self.source, self.tokenizer, self.model.vocab_size)
+
+
+def load(cfg: ModelConfig, pretrained: bool) -> LoadedModel:
+    """Resolve, check and build: what the trainer, the warm-up and the engine start with."""
+    source = resolve(cfg)
+    tok = load_tokenizer(source)
+    model = build_model(source, tok, pretrained)
+    n = sum(p.numel() for p in model.parameters())
+    where = source.directory or "built-in"
+    log.info(f"model: {n / 1e6:.2f}M parameters, family {source.cfg.family_name}, impl {source.impl}, from {where}")
+    return LoadedModel(source, tok, model)
