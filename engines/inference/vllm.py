@@ -154,7 +154,8 @@ async def _serve(cfg, replica: vllm_render.Replica, procs, version: int, fs, roo
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:
         app = build_app(up, local_file, token, client)
         host, port = cfg.inference.host, cfg.inference.port
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        server = uvicorn.Server(config)  # a bounded shutdown: a hung vLLM call must not keep the process alive
         app.state.server = server
         watcher = asyncio.create_task(watch(procs, server))
         await server.serve()

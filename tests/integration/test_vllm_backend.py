@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.vllm_fixture import publish_hf
+from tests.vllm_fixture import publish_hf, tiny_model
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,20 +38,13 @@ def free_port() -> int:
 def served(tmp_path_factory):
     if not VLLM_PYTHON.exists():
         pytest.skip(f"no vLLM environment at {VLLM_PYTHON.parent.parent}: run infra/vllm/setup.sh (~10 min, 3.5 GB)")
-    import torch
-
     from config.inference import InferenceConfig
-    from config.model import ModelConfig
     from config.process import ComponentPaths, InferenceProcessConfig
     from config.storage import StorageConfig
-    from engines.model import CausalLM
-    from engines.tokenizer import CharTokenizer
 
     tmp = tmp_path_factory.mktemp("vllm")
-    mc = ModelConfig()
-    torch.manual_seed(0)
-    model = CausalLM(mc, CharTokenizer().vocab_size)
-    publish_hf(tmp / "run", 0, model, mc, tmp)
+    loaded, mc = tiny_model()
+    publish_hf(tmp / "run", 0, loaded)
     port = free_port()
     shape = {"type": "single_node", "backend_port": free_port()}
     # eager: no torch.compile warm-up, the largest part of vLLM's start on a busy CPU
@@ -80,7 +73,7 @@ def served(tmp_path_factory):
             assert time.monotonic() - t0 < 900, "vLLM did not start in 900 s"
             time.sleep(1)
         print(f"vLLM backend ready in {time.monotonic() - t0:.1f} s")
-        yield {"url": url, "model": model, "mc": mc, "tmp": tmp, "proc": proc}
+        yield {"url": url, "loaded": loaded, "tmp": tmp, "proc": proc}
     finally:
         proc.terminate()
         try:
@@ -122,7 +115,7 @@ def test_vllm_logprobs_match_rollflows_model(served):
     c = complete(served["url"], seed=3)["choices"][0]
     ids = torch.tensor([prompt + c["token_ids"]])
     with torch.no_grad():
-        logits = served["model"](ids)
+        logits = served["loaded"].model(ids)
     ours = token_logprobs(logits[0, len(prompt) - 1 : -1], ids[0, len(prompt) :], 1.0)
     theirs = torch.tensor(c["logprobs"]["token_logprobs"])
     assert torch.allclose(ours, theirs, atol=1e-3), (ours, theirs)
@@ -136,12 +129,12 @@ def test_weight_update_needs_the_admin_token(served):
 def test_update_weights_serves_the_new_policy(served):
     import torch
 
-    url, model, mc, tmp = served["url"], served["model"], served["mc"], served["tmp"]
+    url, loaded, tmp = served["url"], served["loaded"], served["tmp"]
     before = complete(url, seed=5)["choices"][0]
     with torch.no_grad():
-        for p in model.parameters():
+        for p in loaded.model.parameters():
             p.mul_(-1.5)  # a different policy: its logprobs for the same tokens differ
-    publish_hf(tmp / "run", 1, model, mc, tmp)
+    publish_hf(tmp / "run", 1, loaded)
     headers = {"Authorization": f"Bearer {TOKEN}"}
     t0 = time.perf_counter()
     r = httpx.post(url + "/update_weights", json={"version": 1}, headers=headers, timeout=600)
