@@ -23,8 +23,19 @@ class WeightLoader:
 
         state = load_file(path)
         self.reload_weights(weights_iterator=iter(state.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        self._reprocess_tied_head()
         self.rollflow_version = version
         return {"version": version, "tensors": len(state)}
+
+    def _reprocess_tied_head(self) -> None:
+        """A tied lm_head shares embed_tokens' weight but is never loaded itself, so the reload does not redo
+        its processing; on CPU that processing builds a packed GEMM copy of the weight, which would keep
+        serving the old policy's output projection. Redo it from the (reloaded) shared weight."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        head = getattr(model, "lm_head", None)
+        method = getattr(head, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(head)
 
     def rollflow_fingerprint(self) -> dict:
         """The served version and a digest of the parameters: a test can tell that a load changed them."""
