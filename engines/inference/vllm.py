@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from config.deployment import DisaggregatedDeployment, MultiNodeDeployment
+from config.inference_deployment import DisaggregatedDeployment, MultiNodeDeployment
 from config.inference import InferenceConfig
 from engines.inference import vllm_render
 

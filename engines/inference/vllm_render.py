@@ -1,6 +1,6 @@
 """The exact processes of a vLLM deployment: argv and environment of every vLLM server and vllm-router.
 
-Data flow: `InferenceConfig` (shape, parallel, router, offload, vllm_extra; config/deployment.py) + the
+Data flow: `InferenceConfig` (shape, parallel, router, offload, vllm_extra; config/inference_deployment.py) + the
 model directory + the nodes it is placed on -> `render()` -> one `Replica` per `num_infer_replicas`, each a
 list of `Process`es and the URL requests enter by. `--dry-run` writes the result to OUTPUT_DIR/config/
 (`write_plan`) with placeholders ({model}, {node0}, ...); a local launch (engines/inference/vllm.py) renders
@@ -19,7 +19,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from config.deployment import DisaggregatedDeployment, KVCacheOffloadConfig, MultiNodeDeployment
+from config.inference_deployment import DisaggregatedDeployment, KVCacheOffloadConfig, MultiNodeDeployment
 from config.inference import InferenceConfig
 
 API_SERVER = "vllm.entrypoints.openai.api_server"  # the `vllm` console script looks for a dist named `vllm`
