@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and alone, the CPU build named explicitly: with it absent, dependents pull the
-	# multi-GB CUDA build from the default index
-	$(BIN)/pip install -q "$(TORCH_SPEC)" --extra-index-url $(TORCH_INDEX)
+	# multi-GB CUDA build from the default index. --no-deps: its dependencies come from the default
+	# index with the rest, so only torch itself is looked up on TORCH_INDEX.
+	$(BIN)/pip install -q --no-deps --retries 1 "$(TORCH_SPEC)" --extra-index-url $(TORCH_INDEX)
 	$(BIN)/pip install -q -c requirements/constraints.txt -e ".[dev]"
 	touch $(STAMP)
 

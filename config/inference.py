@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from config.inference_deployment import ServingFields
@@ -16,6 +18,12 @@ class InferenceConfig(ServingFields):
     port: int = Field(0, ge=0, le=65535)  # 0: the flow picks a free port at launch
     max_batch_size: int = Field(256, gt=0)
     num_threads: int = Field(1, gt=0)
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="precision the engine runs the model in (the trainer stays float32)"
+    )
+    enable_return_routed_experts: bool = Field(
+        False, description="MoE: return each token's routed expert ids (the `routed_experts` rollout column)"
+    )
 
     @field_validator("backend")
     @classmethod

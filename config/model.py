@@ -46,10 +46,10 @@ class ModelConfig(Strict):
     mlp_bias: bool = False
     tie_word_embeddings: bool = True
     # Mixture of experts (family qwen3_moe); 0 experts = dense.
-    num_experts: int = Field(0, ge=0)
-    num_experts_per_tok: int = Field(2, gt=0)
-    moe_intermediate_size: int | None = Field(None, gt=0, description="None: intermediate_size")
-    norm_topk_prob: bool = True
+    num_experts: int = Field(0, ge=0, description="experts per MoE layer; 0 = dense model")
+    num_experts_per_tok: int = Field(2, gt=0, description="top-k experts each token is routed to")
+    moe_intermediate_size: int | None = Field(None, gt=0, description="one expert's width; None: intermediate_size")
+    norm_topk_prob: bool = Field(True, description="renormalise the top-k gate weights to sum to 1")
     decoder_sparse_step: int = Field(1, gt=0, description="every N-th layer is sparse")
     mlp_only_layers: list[int] = Field(default_factory=list, description="layers that stay dense")
 

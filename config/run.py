@@ -13,6 +13,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from config.base import Strict
+from config.deployment import DeploymentConfig
 from config.envs import EnvSpec
 from config.inference import InferenceConfig
 from config.model import ModelConfig
@@ -54,6 +55,7 @@ class RunConfig(Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     restart: RestartConfig = RestartConfig()
     storage: StorageConfig = StorageConfig()
+    deployment: DeploymentConfig = DeploymentConfig()  # where components run on Slurm (docs/slurm.md)
 
     @model_validator(mode="after")
     def _retention_keeps_what_inference_may_load(self) -> RunConfig:
@@ -65,6 +67,18 @@ class RunConfig(Strict):
                 f"may still load any of the newest max_off_policy_steps + 2 = {need} publications; "
                 f"set storage.keep_last_weights >= {need}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _router_replay_needs_routes(self) -> RunConfig:
+        if not self.trainer.enable_router_replay or self.inference.enable_return_routed_experts:
+            return self
+        if "enable_return_routed_experts" in self.inference.model_fields_set:
+            raise ValueError(
+                "trainer.enable_router_replay = true needs the sampler's routing: "
+                "inference.enable_return_routed_experts must be true (or left unset, which turns it on)"
+            )
+        self.inference.enable_return_routed_experts = True
         return self
 
     @model_validator(mode="after")

@@ -41,6 +41,11 @@ class TrainerConfig(Strict):
     measure_mismatch: bool = Field(
         True, description="keep recent policies in memory to measure mismatch_kl on stale samples"
     )
+    enable_router_replay: bool = Field(
+        False,
+        description="MoE: route each token to the experts the sampler chose (R3), recomputing only the gate "
+        "weights; turns on inference.enable_return_routed_experts",
+    )
 
 
 class CheckpointConfig(Strict):

@@ -111,6 +111,8 @@ def model_fields(hf: dict) -> dict:
     for key, name in {**SHARED_FIELDS, **family.extra_fields}.items():
         if hf.get(key) is not None:
             out[name] = hf[key]
+    if family.moe and "num_experts" not in out and hf.get("num_local_experts") is not None:
+        out["num_experts"] = hf["num_local_experts"]  # transformers 5 writes Qwen3-MoE's num_experts under this name
     out["num_kv_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]
     out["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     out["rope_theta"] = rope(hf)[1]

@@ -8,6 +8,10 @@ samples with its own seed (engines/sampling.py), so its tokens do not depend on 
 Two savings that matter for RL batches (docs/benchmarks.md, benchmark 2): identical prompts (a group's
 samples) are prefilled once and their cache rows copied, and finished rows leave the batch (the cache is
 compacted once enough have finished) instead of decoding padding until the longest row ends.
+
+With `record_routes` (MoE models) each completion also carries `routed_experts` [seq, layers, top_k]: the
+experts every position fed through the model was routed to, seq = prompt + completion - 1 (the prompt's
+prefill positions, then every completion token except the last, which is sampled but never fed back).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.model import CausalLM
+from engines.moe import Routing
 from engines.sampling import sample
 
 
@@ -28,6 +33,29 @@ class Completion:
     policy_version: int = -1  # version that produced the first completion token
     policy_version_end: int = -1  # version that produced the last one
     finish_reason: str = "length"
+    routed_experts: torch.Tensor | None = None  # [seq, layers, top_k] int16, with record_routes
+
+
+class _RouteLog:
+    """Per request row: the prompt's [P, layers, k] routes, then one [layers, k] per fed completion token."""
+
+    def __init__(self, rows: int):
+        self.parts: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+
+    def prompts(self, routes: torch.Tensor, row_of: list[int], prompts: list[list[int]]) -> None:
+        """`routes` [unique prompts, width, layers, k] from the left-padded prefill; pads are dropped."""
+        for i, (u, p) in enumerate(zip(row_of, prompts, strict=True)):
+            self.parts[i].append(routes[u, routes.shape[1] - len(p) :])
+
+    def step(self, routes: torch.Tensor, origin: list[int], fed: list[bool]) -> None:
+        """`routes` [batch rows, 1, layers, k] of one decode step; only rows that fed a real token count."""
+        for j, (o, real) in enumerate(zip(origin, fed, strict=True)):
+            if real:
+                self.parts[o].append(routes[j])
+
+    def finish(self, out: list[Completion]) -> None:
+        for c, parts in zip(out, self.parts, strict=True):
+            c.routed_experts = torch.cat(parts).to(torch.int16)
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +98,7 @@ class _Rows:
         return _Rows(**{k: v.index_select(0, rows) for k, v in self.__dict__.items()})
 
 
-def _prefill(model: CausalLM, prompts: list[list[int]], pad_id: int, capacity: int):
+def _prefill(model: CausalLM, prompts: list[list[int]], pad_id: int, capacity: int, log: _RouteLog | None):
     """Prefill each distinct prompt once, then give every row its own copy of the cache.
 
     The rows of a group share their prompt, so a batch of G samples per prompt does 1/G of the prefill.
@@ -80,7 +108,10 @@ def _prefill(model: CausalLM, prompts: list[list[int]], pad_id: int, capacity: i
     ids, valid = _left_pad(unique, pad_id)
     cache = model.new_cache(len(unique), capacity, next(model.parameters()).dtype)
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(ids, positions, _prefill_mask(valid)[:, None], cache)[:, -1]
+    routing = Routing() if log else None
+    logits = model(ids, positions, _prefill_mask(valid)[:, None], cache, routing)[:, -1]
+    if log and routing:
+        log.prompts(routing.stacked(), row_of, prompts)
     expand = torch.tensor(row_of, dtype=torch.long)
     if len(unique) < len(prompts):
         cache.select_rows(expand)
@@ -103,11 +134,13 @@ def generate(
     pad_id: int,
     seeds: list[int],
     between_steps: Callable[[], int] = lambda: 0,
+    record_routes: bool = False,
 ) -> list[Completion]:
     batch = len(prompts)
     capacity = max(len(p) for p in prompts) + max(max_new_tokens)
+    log = _RouteLog(batch) if record_routes and model.cfg.num_experts else None
     version = between_steps()  # the version whose forward produces the logits sampled next
-    logits, cache, valid, next_pos = _prefill(model, prompts, pad_id, capacity)
+    logits, cache, valid, next_pos = _prefill(model, prompts, pad_id, capacity, log)
     rows = _Rows(
         origin=torch.arange(batch),
         live=torch.ones(batch, dtype=torch.bool),
@@ -135,8 +168,13 @@ def generate(
         mask = rows.valid.clone()
         mask[:, -1] = True  # finished rows attend to their own pad token: harmless, never NaN
         version = between_steps()
-        logits = model(step_ids, rows.next_pos[:, None], mask[:, None, None, :], cache)[:, -1]
+        routing = Routing() if log else None
+        logits = model(step_ids, rows.next_pos[:, None], mask[:, None, None, :], cache, routing)[:, -1]
+        if log and routing:
+            log.step(routing.stacked(), rows.origin.tolist(), rows.live.tolist())
         rows.next_pos = rows.next_pos + 1
+    if log:
+        log.finish(out)
     return out
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from config.model import ModelConfig
 from engines.model import Publishable
+from engines.moe import Routing
 
 
 class HFCache:
@@ -47,7 +48,13 @@ class HFCausalLM(Publishable, nn.Module):
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         cache: HFCache | None = None,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
+        if routing is not None:
+            raise NotImplementedError(
+                "routing payloads and router replay need rollflow's own MoE code: set model.impl = 'custom' "
+                "(or 'auto'), or turn off inference.enable_return_routed_experts and trainer.enable_router_replay"
+            )
         out = self.hf(
             input_ids=input_ids,
             position_ids=positions,

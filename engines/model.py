@@ -4,6 +4,9 @@ Keys match Hugging Face's `LlamaForCausalLM` / `Qwen3ForCausalLM` (`model.layers
 ...), so safetensors of that family load with `load_state_dict`. Generation uses a preallocated KV cache
 and left padding; a position's RoPE index counts only real tokens, so cached decoding and the trainer's
 full forward see identical positions and produce the same logprobs.
+
+With `model.num_experts > 0` every layer's MLP is a Qwen3-MoE sparse block (engines/moe.py); a `Routing`
+passed to `forward` records the experts each token was routed to and can replay given ones.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from config.model import ModelConfig
+from engines.moe import Routing, SparseMoeBlock, build_sparse_mlp, is_sparse
 
 
 class RMSNorm(nn.Module):
@@ -113,8 +117,11 @@ class MLP(nn.Module):
 
 
 def build_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
-    """The feed-forward block of decoder layer `layer` (the one place a sparse block can be chosen)."""
-    return MLP(cfg)
+    """The feed-forward block of decoder layer `layer`: dense SwiGLU, or a sparse MoE block."""
+    if not is_sparse(cfg, layer):
+        return MLP(cfg)
+    index = sum(is_sparse(cfg, i) for i in range(layer))  # position among the MoE layers (routing payload axis)
+    return build_sparse_mlp(cfg, index)
 
 
 class DecoderLayer(nn.Module):
@@ -125,9 +132,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = build_mlp(cfg, layer)
 
-    def forward(self, x, cos, sin, mask, cache, layer):
+    def forward(self, x, cos, sin, mask, cache, layer, routing: Routing | None = None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, routing) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(h))
 
 
 class Backbone(nn.Module):
@@ -179,7 +187,7 @@ class Publishable:
 
 
 class CausalLM(Publishable, nn.Module):
-    """`forward(ids, positions, mask, cache) -> logits`; mask None means plain causal attention."""
+    """`forward(ids, positions, mask, cache, routing) -> logits`; mask None means plain causal attention."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
@@ -201,13 +209,15 @@ class CausalLM(Publishable, nn.Module):
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
         if positions is None:
             positions = torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_size, self.cfg.rope_theta)
         x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_size, self.cfg.rope_theta)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # a no-op in fp32; keeps a bf16 model in bf16
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, mask, cache, i)
+            x = layer(x, cos, sin, mask, cache, i, routing)
         if cache is not None:
             cache.length += input_ids.shape[1]
         return self.lm_head(self.model.norm(x))

@@ -27,11 +27,14 @@ from config.run import RunConfig
 from flows.lease import hold_lease
 from flows.lifecycle import RunHandle, close_run, reopen_run, start_new_run
 from flows.summary import summarize, to_markdown
+from flows.walltime import WalltimeReached, WalltimeWatch
+from storage.checkpoints import checkpoint_steps
 from storage.fs import CONFIG_STORAGE_ENV, Storage, is_local, join
 from storage.runstate import write_state
 from tasks.components import run_component
 from tasks.process import ComponentFailed
 from tasks.resume import Attempt, prepare_attempt
+from tasks.slurm import allocation_nodes, srun_prefix
 
 
 class RestartsExhausted(RuntimeError):
@@ -79,42 +82,74 @@ def _component_env(cfg: RunConfig, tracking_uri: str | None) -> dict[str, dict[s
     }
 
 
-def _run_components(attempt: Attempt, logs: str, env: dict[str, dict[str, str]], logger) -> None:
-    """Warm-up to completion if needed, then inference, orchestrator and trainer side by side."""
+def _run_components(
+    attempt: Attempt, logs: str, env: dict[str, dict[str, str]], srun: dict, watch: WalltimeWatch, logger
+) -> None:
+    """Warm-up to completion if needed, then inference, orchestrator and trainer side by side. `srun`:
+    component -> job-step prefix inside a Slurm job, empty locally."""
     stop = threading.Event()
+    watch.attach(stop)
     try:
         if attempt.needs_warmup:
-            run_component(
-                "warmup", attempt.modules["warmup"], attempt.urls["sft"], env["warmup"], join(logs, "warmup.log"), stop
-            )
+            log = join(logs, "warmup.log")
+            module, url = attempt.modules["warmup"], attempt.urls["sft"]
+            run_component("warmup", module, url, env["warmup"], log, stop, srun.get("warmup"))
+            if stop.is_set():
+                raise ComponentFailed("stopped during the warm-up")
+        watch.trainer_running.set()
         futures = {
             name: run_component.submit(
-                name, attempt.modules[name], attempt.urls[name], env[name], join(logs, f"{name}.log"), stop
+                name,
+                attempt.modules[name],
+                attempt.urls[name],
+                env[name],
+                join(logs, f"{name}.log"),
+                stop,
+                srun.get(name),
+                watch.checkpoint_request if name == "trainer" else None,
             )
             for name in ("inference", "orchestrator", "trainer")
         }
         _supervise(futures, stop, logger)
     finally:
         stop.set()
+        watch.trainer_running.clear()
 
 
-def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger) -> None:
+def _placement(cfg: RunConfig, logger) -> tuple[dict[str, list[str]], str | None]:
+    """Inside a Slurm job: (component -> srun prefix, the inference node); locally ({}, None)."""
+    nodes = allocation_nodes(cfg.deployment)
+    if nodes is None:
+        return {}, None
+    logger.info("Slurm placement: " + ", ".join(f"{k} on {','.join(v)}" for k, v in nodes.items()))
+    return {name: srun_prefix(name, n, cfg.deployment.slurm) for name, n in nodes.items()}, nodes["inference"][0]
+
+
+def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: WalltimeWatch) -> None:
     """Attempt after attempt until the trainer finishes; give up after `max_restarts` failures in a row
-    that each restarted from the same checkpoint."""
+    that each restarted from the same checkpoint. Slurm's walltime warning ends them (resumable)."""
     rcfg, failures, last_start = cfg.restart, 0, -2
     fs, root = storage.open(cfg.output_dir)
     logs = _logs_dir(fs, root, run.run_id)
+    srun, inference_node = _placement(cfg, logger)
     while True:
-        attempt = prepare_attempt(cfg, run.run_id, run.tracking_uri, run.state.mlflow_run_id)
+        if watch.reached.is_set():
+            raise WalltimeReached("the Slurm job's time limit is near; the run is left to resume-unfinished")
+        attempt = prepare_attempt(cfg, run.run_id, run.tracking_uri, run.state.mlflow_run_id, inference_node)
         run.state.attempts += 1
         write_state(fs, root, run.state)
         start = -1 if attempt.resume_step is None else attempt.resume_step
         failures = 0 if start > last_start else failures
         last_start = start
         try:
-            _run_components(attempt, logs, _component_env(cfg, run.tracking_uri), logger)
+            _run_components(attempt, logs, _component_env(cfg, run.tracking_uri), srun, watch, logger)
             return
         except ComponentFailed as exc:
+            if watch.reached.is_set():
+                raise WalltimeReached(
+                    "stopped at the Slurm job's walltime warning; the run is unfinished and resumable "
+                    "(resume-unfinished continues it from its last checkpoint)"
+                ) from None
             failures += 1
             if failures > rcfg.max_restarts:
                 raise RestartsExhausted(
@@ -123,7 +158,7 @@ def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger) -> None:
                 ) from exc
             delay = min(rcfg.backoff_s * 2 ** (failures - 1), rcfg.backoff_max_s)
             logger.warning(f"{exc}\nrestart {failures}/{rcfg.max_restarts} from the last checkpoint in {delay:.1f}s")
-            time.sleep(delay)
+            watch.reached.wait(delay)
 
 
 @flow(name="rl", log_prints=True)
@@ -134,12 +169,13 @@ def rl(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
     storage = Storage(cfg.storage)
     fs, root = storage.open(cfg.output_dir)
     fs.makedirs(root, exist_ok=True)
-    with hold_lease(fs, root, cfg.restart.lease_ttl_s, logger):
+    checkpoints = lambda: checkpoint_steps(fs, root)  # noqa: E731 - what the walltime watch waits for
+    with hold_lease(fs, root, cfg.restart.lease_ttl_s, logger), WalltimeWatch(logger, checkpoints) as watch:
         run = reopen_run(cfg, logger) if resume else start_new_run(cfg, overwrite)
         logger.info(f"run {run.run_id} -> {cfg.output_dir}" + (" (resumed)" if resume else ""))
         finished = False
         try:
-            _attempts(cfg, storage, run, logger)
+            _attempts(cfg, storage, run, logger, watch)
             finished = True
         finally:
             close_run(cfg, run, finished)

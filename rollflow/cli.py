@@ -4,6 +4,7 @@ so `--help`, validation and `--dry-run` are instant.
     rollflow rl @ profiles/tiny-cpu.toml [@ more.toml] [--trainer.optim.lr 3e-4] [--output-dir DIR]
                 [--dry-run] [--overwrite | --resume]
     rollflow resume OUTPUT_DIR [--KEY VALUE ...]
+    rollflow submit @ profiles/x.toml [--KEY VALUE ...] [--overwrite | --resume]   (rollflow/submit.py)
     rollflow lake OUTPUT_DIR [--json] [--export FILE ...] [--plot DIR] [--verify]   (rollflow/lake.py)
     rollflow models fetch NAME [--force] | rollflow models check NAME | rollflow models list   (docs/models.md)
 """
@@ -25,7 +26,8 @@ USAGE = """rollflow rl [@ PROFILE.toml ...] [--KEY VALUE ...] [--dry-run] [--ove
   --KEY VALUE     a dotted override applied after the profiles, e.g. --trainer.optim.lr 3e-4,
                   --output-dir runs/a (dashes in keys read as underscores); VALUE is a TOML literal
                   when it parses as one (3e-4, true, [1, 2]), a string otherwise
-  --dry-run       validate, write the resolved per-component configs to OUTPUT_DIR/config/, exit
+  --dry-run       validate, write the resolved per-component configs to OUTPUT_DIR/config/, with the
+                  Slurm batch script and srun placement `rollflow submit` would use, and exit
   --overwrite     replace an existing run in OUTPUT_DIR instead of refusing to start
   --resume        continue the run in OUTPUT_DIR from its last complete checkpoint; settings that
                   cannot change mid-run (model, envs, seed, group size, warm-up) must match
@@ -37,6 +39,13 @@ RESUME_USAGE = """rollflow resume OUTPUT_DIR [--KEY VALUE ...]
   Continue the run in OUTPUT_DIR (a path or URL) from its last complete checkpoint, with the config it
   was started with plus any overrides (e.g. --max-steps 200). Refused while another process runs it.
   docs/resume.md explains what is kept and what is redone."""
+
+SUBMIT_USAGE = """rollflow submit [@ PROFILE.toml ...] [--KEY VALUE ...] [--overwrite | --resume]
+
+  Submit the run as one Slurm job (sbatch) without a Prefect server: the job runs `rollflow rl` with
+  these profiles and overrides, its components as srun steps placed per the profile's [deployment]
+  section. The job reports to PREFECT_API_URL when that is set. Prints the Slurm job id on its last
+  line. docs/slurm.md explains the deployment section and the Prefect work pool."""
 
 LAKE_USAGE = """rollflow lake OUTPUT_DIR [--json] [--export FILE [--steps A:B] [--env NAME] [--min-reward X]
                      [--max-reward X] [--limit N]] [--plot DIR] [--verify]
@@ -136,12 +145,32 @@ def cmd_rl(tokens: list[str]) -> int:
     cfg = load_run_config(profiles, overrides)
     _precheck(cfg, flags)
     if "dry-run" in flags:
+        from rollflow.submit import job_command, write_preview
         from tasks.prepare import new_run_id, write_configs
 
         urls = write_configs(cfg, new_run_id(cfg), f"http://{cfg.inference.host}:{cfg.inference.port}")
+        urls.update(write_preview(cfg, job_command(profiles, overrides, flags)))
         print(json.dumps(urls, indent=2))
         return 0
     return _launch(cfg, flags)
+
+
+def cmd_submit(tokens: list[str]) -> int:
+    profiles, overrides, flags = split_args(tokens)
+    if "dry-run" in flags:
+        raise ConfigError("rollflow submit has no --dry-run; `rollflow rl ... --dry-run` writes the batch script")
+    cfg = load_run_config(profiles, overrides)
+    _precheck(cfg, flags)
+    from rollflow.submit import job_command, submit
+    from tasks.slurm import SbatchRejected, SlurmNotFound
+
+    try:
+        job_id = submit(cfg, job_command(profiles, overrides, flags))
+    except (SbatchRejected, SlurmNotFound) as exc:
+        print(f"rollflow: {exc}", file=sys.stderr)
+        return 1
+    print(job_id)
+    return 0
 
 
 def cmd_resume(tokens: list[str]) -> int:
@@ -210,11 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         "resume": (cmd_resume, RESUME_USAGE),
         "lake": (cmd_lake, LAKE_USAGE),
         "models": (cmd_models, MODELS_USAGE),
+        "submit": (cmd_submit, SUBMIT_USAGE),
     }
     sub.add_parser("rl", help="run RL from profiles and overrides", usage=USAGE, add_help=False)
     sub.add_parser("resume", help="continue a run from its last complete checkpoint", usage=RESUME_USAGE)
     sub.add_parser("lake", help="inspect a run's rollouts, weights and checkpoints", usage=LAKE_USAGE)
     sub.add_parser("models", help="fetch a pretrained model into the local cache", usage=MODELS_USAGE)
+    sub.add_parser("submit", help="submit the run as one Slurm job (no Prefect server needed)", usage=SUBMIT_USAGE)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0

@@ -8,36 +8,86 @@ reader goes through the manifest and verifies checksums. Columns are documented 
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, get_args, get_origin
 
 import fsspec
 import pyarrow as pa
+from pydantic import BaseModel, ConfigDict
+from pydantic.fields import FieldInfo
 
 from storage.fs import commit_dir, committed_steps, join, read_manifest, read_verified, step_dir
 
 SCHEMA_VERSION = 1
 
-# Field order is the documented order; `step` is also the hive partition key.
+
+class ArrowType:
+    """`Annotated` marker: the Arrow type a field is stored as, where Python's type is too wide."""
+
+    def __init__(self, type_: pa.DataType):
+        self.type = type_
+
+
+Int32 = Annotated[int, ArrowType(pa.int32())]
+Float32 = Annotated[float, ArrowType(pa.float32())]
+Int16 = Annotated[int, ArrowType(pa.int16())]
+
+
+class RolloutRow(BaseModel):
+    """One sample as the orchestrator commits it; the shard schema (`ROLLOUT_SCHEMA`) is derived from it.
+
+    Field order is the documented column order (docs/rollouts.md); `step` is also the hive partition key,
+    int32 because that is what hive discovery infers from `step=N`. Optional fields are nullable columns.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    step: Int32
+    sample_id: str
+    group_id: str
+    env: str
+    policy_version: int
+    policy_version_end: int
+    prompt_ids: list[Int32]
+    completion_ids: list[Int32]
+    completion_logprobs: list[Float32]
+    reward: Float32
+    advantage: Float32
+    temperature: Float32
+    finish_reason: str
+    prompt_text: str
+    completion_text: str
+    # [seq, layers, top_k] expert ids per token for MoE router replay; null for dense models.
+    routed_experts: list[list[list[Int16]]] | None = None
+
+
+_SCALARS: dict[type, pa.DataType] = {str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_()}
+
+
+def _arrow_type(annotation: Any) -> pa.DataType:
+    if get_origin(annotation) is Annotated:
+        base, *meta = get_args(annotation)
+        marks = [m for m in meta if isinstance(m, ArrowType)]
+        return marks[0].type if marks else _arrow_type(base)
+    if get_origin(annotation) is list:
+        return pa.list_(_arrow_type(get_args(annotation)[0]))
+    return _SCALARS[annotation]
+
+
+def _arrow_field(name: str, info: FieldInfo) -> pa.Field:
+    annotation: Any = info.annotation
+    args = get_args(annotation)
+    nullable = type(None) in args
+    if nullable:
+        annotation = next(a for a in args if a is not type(None))
+    if info.metadata:  # pydantic moves Annotated metadata of a top-level field here
+        annotation = Annotated[(annotation, *info.metadata)]
+    return pa.field(name, _arrow_type(annotation), nullable=nullable)
+
+
 ROLLOUT_SCHEMA = pa.schema(
-    [
-        pa.field("run_id", pa.string(), nullable=False),
-        pa.field("step", pa.int32(), nullable=False),  # int32: what hive discovery infers from step=N
-        pa.field("sample_id", pa.string(), nullable=False),
-        pa.field("group_id", pa.string(), nullable=False),
-        pa.field("env", pa.string(), nullable=False),
-        pa.field("policy_version", pa.int64(), nullable=False),
-        pa.field("policy_version_end", pa.int64(), nullable=False),
-        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
-        pa.field("completion_ids", pa.list_(pa.int32()), nullable=False),
-        pa.field("completion_logprobs", pa.list_(pa.float32()), nullable=False),
-        pa.field("reward", pa.float32(), nullable=False),
-        pa.field("advantage", pa.float32(), nullable=False),
-        pa.field("temperature", pa.float32(), nullable=False),
-        pa.field("finish_reason", pa.string(), nullable=False),
-        pa.field("prompt_text", pa.string(), nullable=False),
-        pa.field("completion_text", pa.string(), nullable=False),
-        # [seq, layers, top_k] expert ids per token for MoE router replay; null for dense models.
-        pa.field("routed_experts", pa.list_(pa.list_(pa.list_(pa.int16()))), nullable=True),
-    ],
+    [_arrow_field(name, info) for name, info in RolloutRow.model_fields.items()],
     metadata={b"rollflow.schema_version": str(SCHEMA_VERSION).encode()},
 )
 
@@ -55,14 +105,12 @@ def step_path(output_root: str, step: int) -> str:
     return step_dir(rollouts_root(output_root), step)
 
 
-def to_table(rows: list[dict]) -> pa.Table:
-    """Rows (dicts keyed by column name) to a table with the rollout schema; missing optional -> null."""
-    columns = {f.name: [r.get(f.name) for r in rows] for f in ROLLOUT_SCHEMA}
+def to_table(rows: Sequence[RolloutRow | Mapping[str, Any]]) -> pa.Table:
+    """Rows to a table with the rollout schema. Mappings are validated as `RolloutRow` first (a missing
+    required column raises a ValueError naming it; a missing optional one becomes null)."""
+    typed = [r if isinstance(r, RolloutRow) else RolloutRow.model_validate(r) for r in rows]
+    columns = {f.name: [getattr(r, f.name) for r in typed] for f in ROLLOUT_SCHEMA}
     table = pa.Table.from_pydict(columns, schema=ROLLOUT_SCHEMA)
-    # Arrow does not enforce `nullable=False`; a missing required value would be written as a null.
-    missing = [f.name for f in ROLLOUT_SCHEMA if not f.nullable and table.column(f.name).null_count]
-    if missing:
-        raise ValueError(f"rollout rows lack required column(s): {', '.join(missing)}")
     check_routed_experts(table)
     return table
 

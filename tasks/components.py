@@ -13,12 +13,21 @@ from tasks.process import supervise
 
 @task(cache_policy=NONE, task_run_name="{name}")
 def run_component(
-    name: str, module: str, config_url: str, env: dict[str, str], log_path: str, stop: threading.Event
+    name: str,
+    module: str,
+    config_url: str,
+    env: dict[str, str],
+    log_path: str,
+    stop: threading.Event,
+    srun: list[str] | None = None,
+    nudge: threading.Event | None = None,
 ) -> int:
-    """Launch `python -m <module> --config <config_url>` and supervise it until it exits or `stop` is set."""
+    """Launch `python -m <module> --config <config_url>` and supervise it until it exits or `stop` is set.
+    Inside a Slurm job `srun` is the job-step prefix that places it (tasks/slurm.py); locally None.
+    `nudge` set: the component gets SIGUSR1 (the trainer checkpoints after its current step)."""
     logger = get_run_logger()
-    argv = [sys.executable, "-m", module, "--config", config_url]
+    argv = [*(srun or []), sys.executable, "-m", module, "--config", config_url]
     logger.info(f"starting {name}: {' '.join(argv)}")
-    rc = supervise(name, argv, env, lambda line: logger.info(f"[{name}] {line}"), stop, log_path)
+    rc = supervise(name, argv, env, lambda line: logger.info(f"[{name}] {line}"), stop, log_path, nudge=nudge)
     logger.info(f"{name} exited with code {rc}")
     return rc

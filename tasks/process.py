@@ -86,8 +86,10 @@ def supervise(
     stop: threading.Event,
     log_path: str | None = None,
     grace_s: float = 10.0,
+    nudge: threading.Event | None = None,
 ) -> int:
-    """Run `argv` until it exits or `stop` is set. Raises ComponentFailed on a non-zero exit of its own."""
+    """Run `argv` until it exits or `stop` is set. Raises ComponentFailed on a non-zero exit of its own.
+    When `nudge` is set, the process group gets SIGUSR1 once (srun forwards it to the step's tasks)."""
     log_file = None
     if log_path:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -107,7 +109,11 @@ def supervise(
     reader = threading.Thread(target=_pump, args=(proc, emit, log_file, tail), daemon=True)
     reader.start()
     try:
+        nudged = False
         while proc.poll() is None and not stop.is_set():
+            if nudge is not None and nudge.is_set() and not nudged:
+                _signal_group(proc.pid, signal.SIGUSR1)
+                nudged = True
             time.sleep(0.1)
     finally:
         terminate_group(proc, grace_s)

@@ -3,6 +3,7 @@ from, roll the run directory back to it, and write the components' configs for t
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 from prefect import get_run_logger, task
@@ -25,7 +26,10 @@ class Attempt:
 
 
 @task(cache_policy=NONE)
-def prepare_attempt(cfg: RunConfig, run_id: str, tracking_uri: str | None, mlflow_run_id: str | None) -> Attempt:
+def prepare_attempt(
+    cfg: RunConfig, run_id: str, tracking_uri: str | None, mlflow_run_id: str | None, inference_node: str | None = None
+) -> Attempt:
+    """`inference_node`: inside a Slurm job, the node the engine runs on (the orchestrator's target)."""
     logger = get_run_logger()
     fs, root = get_fs(cfg.output_dir, cfg.storage)
     step = resume_point(fs, root, logger.warning)
@@ -34,7 +38,9 @@ def prepare_attempt(cfg: RunConfig, run_id: str, tracking_uri: str | None, mlflo
     repair(fs, root, step, logger.warning)
     attempt_cfg = cfg.model_copy(deep=True)
     attempt_cfg.inference.port = cfg.inference.port or free_port(cfg.inference.host)
-    url = f"http://{cfg.inference.host}:{attempt_cfg.inference.port}"
+    if inference_node and inference_node != socket.gethostname().split(".")[0]:
+        attempt_cfg.inference.host = inference_node  # another node: serve on, and connect to, its name
+    url = f"http://{attempt_cfg.inference.host}:{attempt_cfg.inference.port}"
     urls = write_configs(attempt_cfg, run_id, url, tracking_uri, mlflow_run_id, step)
     needs_warmup = step is None and not is_committed(fs, weights.version_dir(root, 0))
     logger.info(f"starting from {'checkpoint step=' + str(step) if step is not None else 'policy version 0'}")

@@ -53,6 +53,18 @@ class UpdateWeightsRequest(BaseModel):
         return self
 
 
+class UpdateWeightsResponse(BaseModel):
+    policy_version: int  # the version served after the update
+    load_s: float
+    apply_s: float
+
+
+class HealthResponse(BaseModel):
+    status: str
+    policy_version: int
+    stats: dict[str, int]
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float]
@@ -67,6 +79,9 @@ class CompletionChoice(BaseModel):
     # rollflow extension: which weights produced the first and the last completion token
     policy_version: int
     policy_version_end: int
+    # rollflow extension (inference.enable_return_routed_experts, MoE models): [seq, layers, top_k] expert ids
+    # for every position the engine ran, seq = prompt + completion - 1 (docs/rollouts.md)
+    routed_experts: list[list[list[int]]] | None = None
 
 
 class Usage(BaseModel):
@@ -101,6 +116,7 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = None
     policy_version: int
     policy_version_end: int
+    routed_experts: list[list[list[int]]] | None = None
 
 
 class ChatResponse(BaseModel):

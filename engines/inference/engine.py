@@ -2,7 +2,8 @@
 
 HTTP handlers enqueue `Request`s and await their futures. Weight updates are applied between decode
 steps of a running batch (in-flight, as PipelineRL does), or at once when the engine is idle; every
-completion records the policy versions that produced its first and last token.
+completion records the policy versions that produced its first and last token. With `record_routes`
+(`inference.enable_return_routed_experts`, MoE models) it also records the experts each token was routed to.
 """
 
 from __future__ import annotations
@@ -36,8 +37,18 @@ class _PendingUpdate:
 
 
 class Engine:
-    def __init__(self, model: CausalLM, version: int, eos_id: int, pad_id: int, max_batch_size: int, seed: int):
+    def __init__(
+        self,
+        model: CausalLM,
+        version: int,
+        eos_id: int,
+        pad_id: int,
+        max_batch_size: int,
+        seed: int,
+        record_routes: bool = False,
+    ):
         self.model = model.eval()
+        self.record_routes = record_routes
         self.version = version
         self.eos_id, self.pad_id = eos_id, pad_id
         self.max_batch_size = max_batch_size
@@ -143,6 +154,7 @@ class Engine:
             pad_id=self.pad_id,
             seeds=seeds,
             between_steps=self._between_steps,
+            record_routes=self.record_routes,
         )
         self.stats["batches"] += 1
         self.stats["sequences"] += len(outs)

@@ -54,6 +54,9 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
         done = sum(len(c.token_ids) for c in outs)
         return api.Usage(prompt_tokens=len(prompt_ids), completion_tokens=done, total_tokens=len(prompt_ids) + done)
 
+    def routes(c) -> list[list[list[int]]] | None:
+        return None if c.routed_experts is None else c.routed_experts.tolist()
+
     def check_request(ids: list[int], max_tokens: int, n: int) -> None:
         """Refuse (400) what would fail or blow up inside a shared batch, before it is queued."""
         cfg = engine.model.cfg
@@ -70,8 +73,8 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
             raise HTTPException(status_code=400, detail=problem)
 
     @app.get("/health")
-    def health() -> dict:
-        return {"status": "ok", "policy_version": engine.version, "stats": engine.stats}
+    def health() -> api.HealthResponse:
+        return api.HealthResponse(status="ok", policy_version=engine.version, stats=engine.stats)
 
     @app.get("/v1/models")
     def models() -> dict:
@@ -96,6 +99,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
                 token_ids=c.token_ids if req.return_token_ids else None,
                 policy_version=c.policy_version,
                 policy_version_end=c.policy_version_end,
+                routed_experts=routes(c),
             )
             for i, c in enumerate(outs)
         ]
@@ -127,6 +131,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
                     token_ids=c.token_ids if req.return_token_ids else None,
                     policy_version=c.policy_version,
                     policy_version_end=c.policy_version_end,
+                    routed_experts=routes(c),
                 )
             )
         return api.ChatResponse(
@@ -138,7 +143,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
         )
 
     @app.post("/update_weights", dependencies=[admin])
-    async def update_weights(req: api.UpdateWeightsRequest) -> dict:
+    async def update_weights(req: api.UpdateWeightsRequest) -> api.UpdateWeightsResponse:
         t0 = time.perf_counter()
         directory = req.path or weights.version_dir(root, req.version or 0)
         if not await asyncio.to_thread(is_committed, fs, directory):
@@ -152,7 +157,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
             served = await asyncio.to_thread(engine.update_weights, state, version)
         except (CorruptError, ValueError) as exc:
             raise HTTPException(status_code=422, detail=str(exc)) from exc
-        return {"policy_version": served, "load_s": t1 - t0, "apply_s": time.perf_counter() - t1}
+        return api.UpdateWeightsResponse(policy_version=served, load_s=t1 - t0, apply_s=time.perf_counter() - t1)
 
     @app.post("/shutdown", dependencies=[admin])
     async def shutdown() -> dict:
@@ -180,7 +185,11 @@ def load_engine(cfg, output_root_url: str, storage):
     model, tokenizer = loaded.model, loaded.tokenizer
     version, state = latest
     model.load_published(state)
-    engine = Engine(model, version, tokenizer.eos_id, tokenizer.pad_id, cfg.inference.max_batch_size, cfg.seed)
+    # inference.dtype: the sampler may run in lower precision than the fp32 trainer (as vLLM serves bf16)
+    model.to(getattr(torch, cfg.inference.dtype))
+    inf = cfg.inference
+    routes = inf.enable_return_routed_experts
+    engine = Engine(model, version, tokenizer.eos_id, tokenizer.pad_id, inf.max_batch_size, cfg.seed, routes)
     return engine, tokenizer
 
 

@@ -4,7 +4,9 @@ Per step N not yet committed: wait until the engine serves a policy no older tha
 prompts (a pure function of seed and step), request `group_size` samples each over HTTP, score them,
 compute group advantages, drop samples older than `max_off_policy_steps`, and commit
 `rollouts/step=N/`. A background task follows `weights/` and pushes each new publication to the engine
-while generation runs, so one rollout may span two policy versions.
+while generation runs, so one rollout may span two policy versions. Requests and responses are the
+inference API's own types (engines/inference/api.py); each sample becomes a typed `RolloutRow`, carrying
+the engine's `routed_experts` when it returns them (MoE with inference.enable_return_routed_experts).
 """
 
 from __future__ import annotations
@@ -21,11 +23,19 @@ import httpx
 from config.process import OrchestratorProcessConfig
 from engines import modeldir
 from engines.envs import EnvMix, Task
+from engines.inference.api import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    HealthResponse,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
+)
 from engines.orchestrator.advantages import group_advantages
 from engines.sampling import derive_seed
 from storage import rollouts, weights
 from storage.fs import Storage, read_json
-from storage.rollouts import staleness
+from storage.rollouts import RolloutRow, staleness
 
 log = logging.getLogger("rollflow.orchestrator")
 
@@ -44,14 +54,15 @@ class WeightSync:
     async def refresh(self) -> None:
         r = await self.client.get("/health")
         r.raise_for_status()
-        self.engine_version = r.json()["policy_version"]
+        self.engine_version = HealthResponse.model_validate_json(r.content).policy_version
 
     async def push_latest(self) -> None:
         latest = await asyncio.to_thread(weights.latest_version, self.fs, self.root)
         if latest is not None and latest > self.engine_version:
-            r = await self.client.post("/update_weights", json={"version": latest}, headers=self.headers)
+            body = UpdateWeightsRequest(version=latest).model_dump(exclude_none=True)
+            r = await self.client.post("/update_weights", json=body, headers=self.headers)
             r.raise_for_status()
-            self.engine_version = r.json()["policy_version"]
+            self.engine_version = UpdateWeightsResponse.model_validate_json(r.content).policy_version
             log.info(f"engine now serves policy version {self.engine_version}")
             self.changed.set()
 
@@ -81,6 +92,13 @@ class WeightSync:
         return time.perf_counter() - t0
 
 
+def _required(value, name: str):
+    """A response field the orchestrator asked for (return_token_ids, logprobs); its absence is a server bug."""
+    if value is None:
+        raise RuntimeError(f"inference response lacks '{name}', which the request asked for")
+    return value
+
+
 async def wait_healthy(client: httpx.AsyncClient, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -103,49 +121,53 @@ class Orchestrator:
         self.mix = EnvMix(cfg.envs, cfg.seed, self.tok.prompt_style)
         self.limit = asyncio.Semaphore(self.ocfg.requests_in_flight)
 
-    async def sample_group(self, step: int, group: int) -> list[dict]:
+    async def sample_group(self, step: int, group: int) -> list[RolloutRow]:
         task = self.mix.task(f"step={step}/group={group}")
         prompt_ids = self.tok.render_prompt(task.prompt)
-        body = {
-            "prompt": prompt_ids,
-            "n": self.ocfg.group_size,
-            "max_tokens": self.ocfg.max_new_tokens,
-            "temperature": self.ocfg.temperature,
-            "logprobs": 1,
-            "return_token_ids": True,
+        request = CompletionRequest(
+            prompt=prompt_ids,
+            n=self.ocfg.group_size,
+            max_tokens=self.ocfg.max_new_tokens,
+            temperature=self.ocfg.temperature,
+            logprobs=1,
+            return_token_ids=True,
             # a pure function of (seed, step, group): a resumed run redraws exactly these samples
-            "seed": derive_seed(self.cfg.seed, step, group),
-        }
+            seed=derive_seed(self.cfg.seed, step, group),
+        )
         async with self.limit:
-            r = await self.client.post("/v1/completions", json=body)
+            r = await self.client.post("/v1/completions", json=request.model_dump(exclude_none=True))
         if r.status_code == 400:  # e.g. prompt + max_new_tokens over model.max_seq_len
             raise RuntimeError(f"inference refused step {step} group {group}: {r.json().get('detail')}")
         r.raise_for_status()
-        return self.score_group(step, group, task, prompt_ids, r.json()["choices"])
+        response = CompletionResponse.model_validate_json(r.content)
+        return self.score_group(step, group, task, prompt_ids, response.choices)
 
-    def score_group(self, step: int, group: int, task: Task, prompt_ids: list[int], choices: list[dict]) -> list[dict]:
-        rewards = [self.mix.reward(task, c["text"]) for c in choices]
+    def score_group(
+        self, step: int, group: int, task: Task, prompt_ids: list[int], choices: list[CompletionChoice]
+    ) -> list[RolloutRow]:
+        rewards = [self.mix.reward(task, c.text) for c in choices]
         advantages = group_advantages(rewards, self.ocfg.normalize_advantages)
         group_id = f"s{step:06d}-g{group:04d}"
         return [
-            {
-                "run_id": self.cfg.run.run_id,
-                "step": step,
-                "sample_id": f"{group_id}-{k:02d}",
-                "group_id": group_id,
-                "env": task.env,
-                "policy_version": c["policy_version"],
-                "policy_version_end": c["policy_version_end"],
-                "prompt_ids": prompt_ids,
-                "completion_ids": c["token_ids"],
-                "completion_logprobs": c["logprobs"]["token_logprobs"],
-                "reward": reward,
-                "advantage": adv,
-                "temperature": self.ocfg.temperature,
-                "finish_reason": c["finish_reason"],
-                "prompt_text": task.prompt,
-                "completion_text": c["text"],
-            }
+            RolloutRow(
+                run_id=self.cfg.run.run_id,
+                step=step,
+                sample_id=f"{group_id}-{k:02d}",
+                group_id=group_id,
+                env=task.env,
+                policy_version=c.policy_version,
+                policy_version_end=c.policy_version_end,
+                prompt_ids=prompt_ids,
+                completion_ids=_required(c.token_ids, "token_ids"),
+                completion_logprobs=_required(c.logprobs, "logprobs").token_logprobs,
+                reward=reward,
+                advantage=adv,
+                temperature=self.ocfg.temperature,
+                finish_reason=c.finish_reason,
+                prompt_text=task.prompt,
+                completion_text=c.text,
+                routed_experts=c.routed_experts,
+            )
             for k, (c, reward, adv) in enumerate(zip(choices, rewards, advantages, strict=True))
         ]
 
@@ -155,13 +177,13 @@ class Orchestrator:
         groups = await asyncio.gather(*(self.sample_group(step, g) for g in range(self.ocfg.batch_size)))
         gen_s = time.perf_counter() - t0
         rows = [row for grp in groups for row in grp]
-        kept = [r for r in rows if staleness(step, r["policy_version"]) <= self.cfg.max_off_policy_steps]
+        kept = [r for r in rows if staleness(step, r.policy_version) <= self.cfg.max_off_policy_steps]
         if not kept:
             raise RuntimeError(f"step {step}: every sample exceeded max_off_policy_steps; nothing to commit")
-        versions = Counter(r["policy_version"] for r in kept)
+        versions = Counter(r.policy_version for r in kept)
         meta = {"gen_s": gen_s, "wait_s": waited, "dropped": len(rows) - len(kept), "versions": dict(versions)}
         await asyncio.to_thread(rollouts.write_step, self.fs, self.root, step, rollouts.to_table(kept), meta)
-        reward = sum(r["reward"] for r in kept) / len(kept)
+        reward = sum(r.reward for r in kept) / len(kept)
         log.info(
             f"step {step}/{self.cfg.max_steps}: {len(kept)} samples (dropped {meta['dropped']}), "
             f"reward {reward:.3f}, policy versions {dict(sorted(versions.items()))}, "

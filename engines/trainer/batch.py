@@ -1,16 +1,23 @@
 """Turn a step's rollout table into right-padded training tensors, split into micro-batches.
 
 `pack_batch` repacks the same samples several to a row (`trainer.packing`), which removes most padding
-when completion lengths vary.
+when completion lengths vary. MoE routing payloads (`routed_experts`, [prompt + completion - 1, layers, k])
+become `routes` [B, T, layers, k] aligned with `input_ids`; positions without a payload (the last token,
+padding, samples without routes) hold -1, which router replay reads as "route afresh".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import torch
+
+
+def _rows_of(fields: dict[str, Any], idx: torch.Tensor | slice) -> dict[str, Any]:
+    """The given rows of every tensor field; absent optional fields (None) stay None."""
+    return {k: None if v is None else v[idx] for k, v in fields.items()}
 
 
 @dataclass
@@ -23,12 +30,13 @@ class Batch:
     temperatures: torch.Tensor  # [B]
     versions: torch.Tensor  # [B] policy_version
     versions_end: torch.Tensor  # [B] policy_version_end
+    routes: torch.Tensor | None = None  # [B, T, layers, k] sampler's expert ids, -1 where none
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def select(self, idx: torch.Tensor | slice) -> Batch:
-        return Batch(**{k: v[idx] for k, v in self.__dict__.items()})
+        return Batch(**_rows_of(self.__dict__, idx))
 
 
 def right_pad(seqs: list[list[int]], pad_id: int) -> torch.Tensor:
@@ -36,6 +44,19 @@ def right_pad(seqs: list[list[int]], pad_id: int) -> torch.Tensor:
     for i, seq in enumerate(seqs):
         ids[i, : len(seq)] = torch.tensor(seq)
     return ids
+
+
+def routes_tensor(payloads: list, length: int) -> torch.Tensor | None:
+    """[B, length, layers, k] int64 from per-sample [seq, layers, k] lists (None -> -1); None if all are None."""
+    shapes = [(len(r[0]), len(r[0][0])) for r in payloads if r]
+    if not shapes:
+        return None
+    layers, k = shapes[0]
+    out = torch.full((len(payloads), length, layers, k), -1, dtype=torch.long)
+    for i, r in enumerate(payloads):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out
 
 
 def make_batch(table: pa.Table, pad_id: int) -> Batch:
@@ -59,6 +80,9 @@ def make_batch(table: pa.Table, pad_id: int) -> Batch:
         temperatures=torch.tensor(cols["temperature"], dtype=torch.float32),
         versions=torch.tensor(cols["policy_version"]),
         versions_end=torch.tensor(cols["policy_version_end"]),
+        routes=routes_tensor(table.column("routed_experts").to_pylist(), ids.shape[1])
+        if "routed_experts" in table.column_names
+        else None,
     )
 
 
@@ -79,12 +103,13 @@ class PackedBatch:
     sampler_logprobs: torch.Tensor  # [R, L]
     advantages: torch.Tensor  # [R, L] the sample's advantage on each of its tokens
     temperatures: torch.Tensor  # [R, L] the sample's temperature on each of its tokens
+    routes: torch.Tensor | None = None  # [R, L, layers, k] sampler's expert ids, -1 where none
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def select(self, idx: torch.Tensor | slice) -> PackedBatch:
-        return PackedBatch(**{k: v[idx] for k, v in self.__dict__.items()})
+        return PackedBatch(**_rows_of(self.__dict__, idx))
 
     def attention_mask(self) -> torch.Tensor:
         """[R, 1, L, L] bool: causal within a sample, nothing across samples."""
@@ -134,6 +159,7 @@ def pack_batch(batch: Batch, pad_id: int, capacity: int | None = None) -> Packed
     segments = torch.full(shape, -1, dtype=torch.long)
     floats = {k: torch.zeros(shape) for k in ("loss_mask", "sampler_logprobs", "advantages", "temperatures")}
     floats["temperatures"].fill_(1.0)
+    routes = None if batch.routes is None else torch.full((*shape, *batch.routes.shape[2:]), -1, dtype=torch.long)
     for r, members in enumerate(rows):
         start = 0
         for s, i in enumerate(members):
@@ -147,8 +173,10 @@ def pack_batch(batch: Batch, pad_id: int, capacity: int | None = None) -> Packed
             floats["sampler_logprobs"][r, start : start + n - 1] = batch.sampler_logprobs[i, : n - 1]
             floats["advantages"][r, span] = batch.advantages[i]
             floats["temperatures"][r, span] = batch.temperatures[i]
+            if routes is not None and batch.routes is not None:
+                routes[r, span] = batch.routes[i, :n]
             start += n
-    return PackedBatch(input_ids=ids, positions=positions, segments=segments, targets=targets, **floats)
+    return PackedBatch(input_ids=ids, positions=positions, segments=segments, targets=targets, routes=routes, **floats)
 
 
 B = TypeVar("B", Batch, PackedBatch)

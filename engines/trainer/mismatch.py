@@ -5,18 +5,29 @@ trainer's current weights mixes policy drift into the number. `PolicyHistory` ke
 policies (CPU copies; memory = params x versions kept, fine at small scale and switchable off) so each
 sample is scored by exactly the weights that sampled it. Samples that span an in-flight weight update
 (policy_version != policy_version_end) have no single sampling policy and are left out.
+
+For MoE batches it also counts the scored tokens whose top-k expert set, chosen by the trainer's own
+router, differs from the sampler's in any layer; with router replay the forward uses the sampler's
+experts (as the loss does), so the KL then measures everything but the routing decision.
 """
 
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import torch
 
 from engines.model import CausalLM
-from engines.trainer.batch import Batch, micro_batches, pack_batch
-from engines.trainer.common import batch_logprobs, packed_logprobs
+from engines.trainer.batch import Batch, PackedBatch, micro_batches, pack_batch
+from engines.trainer.common import expert_disagreement, routing_for, train_logprobs
 from engines.trainer.loss import k3_kl
+
+
+class Mismatch(NamedTuple):
+    kl: float | None  # token-mean k3 KL(sampler || same-policy trainer); None when no sample qualifies
+    tokens: int
+    expert_mismatch: float | None  # fraction of scored MoE tokens routed to another top-k set; None if dense
 
 
 class PolicyHistory:
@@ -41,26 +52,29 @@ class PolicyHistory:
 
     @torch.no_grad()
     def mismatch_kl(
-        self, batch: Batch, micro_batch_size: int, pack_pad_id: int | None = None
-    ) -> tuple[float | None, int]:
-        """Token-mean k3 KL(sampler || same-policy trainer); None when no sample qualifies.
+        self, batch: Batch, micro_batch_size: int, pack_pad_id: int | None = None, replay: bool = False
+    ) -> Mismatch:
+        """KL and expert disagreement of the samples drawn by one kept policy (see the module docstring).
 
         With `pack_pad_id` (trainer.packing) the samples are packed first, as for the loss: same numbers,
-        a fraction of the padded forward's work when lengths vary.
+        a fraction of the padded forward's work when lengths vary. `replay`: router replay, as the loss.
         """
-        total, tokens = 0.0, 0.0
+        sums = [0.0, 0.0, 0.0, 0.0]  # kl, kl tokens, tokens with other experts, routed tokens
         for version, state in self.states.items():
             rows = torch.nonzero((batch.versions == version) & (batch.versions_end == version)).flatten()
             if len(rows) == 0:
                 continue
             self.scratch.load_state_dict(state)
             selected = batch.select(rows)
-            if pack_pad_id is not None:
-                for pmb in micro_batches(pack_batch(selected, pack_pad_id), micro_batch_size):
-                    s, n = k3_kl(packed_logprobs(self.scratch, pmb), pmb.sampler_logprobs, pmb.loss_mask)
-                    total, tokens = total + s, tokens + n
-                continue
-            for mb in micro_batches(selected, micro_batch_size):
-                s, n = k3_kl(batch_logprobs(self.scratch, mb), mb.sampler_logprobs, mb.loss_mask)
-                total, tokens = total + s, tokens + n
-        return (total / tokens if tokens else None), int(tokens)
+            mbs: list[Batch] | list[PackedBatch] = (
+                micro_batches(pack_batch(selected, pack_pad_id), micro_batch_size)
+                if pack_pad_id is not None
+                else micro_batches(selected, micro_batch_size)
+            )
+            for mb in mbs:
+                routing = routing_for(mb, replay)
+                kl = k3_kl(train_logprobs(self.scratch, mb, routing), mb.sampler_logprobs, mb.loss_mask)
+                for i, v in enumerate((*kl, *expert_disagreement(routing, mb))):
+                    sums[i] += v
+        kl_mean = sums[0] / sums[1] if sums[1] else None
+        return Mismatch(kl_mean, int(sums[1]), sums[2] / sums[3] if sums[3] else None)

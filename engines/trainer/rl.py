@@ -6,6 +6,8 @@ measurement -> micro-batched loss/backward -> optimizer step -> `weights/step=N/
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 
 import torch
@@ -14,13 +16,23 @@ from config.process import TrainerProcessConfig
 from engines import modeldir
 from engines.trainer import checkpoint
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
-from engines.trainer.common import log, seed_everything, train_logprobs
+from engines.trainer.common import log, routing_for, seed_everything, train_logprobs
 from engines.trainer.loss import policy_loss
-from engines.trainer.mismatch import PolicyHistory
+from engines.trainer.mismatch import Mismatch, PolicyHistory
 from engines.trainer.tracking import Tracker
 from storage import retention, rollouts, weights
 from storage.fs import Storage, is_committed
 from storage.rollouts import staleness
+
+# Set by SIGUSR1, which the flow relays when Slurm's walltime warning arrives: checkpoint after this step.
+CHECKPOINT_NOW = threading.Event()
+
+
+def _scoring(mb: Batch | PackedBatch) -> torch.Tensor:
+    """[rows, T] 1.0 at input positions whose logits score a completion token (aligned with `routes`)."""
+    if isinstance(mb, PackedBatch):
+        return mb.loss_mask
+    return torch.nn.functional.pad(mb.loss_mask, (0, 1))
 
 
 class RLTrainer:
@@ -89,11 +101,14 @@ class RLTrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         n_tokens = float(batch.loss_mask.sum().clamp(min=1))
-        loss_sum = masked = kl_sum = nonfinite = 0.0
+        loss_sum = masked = kl_sum = nonfinite = replayed = 0.0
         lc = self.tcfg.loss
         for mb in self.train_micro_batches(batch):
+            routing = routing_for(mb, self.tcfg.enable_router_replay)
+            if routing is not None and routing.replay is not None:
+                replayed += float(((routing.replay[..., 0, 0] >= 0) & (_scoring(mb) > 0)).sum())
             out = policy_loss(
-                train_logprobs(self.model, mb),
+                train_logprobs(self.model, mb, routing),
                 mb.sampler_logprobs,
                 mb.advantages,
                 mb.loss_mask,
@@ -119,6 +134,8 @@ class RLTrainer:
             "sampler_kl": kl_sum / n_tokens,
             "sampler_nonfinite_tokens": int(nonfinite),
             "tokens": int(n_tokens),
+            # completion tokens scored through the sampler's experts (router replay); 0 without replay
+            "replayed_fraction": replayed / n_tokens,
         }
 
     def step(self, step: int) -> dict:
@@ -126,10 +143,11 @@ class RLTrainer:
         table, manifest = self.wait_for_rollouts(step)
         t1 = time.perf_counter()
         batch = make_batch(table, self.tok.pad_id)
-        mismatch, mismatch_tokens = (
-            self.history.mismatch_kl(batch, self.tcfg.micro_batch_size, self.tok.pad_id if self.tcfg.packing else None)
+        pack_pad = self.tok.pad_id if self.tcfg.packing else None
+        mismatch = (
+            self.history.mismatch_kl(batch, self.tcfg.micro_batch_size, pack_pad, self.tcfg.enable_router_replay)
             if self.history
-            else (None, 0)
+            else Mismatch(None, 0, None)
         )
         stats = self.train_on(batch)
         t2 = time.perf_counter()
@@ -145,8 +163,9 @@ class RLTrainer:
             "step": step,
             "time": time.time(),
             "reward_mean": sum(rewards) / len(rewards),
-            "mismatch_kl": mismatch,
-            "mismatch_tokens": mismatch_tokens,
+            "mismatch_kl": mismatch.kl,
+            "mismatch_tokens": mismatch.tokens,
+            "expert_mismatch": mismatch.expert_mismatch,
             **stats,
             "samples": len(rewards),
             "staleness_mean": sum(stale) / len(stale),
@@ -160,6 +179,7 @@ class RLTrainer:
         }
 
     def run(self) -> None:
+        signal.signal(signal.SIGUSR1, lambda *_: CHECKPOINT_NOW.set())
         for step in range(self.version + 1, self.cfg.max_steps + 1):
             row = self.step(step)
             self.tracker.record(row)
@@ -169,6 +189,7 @@ class RLTrainer:
                 f"| mismatch_kl {kl} | staleness {row['staleness_mean']:.2f} | masked {row['masked_fraction']:.3f} "
                 f"| train {row['train_s']:.2f}s wait {row['wait_s']:.2f}s"
             )
-            if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.max_steps:
+            if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.max_steps or CHECKPOINT_NOW.is_set():
+                CHECKPOINT_NOW.clear()
                 log.info(f"checkpoint written: {checkpoint.save(self.fs, self.root, step, self.state)}")
                 retention.enforce(self.fs, self.root, bases=self.publisher.bases)

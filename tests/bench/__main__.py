@@ -30,6 +30,7 @@ MODULES = {
     "trainer": "tests.bench.trainer",
     "orchestration": "tests.bench.orchestration",
     "scaling": "tests.bench.scaling",
+    "router_replay": "tests.bench.router_replay",
 }
 STORAGE_MODULE = "tests.bench.storage"
 ANALYSIS_MARKER = "<!-- hand-written below: kept by `make bench` -->"

@@ -172,15 +172,17 @@ def _component_argv(module: str, config_url: str) -> list[str]:
 def _supervise_all(names: Sequence[str], urls: dict[str, str], env: dict[str, str], logs: Path) -> None:
     """Start components like the flow does (own process groups, output to logs/); return when the trainer
     exits, then stop the rest. Raises if any component fails."""
-    from tasks.components import ENTRY_MODULES
+    from config.registry import entry_modules
     from tasks.process import supervise
+
+    modules = entry_modules("embedded")
 
     stop = threading.Event()
     errors: list[BaseException] = []
 
     def one(name: str) -> None:
         try:
-            argv = _component_argv(ENTRY_MODULES[name], urls[name])
+            argv = _component_argv(modules[name], urls[name])
             supervise(name, argv, env, lambda _line: None, stop, str(logs / f"{name}.log"))
         except BaseException as exc:  # noqa: BLE001 - reported after the others stop
             errors.append(exc)

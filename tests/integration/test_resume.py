@@ -182,6 +182,7 @@ def test_the_scheduled_deployment_resumes_a_killed_run_without_a_person(tmp_path
     assert json.loads((out / "state.json").read_text())["status"] == "running"  # killed: unfinished
 
     _prefect(prefect_api, "work-pool", "create", "rollflow-local", "--type", "process", "--overwrite")
+    _prefect(prefect_api, "work-pool", "create", "rollflow-slurm", "--type", "rollflow-slurm", "--overwrite")
     _prefect(prefect_api, "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml")
     from prefect.client.orchestration import get_client
 

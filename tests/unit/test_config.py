@@ -191,7 +191,7 @@ def test_cli_dry_run_writes_component_configs(tmp_path, monkeypatch, capsys):
     rc = main(["rl", "@", "profiles/tiny-cpu.toml", "--output-dir", str(out), "--seed", "7", "--dry-run"])
     assert rc == 0
     urls = json.loads(capsys.readouterr().out)
-    assert set(urls) == {"sft", "inference", "orchestrator", "trainer"}
+    assert set(urls) == {"sft", "inference", "orchestrator", "trainer", "slurm", "slurm_placement"}
 
     cfg_dir = out / "config"
     run = json.loads((cfg_dir / "run.json").read_text())

@@ -1,0 +1,83 @@
+"""Where a run's components go: the profile's `[deployment]` section (docs/slurm.md).
+
+Data flow: profile `[deployment]` -> `DeploymentConfig` (validated here: node counts add up, Slurm
+values well-formed) -> `tasks.slurm` renders the sbatch script (`rollflow submit`, the Slurm worker,
+`--dry-run`) and, inside an allocation, the `srun` placement of each component. A local run ignores
+this section. Imports only pydantic, like the rest of the config.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
+TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+MEMORY = re.compile(r"^\d+[KMGT]?$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SlurmJobConfig(_Strict):
+    """The sbatch request: what `rollflow submit` asks for, and the Slurm worker's defaults."""
+
+    partition: str | None = Field(None, description="sbatch --partition; None: the cluster's default")
+    account: str | None = None
+    qos: str | None = None
+    gpus_per_node: int = Field(0, ge=0)
+    cpus_per_task: int = Field(1, gt=0, description="CPUs per node for the job (one task per node)")
+    mem: str = Field("4G", description="memory per node, sbatch --mem syntax (e.g. 4G, 512000M, 0 = all)")
+    time_limit: str = Field("01:00:00", description="sbatch --time (M, H:M:S, D-H:M:S, ...)")
+    signal_before_s: int = Field(
+        120, ge=0, description="Slurm sends the flow USR1 this long before the time limit (0: no warning)"
+    )
+    extra_sbatch: list[str] = Field(default_factory=list, description="more #SBATCH lines, e.g. '--exclusive'")
+    setup: list[str] = Field(
+        default_factory=list, description="shell lines run before the flow, e.g. 'module load cuda'"
+    )
+    srun_args: list[str] = Field(default_factory=list, description="extra srun arguments for every component")
+
+    @model_validator(mode="after")
+    def _formats(self) -> SlurmJobConfig:
+        if not TIME_LIMIT.match(self.time_limit):
+            raise ValueError(
+                f"deployment.slurm.time_limit={self.time_limit!r} is not a Slurm time "
+                "(minutes, H:M:S, D-H or D-H:M:S, e.g. '90' or '1-00:00:00')"
+            )
+        if not MEMORY.match(self.mem):
+            raise ValueError(f"deployment.slurm.mem={self.mem!r} is not sbatch --mem syntax (e.g. '4G', '512000M')")
+        for line in self.extra_sbatch:
+            if not line.startswith("-") or "\n" in line:
+                raise ValueError(
+                    f"deployment.slurm.extra_sbatch: {line!r} must be one sbatch option, e.g. '--exclusive'"
+                )
+        return self
+
+
+class DeploymentConfig(_Strict):
+    """Node layout inside one Slurm job, as the multi-node layout: inference on the first
+    `inference_nodes` nodes, the trainer on the next `trainer_nodes`, the orchestrator beside the
+    trainer's first node. On one node every component shares it."""
+
+    nodes: int = Field(1, gt=0, description="nodes of the job")
+    inference_nodes: int = Field(1, gt=0)
+    trainer_nodes: int = Field(1, gt=0)
+    slurm: SlurmJobConfig = SlurmJobConfig()
+
+    @model_validator(mode="after")
+    def _counts_add_up(self) -> DeploymentConfig:
+        if self.nodes == 1:
+            if self.inference_nodes != 1 or self.trainer_nodes != 1:
+                raise ValueError(
+                    "deployment.nodes=1: every component shares the node, so deployment.inference_nodes and "
+                    f"deployment.trainer_nodes must be 1 (got {self.inference_nodes} and {self.trainer_nodes})"
+                )
+        elif self.inference_nodes + self.trainer_nodes != self.nodes:
+            raise ValueError(
+                f"deployment.inference_nodes={self.inference_nodes} + deployment.trainer_nodes="
+                f"{self.trainer_nodes} must add up to deployment.nodes={self.nodes}"
+            )
+        return self

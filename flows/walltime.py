@@ -1,0 +1,81 @@
+"""Slurm's walltime warning, as the `rl` flow sees it.
+
+The batch script asks Slurm for USR1 before the time limit (`--signal=B:USR1@N`); its shell turns the
+signal into a file named by $ROLLFLOW_WALLTIME_FILE and exports $ROLLFLOW_WALLTIME_GRACE_S (N/2)
+(tasks/slurm.py). A thread here polls for that file. When it appears:
+  1. `checkpoint_request` is set: the flow relays SIGUSR1 to the trainer, which writes a checkpoint
+     after its current step;
+  2. it waits for that checkpoint, at most the grace period;
+  3. `reached` is set and every attached `stop` event: the components stop as in any shutdown, the flow
+     closes the run as unfinished and releases its lease, and `resume-unfinished` continues it later.
+Outside Slurm (no variable) nothing is watched.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from tasks.slurm import WALLTIME_FILE_ENV, WALLTIME_GRACE_ENV
+
+
+class WalltimeReached(RuntimeError):
+    """The Slurm job's time limit is near: the run was stopped cleanly and can be resumed."""
+
+
+class WalltimeWatch:
+    def __init__(self, logger, checkpoints: Callable[[], list[int]], poll_s: float = 1.0) -> None:
+        self.path = os.environ.get(WALLTIME_FILE_ENV)
+        self.grace_s = float(os.environ.get(WALLTIME_GRACE_ENV) or 0)
+        self.checkpoint_request = threading.Event()
+        self.trainer_running = threading.Event()  # set by the flow while an RL trainer runs to checkpoint
+        self.reached = threading.Event()
+        self._checkpoints = checkpoints
+        self._stops: list[threading.Event] = []
+        self._done = threading.Event()
+        self._logger = logger
+        self._poll_s = poll_s
+        self._thread: threading.Thread | None = None
+
+    def attach(self, stop: threading.Event) -> None:
+        """Set `stop` when the warning comes (at once if it already came)."""
+        self._stops.append(stop)
+        if self.reached.is_set():
+            stop.set()
+
+    def _wait_for_checkpoint(self) -> None:
+        before = max(self._checkpoints(), default=-1)
+        self.checkpoint_request.set()
+        self._logger.warning(f"Slurm's walltime warning: asking the trainer for a checkpoint (<= {self.grace_s:.0f}s)")
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and not self._done.wait(self._poll_s):
+            newest = max(self._checkpoints(), default=-1)
+            if newest > before:
+                self._logger.info(f"checkpoint step={newest} written before the time limit")
+                return
+        self._logger.warning("no new checkpoint within the grace period; the last complete one is kept")
+
+    def _watch(self) -> None:
+        assert self.path is not None
+        while not self._done.wait(self._poll_s):
+            if os.path.exists(self.path):
+                if self.grace_s > 0 and self.trainer_running.is_set():
+                    self._wait_for_checkpoint()
+                self._logger.warning("stopping the components; the run stays resumable")
+                self.reached.set()
+                for stop in self._stops:
+                    stop.set()
+                return
+
+    def __enter__(self) -> WalltimeWatch:
+        if self.path:
+            self._thread = threading.Thread(target=self._watch, name="walltime", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

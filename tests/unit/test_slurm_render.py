@@ -1,0 +1,87 @@
+"""The rendered sbatch script and srun placement for 1, 2 and 4-node profiles, against golden files
+(tests/unit/golden/; ROLLFLOW_UPDATE_GOLDEN=1 rewrites them), and the deployment section's validation."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from config.loader import ConfigError, load_run_config
+from tasks.slurm import PlacementError, place, render_placement, render_sbatch
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).parent / "golden"
+PROFILES = {
+    1: [ROOT / "profiles/tiny-cpu.toml", ROOT / "tests/profiles/slurm-short.toml"],
+    2: [ROOT / "profiles/tiny-cpu.toml", ROOT / "tests/profiles/slurm-2node.toml"],
+    4: [ROOT / "profiles/tiny-cpu.toml", ROOT / "tests/profiles/slurm-4node.toml"],
+}
+COMMAND = "/opt/rollflow/.venv/bin/python -m prefect.engine"
+ENV = {"PREFECT_API_URL": "http://login1:4200/api", "PREFECT__FLOW_RUN_ID": "0b5d", "QUOTED": "a b'c"}
+
+
+def _check(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("ROLLFLOW_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text(), f"{name} changed; rerun with ROLLFLOW_UPDATE_GOLDEN=1 if intended"
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 4])
+def test_rendered_job_matches_golden(nodes: int) -> None:
+    dep = load_run_config(PROFILES[nodes]).deployment
+    assert dep.nodes == nodes
+    script = render_sbatch(dep.slurm, dep.nodes, f"rollflow-{nodes}n", COMMAND, ENV, "/scratch/logs/slurm-%j.out")
+    _check(f"slurm-{nodes}node.sbatch", script)
+    hosts = [f"gpu{i:02d}" for i in range(1, nodes + 1)]
+    placement = {"symbolic": render_placement(dep), "hosts": render_placement(dep, hosts)}
+    _check(f"slurm-{nodes}node-placement.json", json.dumps(placement, indent=2) + "\n")
+
+
+def test_layout_inference_first_trainer_rest_orchestrator_beside_trainer() -> None:
+    dep = load_run_config(PROFILES[4]).deployment
+    nodes = place(dep, ["a", "b", "c", "d"])
+    assert nodes["inference"] == ["a", "b"]
+    assert nodes["trainer"] == nodes["warmup"] == ["c", "d"]
+    assert nodes["orchestrator"] == ["c"]
+
+
+def test_allocation_with_other_node_count_is_refused() -> None:
+    dep = load_run_config(PROFILES[2]).deployment
+    with pytest.raises(PlacementError, match=r"deployment.nodes=2"):
+        place(dep, ["a", "b", "c"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            [("deployment.nodes", "3")],
+            r"deployment.inference_nodes=1 \+ deployment.trainer_nodes=1 must add up to deployment.nodes=3",
+        ),
+        ([("deployment.trainer_nodes", "2")], r"deployment.nodes=1: every component shares the node"),
+        ([("deployment.slurm.time_limit", "'an hour'")], r"deployment.slurm.time_limit='an hour' is not a Slurm time"),
+        ([("deployment.slurm.mem", "'lots'")], r"deployment.slurm.mem='lots'"),
+        ([("deployment.slurm.extra_sbatch", "['exclusive']")], r"deployment.slurm.extra_sbatch: 'exclusive'"),
+        ([("deployment.gpus", "1")], r"deployment.gpus"),
+    ],
+)
+def test_bad_deployment_is_refused_naming_the_key(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_run_config([ROOT / "profiles/tiny-cpu.toml"], overrides)
+
+
+def test_dry_run_writes_the_batch_script_and_placement(tmp_path) -> None:
+    from rollflow.cli import main
+
+    out = tmp_path / "run"
+    profiles = [t for p in PROFILES[2] for t in ("@", str(p))]
+    assert main(["rl", *profiles, "--output-dir", str(out), "--dry-run"]) == 0
+    script = (out / "config" / "slurm.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --partition=gpu" in script
+    assert f"rollflow.cli rl @ {PROFILES[2][0]} @ {PROFILES[2][1]} --output-dir {out}" in script
+    placement = json.loads((out / "config" / "slurm-placement.json").read_text())
+    assert placement["inference"]["nodes"] == ["$node0"] and placement["trainer"]["nodes"] == ["$node1"]
