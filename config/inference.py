@@ -11,7 +11,7 @@ from config.registry import INFERENCE_BACKENDS, one_of
 
 
 class InferenceConfig(ServingFields):
-    """The engine's settings; the deployment keys (shape, parallelism, router, ...) live in config/inference_deployment.py."""
+    """The engine's settings; the deployment keys (shape, parallelism, router, ...): config/inference_deployment.py."""
 
     backend: str = Field("embedded", description="the inference engine; one of config/registry.py's INFERENCE_BACKENDS")
     host: str = "127.0.0.1"

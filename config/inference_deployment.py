@@ -100,7 +100,6 @@ class VLLMRuntimeConfig(Strict):
         default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "1"},
         description="environment of every vLLM server (VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on CPU)",
     )
-    dtype: str = Field("float32", description="vLLM --dtype")
     startup_timeout_s: float = Field(600.0, gt=0)
 
 

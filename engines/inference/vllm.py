@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from config.inference_deployment import DisaggregatedDeployment, MultiNodeDeployment
 from config.inference import InferenceConfig
+from config.inference_deployment import DisaggregatedDeployment, MultiNodeDeployment
 from engines.inference import vllm_render
 
 log = logging.getLogger("rollflow.inference.vllm")

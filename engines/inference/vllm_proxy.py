@@ -24,6 +24,8 @@ import httpx
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
+from engines.inference.api import HealthResponse, UpdateWeightsRequest
+
 # The publication materialized for the workers: (version) -> local safetensors path.
 Materialize = Callable[[int], Awaitable[str]]
 
@@ -78,11 +80,11 @@ def build_app(up: Upstream, materialize: Materialize, admin_token: str, client: 
     admin = Depends(check)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> HealthResponse:
         r = await client.get(up.entry + "/health")
         if r.status_code != 200:
             raise HTTPException(503, f"vLLM at {up.entry} is not healthy (HTTP {r.status_code})")
-        return {"status": "ok", "policy_version": up.version, "backend": "vllm", "servers": len(up.servers)}
+        return HealthResponse(status="ok", policy_version=up.version, stats={"vllm_servers": len(up.servers)})
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -114,8 +116,10 @@ def build_app(up: Upstream, materialize: Materialize, admin_token: str, client: 
         return await forward("/v1/chat/completions", request)
 
     @app.post("/update_weights", dependencies=[admin])
-    async def update_weights(request: Request) -> dict:
-        version = int((await request.json())["version"])
+    async def update_weights(req: UpdateWeightsRequest) -> dict:
+        if req.version is None:
+            raise HTTPException(422, "the vLLM backend loads publications by version, not by path")
+        version = req.version
         async with up.update_lock:
             if version < up.version:
                 raise HTTPException(409, f"version {version} is older than the served {up.version}")

@@ -19,8 +19,8 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from config.inference_deployment import DisaggregatedDeployment, KVCacheOffloadConfig, MultiNodeDeployment
 from config.inference import InferenceConfig
+from config.inference_deployment import DisaggregatedDeployment, KVCacheOffloadConfig, MultiNodeDeployment
 
 API_SERVER = "vllm.entrypoints.openai.api_server"  # the `vllm` console script looks for a dist named `vllm`
 WORKER_EXTENSION = "rollflow_vllm_worker.WeightLoader"
@@ -204,7 +204,7 @@ def _spanning(ctx: Context, name: str, nodes: list[str], role: str | None, env: 
 def _base_flags(ctx: Context, role: str | None) -> list[str]:
     cfg = ctx.cfg
     flags = ["--model", ctx.model, "--served-model-name", ctx.name, "--max-model-len", str(ctx.max_model_len)]
-    flags += ["--dtype", cfg.vllm.dtype, "--seed", "0", "--worker-extension-cls", WORKER_EXTENSION]
+    flags += ["--dtype", cfg.dtype, "--seed", "0", "--worker-extension-cls", WORKER_EXTENSION]
     flags += ["--tensor-parallel-size", str(cfg.parallel.tp), "--data-parallel-size", str(cfg.parallel.dp)]
     if cfg.enable_expert_parallel or role is not None:
         flags.append("--enable-expert-parallel")
