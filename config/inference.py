@@ -1,4 +1,4 @@
-"""The inference server's settings."""
+"""The inference server's settings (backend, address, batch); vLLM's deployment keys come from ServingFields."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from config.base import Strict
+from config.inference_deployment import ServingFields
 from config.registry import INFERENCE_BACKENDS, one_of
 
 
-class InferenceConfig(Strict):
+class InferenceConfig(ServingFields):
+    """The engine's settings; the deployment keys (shape, parallelism, router, ...): config/inference_deployment.py."""
+
     backend: str = Field("embedded", description="the inference engine; one of config/registry.py's INFERENCE_BACKENDS")
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)  # 0: the flow picks a free port at launch

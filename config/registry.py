@@ -24,6 +24,7 @@ MODEL_FAMILIES: dict[str, str] = {
 # `inference.backend` -> the entry module the flow launches as `python -m MODULE --config inference.json`.
 INFERENCE_BACKENDS: dict[str, str] = {
     "embedded": "engines.inference",
+    "vllm": "engines.inference.vllm",
 }
 
 # The other components have one implementation each.

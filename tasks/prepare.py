@@ -13,7 +13,7 @@ from config.resume import resume_changes
 from config.run import RunConfig
 from config.storage import StorageConfig
 from storage import runstate
-from storage.fs import DEFAULT_SETTINGS, get_fs, join, write_json
+from storage.fs import DEFAULT_SETTINGS, get_fs, join, write_bytes_atomic, write_json
 
 # What a run owns inside OUTPUT_DIR; --overwrite removes exactly these, nothing else there (the lease
 # stays: it belongs to whoever is claiming the directory right now).
@@ -133,4 +133,16 @@ def write_configs(
         path = join(root, "config", f"{name}.json")
         write_json(fs, path, sub.model_dump(mode="json"))
         urls[name] = cfg.output_dir.rstrip("/") + f"/config/{name}.json"
+    if cfg.inference.backend == "vllm":
+        write_vllm_plan(cfg, fs, root)
     return urls
+
+
+def write_vllm_plan(cfg: RunConfig, fs, root: str) -> None:
+    """`config/vllm-plan.json` and `config/vllm-commands.sh`: every vLLM server and router the deployment
+    runs, with placeholders for the publication ({model}) and the nodes ({node0}, ...)."""
+    from engines.inference import vllm_render
+
+    replicas = vllm_render.render(cfg.inference, max_model_len=cfg.model.max_seq_len, under_slurm=True)
+    write_json(fs, join(root, "config", "vllm-plan.json"), vllm_render.plan_json(replicas))
+    write_bytes_atomic(fs, join(root, "config", "vllm-commands.sh"), vllm_render.plan_script(replicas).encode())

@@ -1,0 +1,183 @@
+"""How the vLLM backend is deployed: shape, parallelism, router, KV-cache offload, passthrough flags.
+
+Data flow: `[inference]` keys in a profile -> `ServingFields` (mixed into `InferenceConfig`, validated at
+load, every refusal naming its keys) -> `engines/inference/vllm_render.py` turns them into the exact
+vLLM / vllm-router commands and environments (`--dry-run` writes them to OUTPUT_DIR/config/) ->
+`engines/inference/vllm.py` launches them for a local run. The embedded backend ignores none of this
+silently: any non-default deployment key with `backend = "embedded"` is refused.
+
+The shapes follow the seed's inference deployment page: single_node (one vLLM server, tp x dp),
+multi_node (num_nodes independent replicas behind one router, or with enable_expert_parallel one
+wide-EP server spanning the nodes), disaggregated (prefill and decode node groups, each possibly
+several replicas, KV flowing prefill -> decode). `num_infer_replicas` multiplies a whole shape, each
+copy behind its own router. Imports only pydantic.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from config.base import Strict
+
+
+class ParallelConfig(Strict):
+    tp: int = Field(1, gt=0, description="tensor parallel size of each vLLM server")
+    dp: int = Field(1, gt=0, description="data parallel size (ranks of one server; wide EP: across its nodes)")
+
+
+class _Ports(Strict):
+    backend_port: int = Field(8100, gt=0, le=65535, description="first vLLM server port; a server per node adds 1")
+
+
+class SingleNodeDeployment(_Ports):
+    type: Literal["single_node"] = "single_node"
+
+
+class MultiNodeDeployment(_Ports):
+    type: Literal["multi_node"]
+    num_nodes: int = Field(2, ge=2, description="nodes of one inference replica")
+
+
+class DisaggregatedDeployment(_Ports):
+    type: Literal["disaggregated"]
+    num_prefill_nodes: int = Field(1, gt=0, description="nodes of each prefill replica")
+    num_decode_nodes: int = Field(1, gt=0, description="nodes of each decode replica")
+    num_prefill_replicas: int = Field(1, gt=0)
+    num_decode_replicas: int = Field(1, gt=0)
+    prefill_env_overrides: dict[str, str] = Field(default_factory=dict)
+    decode_env_overrides: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def nodes(self) -> int:
+        return self.num_prefill_nodes * self.num_prefill_replicas + self.num_decode_nodes * self.num_decode_replicas
+
+
+DeploymentShape = Annotated[
+    SingleNodeDeployment | MultiNodeDeployment | DisaggregatedDeployment, Field(discriminator="type")
+]
+
+
+class OffloadCPU(Strict):
+    num_bytes: int = Field(gt=0, description="native: the instance's CPU KV pool; mooncake: what each node adds")
+
+
+class OffloadDisk(Strict):
+    path: str = Field(min_length=1, description="directory of the disk tier (bounded by its filesystem)")
+
+
+class KVCacheOffloadConfig(Strict):
+    """GPU -> CPU (-> disk) KV tiers. native: vLLM's own connectors; mooncake: a shared store (Slurm only)."""
+
+    type: Literal["native", "mooncake"] = "native"
+    cpu: OffloadCPU | None = None
+    disk: OffloadDisk | None = None
+
+    @model_validator(mode="after")
+    def _cpu_tier_first(self) -> KVCacheOffloadConfig:
+        if self.cpu is None:
+            raise ValueError(
+                "inference.kv_cache_offload needs a cpu tier ([inference.kv_cache_offload.cpu] num_bytes = ...); "
+                "disk-only offload is not supported: the disk tier sits behind the cpu tier"
+            )
+        return self
+
+
+class RouterConfig(Strict):
+    """vllm-router in front of a shape's servers (several replicas, or prefill/decode pairs)."""
+
+    policy: Literal["consistent_hash", "round_robin"] = "consistent_hash"
+    session_header: str = Field("X-Session-ID", description="the header consistent_hash hashes (one per rollout)")
+    port: int = Field(8000, gt=0, le=65535, description="the router's port; a further replica's router adds 1")
+
+
+class VLLMRuntimeConfig(Strict):
+    """Where vLLM comes from on this host and how long it may take to start."""
+
+    python: str = Field(".venv-vllm/bin/python", description="interpreter of the vLLM environment (infra/vllm)")
+    env: dict[str, str] = Field(
+        default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "1"},
+        description="environment of every vLLM server (VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on CPU)",
+    )
+    startup_timeout_s: float = Field(600.0, gt=0)
+
+
+# vllm_extra keys rollflow sets itself: the config key to use instead.
+OWNED_FLAGS = {
+    "model": "model.path (the newest weights publication is served)",
+    "host": "inference.host",
+    "port": "inference.deployment.backend_port",
+    "tensor_parallel_size": "inference.parallel.tp",
+    "data_parallel_size": "inference.parallel.dp",
+    "enable_expert_parallel": "inference.enable_expert_parallel",
+    "kv_transfer_config": "inference.kv_cache_offload / inference.deployment.type",
+    "worker_extension_cls": "nothing (rollflow's weight loader must stay installed)",
+    "max_model_len": "model.max_seq_len",
+}
+
+
+class ServingFields(Strict):
+    """The deployment keys of `[inference]` (mixed into InferenceConfig); used by backend 'vllm'."""
+
+    deployment: DeploymentShape = Field(default_factory=SingleNodeDeployment)
+    parallel: ParallelConfig = ParallelConfig()
+    enable_expert_parallel: bool = False
+    kv_cache_offload: KVCacheOffloadConfig | None = None
+    router: RouterConfig = RouterConfig()
+    num_infer_replicas: int = Field(
+        1, gt=0, description="copies of the whole shape, each behind its own router (the seed's deployment key)"
+    )
+    vllm_extra: dict[str, Any] = Field(default_factory=dict, description="more vLLM flags: {flag_name: value}")
+    vllm: VLLMRuntimeConfig = VLLMRuntimeConfig()
+
+    @model_validator(mode="after")
+    def _serving_rules(self) -> ServingFields:
+        for check in (_embedded_default_only, _wide_ep_fits, _replay_without_offload, _extra_not_owned):
+            check(self)
+        return self
+
+
+def _embedded_default_only(s: ServingFields) -> None:
+    if getattr(s, "backend", "vllm") == "vllm":
+        return
+    keys = ("deployment", "parallel", "enable_expert_parallel", "kv_cache_offload", "router", "num_infer_replicas")
+    set_keys = [f"inference.{k}" for k in keys if k in s.model_fields_set and getattr(s, k) != _default(k)]
+    set_keys += ["inference.vllm_extra"] if s.vllm_extra else []
+    if set_keys:
+        raise ValueError(
+            f"{', '.join(set_keys)} apply to inference.backend = 'vllm' only; the embedded engine is one "
+            f"process on one host (inference.backend = {getattr(s, 'backend', None)!r})"
+        )
+
+
+def _default(key: str) -> Any:
+    field = ServingFields.model_fields[key]
+    return field.get_default(call_default_factory=True)
+
+
+def _wide_ep_fits(s: ServingFields) -> None:
+    d = s.deployment
+    if not (s.enable_expert_parallel and isinstance(d, MultiNodeDeployment)):
+        return
+    if s.parallel.dp % d.num_nodes:
+        raise ValueError(
+            f"wide EP (inference.enable_expert_parallel with inference.deployment.type = 'multi_node'): "
+            f"inference.parallel.dp={s.parallel.dp} must be a multiple of inference.deployment.num_nodes="
+            f"{d.num_nodes} (each node runs dp / num_nodes ranks)"
+        )
+
+
+def _replay_without_offload(s: ServingFields) -> None:
+    if getattr(s, "enable_return_routed_experts", False) and s.kv_cache_offload is not None:
+        raise ValueError(
+            "inference.enable_return_routed_experts (router replay; trainer.enable_router_replay turns it on) "
+            "is not supported with inference.kv_cache_offload: remove one of them"
+        )
+
+
+def _extra_not_owned(s: ServingFields) -> None:
+    for key in s.vllm_extra:
+        name = key.lstrip("-").replace("-", "_")
+        if name in OWNED_FLAGS:
+            raise ValueError(f"inference.vllm_extra.{key} is set by rollflow; use {OWNED_FLAGS[name]} instead")

@@ -1,0 +1,146 @@
+"""The HTTP face of the vLLM backend: the same routes as the embedded engine, in front of vLLM servers.
+
+    orchestrator --> proxy (inference.host:inference.port) --> router or the only vLLM server (generation)
+                                                         \\-> every vLLM server (pause, collective_rpc, resume)
+
+Generation requests are forwarded with a `cache_salt` naming the policy version they start under, so no
+prefix cached under an older policy serves a newer one, and come back with `policy_version` (at the start)
+and `policy_version_end` (at the finish) on every choice. `POST /update_weights {version}` (admin token)
+materializes the publication as a local safetensors file, closes the gate to new requests, pauses every
+server keeping its in-flight requests, has every worker load the file (rollflow_vllm_worker.WeightLoader
+via vLLM's /collective_rpc), and resumes: requests that were in flight finish under the new policy and
+say so in `policy_version_end`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+
+from engines.inference.api import HealthResponse, UpdateWeightsRequest
+
+# The publication materialized for the workers: (version) -> local safetensors path.
+Materialize = Callable[[int], Awaitable[str]]
+
+
+@dataclass
+class Upstream:
+    """Where generation goes (`entry`: the router or the only server) and the servers that hold weights."""
+
+    entry: str
+    servers: list[str]
+    version: int
+    open_gate: asyncio.Event = field(default_factory=asyncio.Event)
+    update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def salt(version: int) -> str:
+    return f"rollflow-policy-{version}"
+
+
+async def _each(client: httpx.AsyncClient, servers: list[str], path: str, **kwargs) -> list[httpx.Response]:
+    responses = await asyncio.gather(*(client.post(s + path, **kwargs) for s in servers))
+    for r in responses:
+        if r.status_code >= 400:
+            raise RuntimeError(f"{r.request.url}: HTTP {r.status_code}: {r.text[:300]}")
+    return list(responses)
+
+
+async def apply_update(client: httpx.AsyncClient, up: Upstream, path: str, version: int) -> list[dict]:
+    """Pause (keeping in-flight requests), load `path` on every worker of every server, resume."""
+    up.open_gate.clear()
+    try:
+        try:
+            await _each(client, up.servers, "/pause", params={"mode": "keep"})
+            rpc = {"method": "rollflow_load", "args": [path, version], "timeout": 600}
+            responses = await _each(client, up.servers, "/collective_rpc", json=rpc)
+            up.version = version
+        finally:  # resume whatever did pause, also when the load failed (the error then reaches the caller)
+            await _each(client, up.servers, "/resume")
+    finally:
+        up.open_gate.set()
+    return [item for r in responses for item in r.json().get("results", [])]
+
+
+def build_app(up: Upstream, materialize: Materialize, admin_token: str, client: httpx.AsyncClient):
+    """The FastAPI app; `client` talks to vLLM (the servers bind loopback unless configured otherwise)."""
+    app = FastAPI(title="rollflow vLLM proxy")
+
+    def check(authorization: str | None = Header(default=None)) -> None:
+        if authorization is None or not secrets.compare_digest(authorization, f"Bearer {admin_token}"):
+            raise HTTPException(status_code=401, detail="admin route: missing or wrong bearer token")
+
+    admin = Depends(check)
+
+    @app.get("/health")
+    async def health() -> HealthResponse:
+        r = await client.get(up.entry + "/health")
+        if r.status_code != 200:
+            raise HTTPException(503, f"vLLM at {up.entry} is not healthy (HTTP {r.status_code})")
+        return HealthResponse(status="ok", policy_version=up.version, stats={"vllm_servers": len(up.servers)})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        r = await client.get(up.entry + "/v1/models")
+        return Response(r.content, r.status_code, media_type="application/json")
+
+    async def forward(path: str, request: Request) -> Response:
+        body = await request.json()
+        if body.get("stream"):
+            raise HTTPException(400, "stream=true is not supported through the rollflow vLLM proxy")
+        await up.open_gate.wait()  # no request starts under a version that is being replaced
+        start = up.version
+        body["cache_salt"] = salt(start)
+        headers = {k: v for k, v in request.headers.items() if k.lower().startswith("x-")}
+        r = await client.post(up.entry + path, json=body, headers=headers)
+        if r.status_code != 200:
+            return Response(r.content, r.status_code, media_type="application/json")
+        out = r.json()
+        for choice in out.get("choices", []):
+            choice["policy_version"], choice["policy_version_end"] = start, up.version
+        return JSONResponse(out)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await forward("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await forward("/v1/chat/completions", request)
+
+    @app.post("/update_weights", dependencies=[admin])
+    async def update_weights(req: UpdateWeightsRequest) -> dict:
+        if req.version is None:
+            raise HTTPException(422, "the vLLM backend loads publications by version, not by path")
+        version = req.version
+        async with up.update_lock:
+            if version < up.version:
+                raise HTTPException(409, f"version {version} is older than the served {up.version}")
+            t0 = time.perf_counter()
+            try:
+                path = await materialize(version)
+            except FileNotFoundError as exc:
+                raise HTTPException(404, str(exc)) from exc
+            t1 = time.perf_counter()
+            results = await apply_update(client, up, path, version)
+        return {
+            "policy_version": up.version,
+            "load_s": t1 - t0,
+            "apply_s": time.perf_counter() - t1,
+            "workers": results,
+        }
+
+    @app.post("/shutdown", dependencies=[admin])
+    async def shutdown() -> dict:
+        if server := getattr(app.state, "server", None):
+            server.should_exit = True
+        return {"status": "shutting down"}
+
+    return app

@@ -1,0 +1,207 @@
+"""The vLLM backend's deployment config and rendered commands.
+
+Golden files (tests/unit/golden/vllm/<shape>.sh) hold the exact commands of each of the seed's example
+shapes; ROLLFLOW_UPDATE_GOLDEN=1 rewrites them (review the diff). Every validation rule has a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from config.inference import InferenceConfig
+from config.run import RunConfig
+from engines.inference import vllm_render
+from engines.inference.vllm import check_local
+
+GOLDEN = Path(__file__).parent / "golden" / "vllm"
+
+# The seed's examples, as [inference] tables.
+SHAPES: dict[str, dict] = {
+    "single_node": {},
+    "single_node_tp2_dp4_ep": {"enable_expert_parallel": True, "parallel": {"tp": 2, "dp": 4}},
+    "multi_replica": {"deployment": {"type": "multi_node", "num_nodes": 2}, "parallel": {"tp": 2, "dp": 4}},
+    "wide_ep": {
+        "deployment": {"type": "multi_node", "num_nodes": 2},
+        "enable_expert_parallel": True,
+        "parallel": {"tp": 2, "dp": 8},
+    },
+    "disaggregated": {
+        "deployment": {
+            "type": "disaggregated",
+            "num_prefill_nodes": 2,
+            "num_decode_nodes": 2,
+            "num_prefill_replicas": 2,
+            "num_decode_replicas": 1,
+            "prefill_env_overrides": {"VLLM_ENABLE_MOE_DP_CHUNK": "0", "VLLM_DEEP_GEMM_WARMUP": "skip"},
+            "decode_env_overrides": {"VLLM_DEEP_GEMM_WARMUP": "skip"},
+        },
+        "parallel": {"tp": 2, "dp": 4},
+        "num_infer_replicas": 3,
+    },
+    "kv_offload_cpu": {"kv_cache_offload": {"type": "native", "cpu": {"num_bytes": 128_000_000_000}}},
+    "kv_offload_cpu_disk": {
+        "kv_cache_offload": {"type": "native", "cpu": {"num_bytes": 128_000_000_000}, "disk": {"path": "/scratch/kv"}}
+    },
+    "kv_offload_mooncake": {
+        "deployment": {"type": "multi_node", "num_nodes": 2},
+        "kv_cache_offload": {
+            "type": "mooncake",
+            "cpu": {"num_bytes": 128_000_000_000},
+            "disk": {"path": "/scratch/kv"},
+        },
+    },
+    "round_robin_extra": {
+        "deployment": {"type": "multi_node", "num_nodes": 2},
+        "router": {"policy": "round_robin"},
+        "vllm_extra": {"enable_dbo": True, "gpu_memory_utilization": 0.9, "compilation_config": {"level": 3}},
+    },
+}
+
+
+def inference(**keys) -> InferenceConfig:
+    return InferenceConfig.model_validate({"backend": "vllm", **keys})
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_rendered_commands_match_golden(shape):
+    replicas = vllm_render.render(inference(**SHAPES[shape]), under_slurm=True)
+    text = vllm_render.plan_script(replicas)
+    path = GOLDEN / f"{shape}.sh"
+    if os.environ.get("ROLLFLOW_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text(), f"rendered commands of {shape} changed; ROLLFLOW_UPDATE_GOLDEN=1 rewrites"
+
+
+def test_node_and_process_counts_follow_the_seed():
+    count = {k: vllm_render.render(inference(**v), under_slurm=True) for k, v in SHAPES.items()}
+    # disaggregated: 2x2 prefill + 1x2 decode = 6 nodes per replica, 3 replicas, one router each
+    dis = count["disaggregated"]
+    assert [len(r.nodes) for r in dis] == [6, 6, 6]
+    assert [sum(p.name.startswith("router") for p in r.processes) for r in dis] == [1, 1, 1]
+    assert len({n for r in dis for n in r.nodes}) == 18
+    # wide EP: one server over 2 nodes, dp_local = 8 / 2, ranks 0 and 4
+    argvs = [p.argv for p in count["wide_ep"][0].processes if not p.name.startswith("router")]
+    assert [a[a.index("--data-parallel-start-rank") + 1] for a in argvs] == ["0", "4"]
+    assert all(a[a.index("--data-parallel-size-local") + 1] == "4" for a in argvs)
+    # multi-replica: independent servers, each tp=2 dp=4, behind one router
+    servers = [p for p in count["multi_replica"][0].processes if p.name.startswith("vllm")]
+    assert len(servers) == 2 and all("--data-parallel-address" not in p.argv for p in servers)
+
+
+def test_single_node_binds_loopback_and_ports_are_unique():
+    (rep,) = vllm_render.render(inference())
+    (server,) = rep.processes
+    assert server.argv[server.argv.index("--host") + 1] == "127.0.0.1"
+    many = vllm_render.render(inference(**SHAPES["disaggregated"]), under_slurm=True)
+    ports = [p.url for r in many for p in r.processes]
+    assert len(ports) == len(set(ports))
+
+
+def test_local_nodes_put_every_server_on_this_host():
+    cfg = inference(deployment={"type": "multi_node", "num_nodes": 2, "backend_port": 9100})
+    (rep,) = vllm_render.render(cfg, model="/m", nodes=["127.0.0.1"] * 2, python="/v/bin/python")
+    router = rep.processes[-1]
+    assert router.argv[0] == "/v/bin/vllm-router"
+    assert router.argv[router.argv.index("--worker-urls") + 1 :] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
+
+
+def test_kv_transfer_config_is_valid_json_for_vllm():
+    (rep,) = vllm_render.render(inference(**SHAPES["kv_offload_cpu_disk"]))
+    argv = rep.processes[0].argv
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "OffloadingConnector"
+    assert kv["kv_connector_extra_config"]["spec_name"] == "TieringOffloadingSpec"
+    assert "--enable-prefix-caching" in argv
+
+
+def test_dry_run_writes_the_commands(tmp_path):
+    from tasks.prepare import write_configs
+
+    cfg = RunConfig.model_validate({"output_dir": str(tmp_path), "inference": {"backend": "vllm", **SHAPES["wide_ep"]}})
+    write_configs(cfg, "run-1", "http://127.0.0.1:1")
+    plan = json.loads((tmp_path / "config" / "vllm-plan.json").read_text())
+    assert len(plan["replicas"][0]["processes"]) == 3
+    assert "vllm-router" in (tmp_path / "config" / "vllm-commands.sh").read_text()
+
+
+# --- validation: one test per rule -------------------------------------------------------------------
+
+
+def refused(match: str, **keys) -> None:
+    with pytest.raises(ValidationError, match=match):
+        RunConfig.model_validate({"inference": keys})
+
+
+def test_disk_only_offload_is_refused():
+    refused("needs a cpu tier", backend="vllm", kv_cache_offload={"type": "native", "disk": {"path": "/x"}})
+
+
+def test_router_replay_with_kv_offload_is_refused():
+    class WithReplay(InferenceConfig):  # the field the MoE work adds to InferenceConfig
+        enable_return_routed_experts: bool = False
+
+    offload = {"cpu": {"num_bytes": 1}}
+    WithReplay.model_validate({"backend": "vllm", "kv_cache_offload": offload})
+    with pytest.raises(ValidationError, match="enable_return_routed_experts.*kv_cache_offload"):
+        WithReplay.model_validate(
+            {"backend": "vllm", "kv_cache_offload": offload, "enable_return_routed_experts": True}
+        )
+
+
+def test_mooncake_runs_only_under_slurm():
+    cfg = inference(kv_cache_offload={"type": "mooncake", "cpu": {"num_bytes": 1}})
+    with pytest.raises(vllm_render.RenderError, match="only under Slurm"):
+        vllm_render.render(cfg, under_slurm=False)
+    with pytest.raises(SystemExit, match="mooncake"):
+        check_local(cfg)
+
+
+def test_wide_ep_dp_must_split_over_the_nodes():
+    refused("dp=3 must be a multiple", backend="vllm", **{**SHAPES["wide_ep"], "parallel": {"tp": 2, "dp": 3}})
+
+
+def test_multi_node_needs_two_nodes():
+    refused("num_nodes", backend="vllm", deployment={"type": "multi_node", "num_nodes": 1})
+
+
+def test_keys_of_another_shape_are_refused():
+    refused("single_node.num_nodes", backend="vllm", deployment={"type": "single_node", "num_nodes": 2})
+    refused("prefill_env_overrides", backend="vllm", deployment={"type": "multi_node", "prefill_env_overrides": {}})
+
+
+def test_vllm_extra_cannot_override_what_rollflow_sets():
+    refused(
+        "vllm_extra.tensor-parallel-size is set by rollflow; use inference.parallel.tp",
+        backend="vllm",
+        vllm_extra={"tensor-parallel-size": 2},
+    )
+    refused("vllm_extra.port", backend="vllm", vllm_extra={"port": 1})
+
+
+def test_deployment_keys_need_the_vllm_backend():
+    refused("inference.parallel apply to inference.backend = 'vllm' only", parallel={"tp": 2})
+    refused("inference.vllm_extra apply", vllm_extra={"enable_dbo": True})
+    RunConfig.model_validate({"inference": {"parallel": {"tp": 1}}})  # the default is no deployment choice
+
+
+def test_unknown_router_policy_is_refused():
+    refused("consistent_hash", backend="vllm", router={"policy": "cache_aware"})
+
+
+@pytest.mark.parametrize(
+    ("keys", "match"),
+    [
+        (SHAPES["wide_ep"], "wide EP"),
+        (SHAPES["disaggregated"], "disaggregated"),
+        ({"num_infer_replicas": 2}, "num_infer_replicas"),
+    ],
+)
+def test_local_launch_refuses_what_needs_slurm(keys, match):
+    with pytest.raises(SystemExit, match=match):
+        check_local(inference(**keys))
+    check_local(inference(**SHAPES["multi_replica"]))  # several replicas behind a router fit on one host
