@@ -126,3 +126,17 @@ class ChatResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+def admin_auth(token: str):
+    """The FastAPI dependency of every admin route (weight updates, shutdown), for both backends' servers:
+    `Authorization: Bearer <token>` or 401."""
+    import secrets
+
+    from fastapi import Header, HTTPException
+
+    def check(authorization: str | None = Header(default=None)) -> None:
+        if authorization is None or not secrets.compare_digest(authorization, f"Bearer {token}"):
+            raise HTTPException(status_code=401, detail="admin route: missing or wrong bearer token")
+
+    return check

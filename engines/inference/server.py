@@ -22,16 +22,6 @@ from engines.inference import api
 log = logging.getLogger("rollflow.inference")
 
 
-def _auth_dependency(token: str):
-    from fastapi import Header, HTTPException
-
-    def check(authorization: str | None = Header(default=None)) -> None:
-        if authorization is None or not secrets.compare_digest(authorization, f"Bearer {token}"):
-            raise HTTPException(status_code=401, detail="admin route: missing or wrong bearer token")
-
-    return check
-
-
 def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_token: str, storage=None):
     """The FastAPI app around an `Engine`; split from `main` so tests can serve it in-process."""
     from fastapi import Depends, FastAPI, HTTPException
@@ -40,7 +30,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
     from storage.fs import CorruptError, Storage, is_committed
 
     app = FastAPI(title="rollflow embedded inference")
-    admin = Depends(_auth_dependency(admin_token))
+    admin = Depends(api.admin_auth(admin_token))
     fs, root = (storage or Storage()).open(output_root_url)
     loaded: dict[str, dict] = {}  # the last publications loaded: a delta's base is not rebuilt each update
 

@@ -15,16 +15,15 @@ say so in `policy_version_end`.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
-from engines.inference.api import HealthResponse, UpdateWeightsRequest
+from engines.inference.api import HealthResponse, UpdateWeightsRequest, admin_auth
 
 # The publication materialized for the workers: (version) -> local safetensors path.
 Materialize = Callable[[int], Awaitable[str]]
@@ -73,11 +72,7 @@ def build_app(up: Upstream, materialize: Materialize, admin_token: str, client: 
     """The FastAPI app; `client` talks to vLLM (the servers bind loopback unless configured otherwise)."""
     app = FastAPI(title="rollflow vLLM proxy")
 
-    def check(authorization: str | None = Header(default=None)) -> None:
-        if authorization is None or not secrets.compare_digest(authorization, f"Bearer {admin_token}"):
-            raise HTTPException(status_code=401, detail="admin route: missing or wrong bearer token")
-
-    admin = Depends(check)
+    admin = Depends(admin_auth(admin_token))
 
     @app.get("/health")
     async def health() -> HealthResponse:
