@@ -12,7 +12,6 @@ models) asks in a sentence. The model's answer ends with its tokenizer's end-of-
 from __future__ import annotations
 
 import difflib
-import importlib
 import random
 import string
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Protocol
 
 from config.envs import EnvSpec
 from config.registry import ENVIRONMENTS
+from engines import registry
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,7 @@ class SortLetters(_StringTask):
 
 def build(spec: EnvSpec, default_style: str = "tag") -> Environment:
     """`default_style` applies where the spec says `prompt = "auto"` (the tokenizer's `prompt_style`)."""
-    module, _, attr = ENVIRONMENTS[spec.name].partition(":")
-    cls = getattr(importlib.import_module(module), attr)
+    cls = registry.load(ENVIRONMENTS[spec.name])
     style = default_style if spec.prompt == "auto" else spec.prompt
     return cls(spec.name, spec.min_chars, spec.max_chars, spec.lengths, style)
 

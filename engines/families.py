@@ -10,12 +10,12 @@ then on (docs/models.md). Pure Python: no torch import.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from config.model import ModelConfig
 from config.registry import MODEL_FAMILIES
+from engines import registry
 
 
 class UnsupportedConfig(ValueError):
@@ -35,11 +35,7 @@ class Family:
 
 def registered() -> dict[str, Family]:
     """model_type -> Family, from config/registry.py's MODEL_FAMILIES."""
-    out = {}
-    for name, path in MODEL_FAMILIES.items():
-        module, _, attr = path.partition(":")
-        out[name] = getattr(importlib.import_module(module), attr)
-    return out
+    return {name: registry.load(path) for name, path in MODEL_FAMILIES.items()}
 
 
 def get(name: str) -> Family:

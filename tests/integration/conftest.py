@@ -72,3 +72,12 @@ def processes_mentioning(text: str) -> list[str]:
         if text in cmdline and state != "Z":
             found.append(cmdline.replace("\0", " "))
     return found
+
+
+def prefect_cli(api: str, *args: str, timeout: float = 180) -> str:
+    """Run the `prefect` CLI of this venv against `api`; fails the test with its output on a non-zero exit."""
+    env = {**cli_env(api), "ROLLFLOW_HOME": str(ROOT)}
+    prefect = str(Path(sys.executable).parent / "prefect")
+    proc = subprocess.run([prefect, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"prefect {' '.join(args)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout

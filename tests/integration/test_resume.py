@@ -7,14 +7,12 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
-from conftest import ROOT, TINY, cli_env, descendants, processes_mentioning, start_cli
+from conftest import ROOT, TINY, descendants, prefect_cli, processes_mentioning, start_cli
 from safetensors.torch import load_file
 
 from storage.rollouts import staleness
@@ -161,14 +159,6 @@ def test_sigkill_anything_then_resume_loses_and_duplicates_nothing(tmp_path, pre
     _wait_gone(out)
 
 
-def _prefect(api: str, *args: str, timeout: float = 180) -> str:
-    env = {**cli_env(api), "ROLLFLOW_HOME": str(ROOT)}
-    prefect = str(Path(sys.executable).parent / "prefect")
-    proc = subprocess.run([prefect, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"prefect {' '.join(args)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
-
-
 def test_the_scheduled_deployment_resumes_a_killed_run_without_a_person(tmp_path, prefect_api):
     out, log = tmp_path / "runs" / "a", tmp_path / "cli.log"
     cli = start_cli(tmp_path, log, prefect_api, *RL_ARGS, "--output-dir", str(out), "--max-steps", "6")
@@ -181,18 +171,18 @@ def test_the_scheduled_deployment_resumes_a_killed_run_without_a_person(tmp_path
     _wait_gone(out)
     assert json.loads((out / "state.json").read_text())["status"] == "running"  # killed: unfinished
 
-    _prefect(prefect_api, "work-pool", "create", "rollflow-local", "--type", "process", "--overwrite")
-    _prefect(prefect_api, "work-pool", "create", "rollflow-slurm", "--type", "rollflow-slurm", "--overwrite")
-    _prefect(prefect_api, "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml")
+    prefect_cli(prefect_api, "work-pool", "create", "rollflow-local", "--type", "process", "--overwrite")
+    prefect_cli(prefect_api, "work-pool", "create", "rollflow-slurm", "--type", "rollflow-slurm", "--overwrite")
+    prefect_cli(prefect_api, "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml")
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("resume-unfinished/resume-unfinished")
     assert [s.schedule.cron for s in deployment.schedules] == ["*/10 * * * *"]  # type: ignore[union-attr]
     # What the cron schedule does every 10 minutes, now: a scheduled run, picked up by a worker.
-    _prefect(prefect_api, "deployment", "run", "resume-unfinished/resume-unfinished",
+    prefect_cli(prefect_api, "deployment", "run", "resume-unfinished/resume-unfinished",
              "--param", f"runs_root={tmp_path / 'runs'}")  # fmt: skip
-    _prefect(prefect_api, "worker", "start", "--pool", "rollflow-local", "--run-once", timeout=300)
+    prefect_cli(prefect_api, "worker", "start", "--pool", "rollflow-local", "--run-once", timeout=300)
 
     assert json.loads((out / "state.json").read_text())["status"] == "finished"
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))

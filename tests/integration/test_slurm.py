@@ -15,11 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, processes_mentioning
+from conftest import ROOT, cli_env, prefect_cli, processes_mentioning
 
 from tasks import slurm
 
-ROOT = Path(__file__).resolve().parents[2]
 PROFILES = ["profiles/tiny-cpu.toml", "tests/profiles/slurm-short.toml"]
 POOL = "rollflow-slurm"
 COMPONENT_STEPS = {"rollflow-warmup", "rollflow-inference", "rollflow-orchestrator", "rollflow-trainer"}
@@ -34,14 +33,6 @@ def slurm_cluster():
     proc = subprocess.run([str(ROOT / "infra/slurm/up.sh")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip()
-
-
-def _prefect(api: str, *args: str, timeout: float = 180) -> str:
-    env = {**cli_env(api), "ROLLFLOW_HOME": str(ROOT)}
-    prefect = str(Path(sys.executable).parent / "prefect")
-    proc = subprocess.run([prefect, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"prefect {' '.join(args)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
 
 
 def _create_process_pool(name: str) -> None:
@@ -73,9 +64,9 @@ def slurm_worker(prefect_api, slurm_cluster, tmp_path_factory):
     """A rollflow-slurm pool created with Prefect's CLI (`--type rollflow-slurm`), the deployments of
     infra/prefect.yaml, and `prefect worker start --pool` in the background."""
     work = tmp_path_factory.mktemp("slurm-worker")
-    _prefect(prefect_api, "work-pool", "create", POOL, "--type", POOL, "--overwrite")
+    prefect_cli(prefect_api, "work-pool", "create", POOL, "--type", POOL, "--overwrite")
     _create_process_pool("rollflow-local")
-    _prefect(prefect_api, "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml")
+    prefect_cli(prefect_api, "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml")
     _pause_schedules("resume-unfinished/resume-unfinished-slurm")  # the tests start it by hand
     env = {**cli_env(prefect_api), "ROLLFLOW_HOME": str(ROOT), "PREFECT_WORKER_QUERY_SECONDS": "1"}
     log = open(work / "worker.log", "ab")  # noqa: SIM115 - closed at teardown
