@@ -9,7 +9,8 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install run test test-fast lint format bench clean smollm2 vllm
+
+.PHONY: install run test test-fast test-long lint format bench clean smollm2 vllm
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PY) -m venv $(VENV)
@@ -35,8 +36,12 @@ smollm2: install
 run: install
 	$(BIN)/rollflow rl @ $(PROFILE) --overwrite
 
+# The CI suite: everything but the `long` marker (learning curves and soaks; `make test-long`).
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not long" tests
+
+test-long: install
+	$(BIN)/python -m pytest -q -m long tests
 
 test-fast: install
 	$(BIN)/python -m pytest -q tests/unit
