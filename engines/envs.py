@@ -15,8 +15,7 @@ from __future__ import annotations
 import difflib
 import random
 import string
-from dataclasses import dataclass
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from config.envs import EnvSpec
