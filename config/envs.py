@@ -33,10 +33,11 @@ class EnvSpec(Strict):
     """One environment in the task mix; `id` names its factory (docs/environments.md)."""
 
     id: str = Field(
+        "",  # filled from `name` when absent (_defaults)
         description="`module:attribute` (an import path) or an entry point name in the `rollflow.envs` group; "
         "default: `name`",
     )
-    name: str = Field(description="the label in the lake and metrics; default: `id`")
+    name: str = Field("", description="the label in the lake and metrics; default: `id`")
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the factory")
     weight: float = Field(1.0, gt=0)
     prompt: Literal["auto", "tag", "instruct"] = Field(

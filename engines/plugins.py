@@ -39,6 +39,8 @@ def _import_path(env_id: str) -> Any:
     try:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
+        if exc.name is None or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise PluginError(f"importing module {module_name!r} failed: {type(exc).__name__}: {exc}") from None
         raise PluginError(
             f"cannot import module {module_name!r} ({exc}); install the package that provides it or put its "
             "directory on PYTHONPATH"
