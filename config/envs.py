@@ -21,8 +21,9 @@ _ENTRY_POINT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 # The built-in string tasks' arguments that older profiles set at the top level of an `[[envs]]` entry.
 LEGACY_ARGS = ("min_chars", "max_chars", "lengths")
-# A built-in string task's payload length when `args.max_chars` is not set (engines/envs.py's default).
-DEFAULT_MAX_CHARS = 8
+# The built-in string tasks' defaults (engines/envs.py's reverse_text and sort_letters): the config's
+# length check and the resume comparison use them.
+STRING_TASK_DEFAULTS = {"min_chars": 3, "max_chars": 8, "lengths": "uniform"}
 
 
 def is_import_path(env_id: str) -> bool:
@@ -89,5 +90,5 @@ class EnvSpec(Strict):
         None for other environments, whose prompt length is known only once they run."""
         if self.id not in STRING_TASKS:
             return None
-        value = self.args.get("max_chars", DEFAULT_MAX_CHARS)
+        value = self.args.get("max_chars", STRING_TASK_DEFAULTS["max_chars"])
         return value if isinstance(value, int) else None

@@ -211,3 +211,21 @@ def test_reasoning_gym_bad_args_are_clear():
     env = build(EnvSpec(id="reasoning-gym", args={"dataset": "basic_arithmetic", "seed": 3}))
     task = env.sample(random.Random(0))
     assert env.reward(task, task.answer) == 1.0 and env.reward(task, "nonsense") < 1.0
+
+
+def test_resume_compares_legacy_env_entries_by_meaning():
+    import inspect
+
+    from config.envs import STRING_TASK_DEFAULTS
+    from config.resume import resume_changes
+    from engines.envs import reverse_text, sort_letters
+
+    for factory in (reverse_text, sort_letters):
+        params = inspect.signature(factory).parameters
+        assert {k: params[k].default for k in STRING_TASK_DEFAULTS} == STRING_TASK_DEFAULTS
+    new = load_run_config([TINY]).model_dump(mode="json")
+    legacy = [{"name": n, "weight": 1.0, "min_chars": 3, "max_chars": 8, "lengths": "uniform", "prompt": "auto"}
+              for n in ("reverse-text", "sort-letters")]  # fmt: skip
+    assert resume_changes({**new, "envs": legacy}, new) == ({}, {})
+    legacy[0]["max_chars"] = 7
+    assert list(resume_changes({**new, "envs": legacy}, new)[0]) == ["envs"]
