@@ -108,15 +108,20 @@ def _bind_args(factory: Callable[..., Any], spec: EnvSpec, style: str) -> dict[s
     return kwargs
 
 
-def build(spec: EnvSpec, default_style: str = "tag") -> Any:
-    """The Environment an `[[envs]]` entry describes; `default_style` replaces `prompt = "auto"` (the
-    tokenizer's `prompt_style`)."""
+def make(spec: EnvSpec, default_style: str = "tag") -> Any:
+    """What the entry's factory returns for its args, unchecked; `default_style` replaces
+    `prompt = "auto"` (the tokenizer's `prompt_style`)."""
     factory = resolve(spec.id)
     kwargs = _bind_args(factory, spec, default_style if spec.prompt == "auto" else spec.prompt)
     try:
-        env = factory(**kwargs)
+        return factory(**kwargs)
     except Exception as exc:
         raise PluginError(f"the factory raised {type(exc).__name__}: {exc} (args {spec.args})") from None
+
+
+def build(spec: EnvSpec, default_style: str = "tag") -> Any:
+    """The single-turn Environment an `[[envs]]` entry describes (`make`, then the protocol check)."""
+    env = make(spec, default_style)
     missing = [m for m in ("sample", "reward") if not callable(getattr(env, m, None))]
     if missing:
         raise PluginError(
