@@ -10,6 +10,7 @@ and the warm-up then build the same environments with `build`.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import random
@@ -137,8 +138,9 @@ def _smoke(env: Any) -> None:
         task = env.sample(random.Random(0))
     except Exception as exc:
         raise PluginError(f"sample(rng) raised {type(exc).__name__}: {exc}") from None
-    if not all(isinstance(getattr(task, f, None), str) for f in ("env", "prompt", "answer")):
-        raise PluginError(f"sample(rng) returned {task!r}, not a Task (env, prompt, answer strings)")
+    fields = ("env", "prompt", "answer")
+    if not dataclasses.is_dataclass(task) or not all(isinstance(getattr(task, f, None), str) for f in fields):
+        raise PluginError(f"sample(rng) returned {task!r}, not a Task (a dataclass with env, prompt, answer strings)")
     try:
         reward = env.reward(task, task.answer)
     except Exception as exc:

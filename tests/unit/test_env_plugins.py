@@ -99,7 +99,7 @@ BAD = {
     "factory raises": ('id = "toyenvs:raises_on_args"', ["raised RuntimeError: no such level 'easy'"]),
     "args rejected": ('id = "toy-echo"\nargs = {times = 0}', ["raised ValueError: times must be >= 1"]),
     "wrong type": ('id = "toyenvs:returns_wrong_type"', ["returned a list, which is not an Environment"]),
-    "bad sample": ('id = "toyenvs:bad_sample"', ["sample(rng) returned 'not a task', not a Task"]),
+    "bad sample": ('id = "toyenvs:bad_sample"', ["sample(rng) returned 'not a task', not a Task (a dataclass"]),
     "no prompt style": ('id = "toyenvs:Factories.upper"\nprompt = "tag"', ["takes no `prompt_style`"]),
     "legacy key": ('name = "toy-echo"\nmax_chars = 5', ["unexpected keyword argument 'max_chars'"]),
 }
