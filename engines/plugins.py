@@ -134,12 +134,13 @@ def build(spec: EnvSpec, default_style: str = "tag") -> Any:
 
 def _smoke(env: Any) -> None:
     """One task drawn and scored, so an environment that breaks on use fails at load too."""
+    task: Any
     try:
         task = env.sample(random.Random(0))
     except Exception as exc:
         raise PluginError(f"sample(rng) raised {type(exc).__name__}: {exc}") from None
     fields = ("env", "prompt", "answer")
-    if not dataclasses.is_dataclass(task) or not all(isinstance(getattr(task, f, None), str) for f in fields):
+    if isinstance(task, type) or not dataclasses.is_dataclass(task) or not all(isinstance(getattr(task, f, None), str) for f in fields):
         raise PluginError(f"sample(rng) returned {task!r}, not a Task (a dataclass with env, prompt, answer strings)")
     try:
         reward = env.reward(task, task.answer)
