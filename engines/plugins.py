@@ -139,8 +139,8 @@ def _smoke(env: Any) -> None:
         task = env.sample(random.Random(0))
     except Exception as exc:
         raise PluginError(f"sample(rng) raised {type(exc).__name__}: {exc}") from None
-    fields = ("env", "prompt", "answer")
-    if isinstance(task, type) or not dataclasses.is_dataclass(task) or not all(isinstance(getattr(task, f, None), str) for f in fields):
+    is_task = dataclasses.is_dataclass(task) and not isinstance(task, type)
+    if not is_task or not all(isinstance(getattr(task, f, None), str) for f in ("env", "prompt", "answer")):
         raise PluginError(f"sample(rng) returned {task!r}, not a Task (a dataclass with env, prompt, answer strings)")
     try:
         reward = env.reward(task, task.answer)
