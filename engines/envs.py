@@ -30,8 +30,6 @@ class Task:
 
 
 class Environment(Protocol):
-    name: str
-
     def sample(self, rng: random.Random) -> Task: ...
 
     def reward(self, task: Task, completion: str) -> float: ...
@@ -95,6 +93,9 @@ class SortLetters(_StringTask):
         return "".join(sorted(payload))
 
 
+Lengths = Literal["uniform", "long-tail"]
+
+
 def _string_task(
     cls: type[_StringTask], name: str, min_chars: int, max_chars: int, lengths: str, prompt_style: str
 ) -> _StringTask:
@@ -105,15 +106,16 @@ def _string_task(
     return cls(name, min_chars, max_chars, lengths, prompt_style)
 
 
-Lengths = Literal["uniform", "long-tail"]
-
-
-def reverse_text(min_chars: int = 3, max_chars: int = 8, lengths: Lengths = "uniform", prompt_style: str = "tag"):
+def reverse_text(
+    min_chars: int = 3, max_chars: int = 8, lengths: Lengths = "uniform", prompt_style: str = "tag"
+) -> Environment:
     """The `reverse-text` plugin: reverse `min_chars`..`max_chars` random lowercase letters."""
     return _string_task(ReverseText, "reverse-text", min_chars, max_chars, lengths, prompt_style)
 
 
-def sort_letters(min_chars: int = 3, max_chars: int = 8, lengths: Lengths = "uniform", prompt_style: str = "tag"):
+def sort_letters(
+    min_chars: int = 3, max_chars: int = 8, lengths: Lengths = "uniform", prompt_style: str = "tag"
+) -> Environment:
     """The `sort-letters` plugin: sort `min_chars`..`max_chars` random lowercase letters."""
     return _string_task(SortLetters, "sort-letters", min_chars, max_chars, lengths, prompt_style)
 
