@@ -120,16 +120,37 @@ def validate(data: dict, sources: dict[Key, str]) -> RunConfig:
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 
-def load_run_config(profiles: Sequence[str | Path], overrides: Sequence[tuple[str, str]] = ()) -> RunConfig:
+def env_sources(cfg: RunConfig, sources: dict[Key, str]) -> list[str]:
+    """Where each `[[envs]]` entry was set (a profile file, the command line, or defaults), for the
+    run-level plugin check's messages."""
+    return [_source_of(("envs", str(i)), sources) for i in range(len(cfg.envs))]
+
+
+def load_with_sources(
+    profiles: Sequence[str | Path], overrides: Sequence[tuple[str, str]] = ()
+) -> tuple[RunConfig, list[str]]:
+    """The validated config and where each `[[envs]]` entry came from."""
     data, sources = compose(profiles, overrides)
-    return validate(data, sources)
+    cfg = validate(data, sources)
+    return cfg, env_sources(cfg, sources)
 
 
-def load_stored_config(stored: dict, source: str, overrides: Sequence[tuple[str, str]] = ()) -> RunConfig:
+def load_run_config(profiles: Sequence[str | Path], overrides: Sequence[tuple[str, str]] = ()) -> RunConfig:
+    return load_with_sources(profiles, overrides)[0]
+
+
+def stored_with_sources(
+    stored: dict, source: str, overrides: Sequence[tuple[str, str]] = ()
+) -> tuple[RunConfig, list[str]]:
     """A run's stored config (`config/run.json`, read from `source`) with overrides on top: what
-    `rollflow resume OUTPUT_DIR [--KEY VALUE ...]` runs with."""
+    `rollflow resume OUTPUT_DIR [--KEY VALUE ...]` runs with; and where each `[[envs]]` entry came from."""
     data: dict = {}
     sources: dict[Key, str] = {}
     _merge(data, {k: v for k, v in stored.items() if k != "run_id"}, source, sources)
     _apply_overrides(data, sources, overrides)
-    return validate(data, sources)
+    cfg = validate(data, sources)
+    return cfg, env_sources(cfg, sources)
+
+
+def load_stored_config(stored: dict, source: str, overrides: Sequence[tuple[str, str]] = ()) -> RunConfig:
+    return stored_with_sources(stored, source, overrides)[0]

@@ -7,11 +7,18 @@ backend is one line here plus its code; nothing else names them.
 
 from __future__ import annotations
 
-# `[[envs]] name` -> the Environment class (engines/envs.py builds it from an EnvSpec).
+# `[[envs]] id` names an environment factory by an import path (`module:attribute`) or by an entry point
+# in this group (docs/environments.md). rollflow's own are registered there too (pyproject.toml); this
+# table repeats them so they resolve where rollflow's installed metadata predates them (an editable
+# install from an older checkout), and tests/unit/test_env_plugins.py keeps the two equal.
+ENV_ENTRY_POINT_GROUP = "rollflow.envs"
 ENVIRONMENTS: dict[str, str] = {
-    "reverse-text": "engines.envs:ReverseText",
-    "sort-letters": "engines.envs:SortLetters",
+    "reverse-text": "engines.envs:reverse_text",
+    "sort-letters": "engines.envs:sort_letters",
+    "reasoning-gym": "engines.rgym:load",
 }
+# The built-in string tasks: their `args.max_chars` bounds the prompt length the config checks.
+STRING_TASKS = ("reverse-text", "sort-letters")
 
 # `model.family` and config.json `model_type` -> the Family (engines/families.py) that maps its config.json
 # fields to ModelConfig; rollflow's own model code (engines/model.py) implements these.

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from config.envs import STRING_TASK_DEFAULTS, EnvSpec
+from config.registry import STRING_TASKS
+
 # Changing these mid-run would mix incompatible data in one run: other weights shapes, other prompts
 # or token ids, another group structure. Everything else (learning rate, max_steps, ...) may change.
 INCOMPATIBLE_ON_RESUME = ("model", "envs", "seed", "orchestrator.group_size", "sft")
@@ -17,10 +20,24 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
+def _current_envs(config: dict) -> dict:
+    """`envs` in today's form with the built-in string tasks' defaults filled in, so a run started with
+    `name`/`min_chars` entries (before environments were plugins) compares equal to the same entries read
+    now, and `max_chars = 8` equal to leaving it out."""
+    try:
+        envs = [EnvSpec.model_validate(e).model_dump(mode="json") for e in config.get("envs", [])]
+    except ValueError:  # not valid any more: compare as stored, which reports the difference
+        return config
+    for env in envs:
+        if env["id"] in STRING_TASKS:
+            env["args"] = {**STRING_TASK_DEFAULTS, **env["args"]}
+    return {**config, "envs": envs}
+
+
 def resume_changes(old: dict, new: dict) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(incompatible, compatible) differences between a stored run config and a resume's config,
     each as {dotted key: (old, new)}."""
-    a, b = _flatten(old), _flatten(new)
+    a, b = _flatten(_current_envs(old)), _flatten(_current_envs(new))
     changed = {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
     changed.pop("inference.port", None)  # stored as picked at launch; each attempt picks again
     bad = {k: v for k, v in changed.items() if any(k == p or k.startswith(p + ".") for p in INCOMPATIBLE_ON_RESUME)}

@@ -45,7 +45,7 @@ class RunConfig(Strict):
     max_off_policy_steps: int = Field(2, ge=0)
     model: ModelConfig = ModelConfig()
     envs: list[EnvSpec] = Field(
-        default_factory=lambda: [EnvSpec(name="reverse-text"), EnvSpec(name="sort-letters")], min_length=1
+        default_factory=lambda: [EnvSpec(id="reverse-text"), EnvSpec(id="sort-letters")], min_length=1
     )
     sft: SFTConfig = SFTConfig()
     inference: InferenceConfig = InferenceConfig()
@@ -82,6 +82,17 @@ class RunConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _env_names_unique(self) -> RunConfig:
+        labels = [e.label for e in self.envs]
+        twice = sorted({n for n in labels if labels.count(n) > 1})
+        if twice:
+            raise ValueError(
+                f"envs: name {', '.join(map(repr, twice))} is used by more than one [[envs]] entry; the lake and "
+                "the reward tell environments apart by name: give each entry its own `name`"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _cross_component(self) -> RunConfig:
         if self.async_level > self.max_off_policy_steps:
             raise ValueError(
@@ -89,11 +100,13 @@ class RunConfig(Strict):
                 "every sample the orchestrator runs ahead would be dropped; "
                 f"set max_off_policy_steps >= {self.async_level}"
             )
-        longest_prompt = max(e.max_chars for e in self.envs) + PROMPT_OVERHEAD_TOKENS
+        # Only the built-in string tasks' prompt length is known before they run; with model.path the chat
+        # template's length is known only once the tokenizer loads. The engine refuses longer requests
+        # then (docs/models.md).
+        payloads = [n for n in (e.max_payload_chars() for e in self.envs) if n is not None]
+        longest_prompt = max(payloads, default=0) + PROMPT_OVERHEAD_TOKENS
         need = longest_prompt + self.orchestrator.max_new_tokens
-        # With model.path the chat template's length is known only once the tokenizer loads: the engine
-        # refuses longer requests then (docs/models.md).
-        if self.model.path is None and need > self.model.max_seq_len:
+        if self.model.path is None and payloads and need > self.model.max_seq_len:
             raise ValueError(
                 f"model.max_seq_len={self.model.max_seq_len} is too short: prompts take up to "
                 f"{longest_prompt} tokens plus orchestrator.max_new_tokens={self.orchestrator.max_new_tokens}; "

@@ -1,8 +1,9 @@
 """Environments: seeded task generators with a reward, plus the weighted mix a run draws from.
 
-To add one, implement `Environment` (`sample(rng) -> Task`, `reward(task, completion)`) and register its
-import path in config/registry.py's ENVIRONMENTS; its name then becomes valid in `[[envs]]`
-(docs/environments.md).
+An environment is any object with `sample(rng) -> Task` and `reward(task, completion) -> float`, made
+by a factory that an `[[envs]]` entry names by import path or entry point (engines/plugins.py,
+docs/environments.md). The two built-in toy tasks below are such plugins (`reverse_text`,
+`sort_letters`, registered as entry points in pyproject.toml).
 A task's `prompt` is the user message; the tokenizer renders it through its chat template
 (`Tokenizer.render_prompt`). In the `tag` style (the built-in model) the message is `<tag>:<payload>`
 and the character tokenizer's template makes it `<bos><tag>:<payload>=`; the `instruct` style (chat
@@ -14,12 +15,11 @@ from __future__ import annotations
 import difflib
 import random
 import string
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import Literal, Protocol
 
 from config.envs import EnvSpec
-from config.registry import ENVIRONMENTS
-from engines import registry
+from engines import plugins
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,6 @@ class Task:
 
 
 class Environment(Protocol):
-    name: str
-
     def sample(self, rng: random.Random) -> Task: ...
 
     def reward(self, task: Task, completion: str) -> float: ...
@@ -95,26 +93,56 @@ class SortLetters(_StringTask):
         return "".join(sorted(payload))
 
 
+Lengths = Literal["uniform", "long-tail"]
+
+
+def _string_task(
+    cls: type[_StringTask], name: str, min_chars: int, max_chars: int, lengths: str, prompt_style: str
+) -> _StringTask:
+    if not (isinstance(min_chars, int) and isinstance(max_chars, int) and 0 < min_chars <= max_chars):
+        raise ValueError(f"need integers 0 < min_chars <= max_chars, got min_chars={min_chars} max_chars={max_chars}")
+    if lengths not in ("uniform", "long-tail"):
+        raise ValueError(f"lengths={lengths!r}; valid: 'uniform', 'long-tail'")
+    return cls(name, min_chars, max_chars, lengths, prompt_style)
+
+
+def reverse_text(
+    min_chars: int = 3, max_chars: int = 8, lengths: Lengths = "uniform", prompt_style: str = "tag"
+) -> Environment:
+    """The `reverse-text` plugin: reverse `min_chars`..`max_chars` random lowercase letters."""
+    return _string_task(ReverseText, "reverse-text", min_chars, max_chars, lengths, prompt_style)
+
+
+def sort_letters(
+    min_chars: int = 3, max_chars: int = 8, lengths: Lengths = "uniform", prompt_style: str = "tag"
+) -> Environment:
+    """The `sort-letters` plugin: sort `min_chars`..`max_chars` random lowercase letters."""
+    return _string_task(SortLetters, "sort-letters", min_chars, max_chars, lengths, prompt_style)
+
+
 def build(spec: EnvSpec, default_style: str = "tag") -> Environment:
     """`default_style` applies where the spec says `prompt = "auto"` (the tokenizer's `prompt_style`)."""
-    cls = registry.load(ENVIRONMENTS[spec.name])
-    style = default_style if spec.prompt == "auto" else spec.prompt
-    return cls(spec.name, spec.min_chars, spec.max_chars, spec.lengths, style)
+    return plugins.build(spec, default_style)
 
 
 class EnvMix:
-    """Weighted choice among environments; `task(key)` is a pure function of (seed, key)."""
+    """Weighted choice among environments; `task(key)` is a pure function of (seed, key).
+
+    Tasks carry their entry's `name` as `env` (whatever the plugin put there), which routes the reward
+    back to the environment that drew them and labels the lake's rows.
+    """
 
     def __init__(self, specs: list[EnvSpec], seed: int, default_style: str = "tag"):
-        self.envs: dict[str, Environment] = {s.name: build(s, default_style) for s in specs}
-        self.names = [s.name for s in specs]
+        self.envs: dict[str, Environment] = {s.label: build(s, default_style) for s in specs}
+        self.names = [s.label for s in specs]
         self.weights = [s.weight for s in specs]
         self.seed = seed
 
     def task(self, key: str) -> Task:
         rng = random.Random(f"{self.seed}/{key}")
         name = rng.choices(self.names, weights=self.weights)[0]
-        return self.envs[name].sample(rng)
+        task = self.envs[name].sample(rng)
+        return task if task.env == name else replace(task, env=name)
 
     def reward(self, task: Task, completion: str) -> float:
-        return self.envs[task.env].reward(task, completion)
+        return float(self.envs[task.env].reward(task, completion))

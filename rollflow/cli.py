@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 
-from config.loader import ConfigError, load_run_config, load_stored_config
+from config.loader import ConfigError, load_with_sources, stored_with_sources
 from config.run import RunConfig
 
 USAGE = """rollflow rl [@ PROFILE.toml ...] [--KEY VALUE ...] [--dry-run] [--overwrite | --resume]
@@ -84,6 +84,24 @@ def split_args(tokens: list[str]) -> tuple[list[str], list[tuple[str, str]], set
     return profiles, overrides, flags
 
 
+def _load(profiles: list[str], overrides: list[tuple[str, str]]) -> RunConfig:
+    cfg, env_sources = load_with_sources(profiles, overrides)
+    check_envs(cfg, env_sources)
+    return cfg
+
+
+def check_envs(cfg: RunConfig, env_sources: list[str]) -> None:
+    """Build every `[[envs]]` plugin once (importing its module) so a bad one fails here, exit code 2,
+    instead of in the orchestrator after the warm-up. `auto` prompts get the style the run's tokenizer
+    will pick: tag for the built-in character tokenizer, instruct for a model directory's."""
+    from engines.plugins import PluginError, check
+
+    try:
+        check(cfg.envs, env_sources, "tag" if cfg.model.path is None else "instruct")
+    except PluginError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _precheck(cfg: RunConfig, flags: set[str]) -> None:
     """Refuse early (before Prefect starts) what the flow would refuse: a live run, an existing run
     without --overwrite or --resume, a resume with incompatible settings."""
@@ -142,7 +160,7 @@ def _launch(cfg: RunConfig, flags: set[str]) -> int:
 
 def cmd_rl(tokens: list[str]) -> int:
     profiles, overrides, flags = split_args(tokens)
-    cfg = load_run_config(profiles, overrides)
+    cfg = _load(profiles, overrides)
     _precheck(cfg, flags)
     if "dry-run" in flags:
         from rollflow.submit import job_command, write_preview
@@ -159,7 +177,7 @@ def cmd_submit(tokens: list[str]) -> int:
     profiles, overrides, flags = split_args(tokens)
     if "dry-run" in flags:
         raise ConfigError("rollflow submit has no --dry-run; `rollflow rl ... --dry-run` writes the batch script")
-    cfg = load_run_config(profiles, overrides)
+    cfg = _load(profiles, overrides)
     _precheck(cfg, flags)
     from rollflow.submit import job_command, submit
     from tasks.slurm import SbatchRejected, SlurmNotFound
@@ -185,7 +203,10 @@ def cmd_resume(tokens: list[str]) -> int:
         stored = stored_config(output_dir)
     except RunDirError as exc:
         raise ConfigError(str(exc)) from None
-    cfg = load_stored_config(stored, f"{output_dir}/config/run.json", [*overrides, ("output_dir", output_dir)])
+    cfg, env_sources = stored_with_sources(
+        stored, f"{output_dir}/config/run.json", [*overrides, ("output_dir", output_dir)]
+    )
+    check_envs(cfg, env_sources)
     _precheck(cfg, {"resume"})
     return _launch(cfg, {"resume"})
 

@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 
 from config.envs import EnvSpec
-from config.registry import ENVIRONMENTS
+from config.registry import STRING_TASKS
 from config.run import PROMPT_OVERHEAD_TOKENS
 from engines.envs import EnvMix, build
 from engines.tokenizer import CHARS, SPECIAL, CharTokenizer
@@ -62,7 +62,7 @@ def test_hf_export_matches(tmp_path):
     assert no_gen == "<bos>rev:abc"
 
 
-@pytest.mark.parametrize("name", sorted(ENVIRONMENTS))
+@pytest.mark.parametrize("name", STRING_TASKS)
 def test_tasks_deterministic_per_key(name):
     mix = EnvMix([EnvSpec(name=name)], seed=3)
     again = EnvMix([EnvSpec(name=name)], seed=3)
@@ -95,7 +95,7 @@ def test_reverse_and_sort_answers():
 
 
 def test_prompt_length_within_config_overhead():
-    for name in ENVIRONMENTS:
+    for name in STRING_TASKS:
         mix = EnvMix([EnvSpec(name=name, min_chars=8, max_chars=8)], seed=0)
         for k in range(20):
             t = mix.task(str(k))
@@ -117,7 +117,7 @@ def test_reward():
 
 
 def test_single_env_mix_only_draws_that_env():
-    for name in ENVIRONMENTS:
+    for name in STRING_TASKS:
         mix = EnvMix([EnvSpec(name=name, weight=0.3)], seed=1)
         assert {mix.task(str(k)).env for k in range(200)} == {name}
 
@@ -131,12 +131,14 @@ def test_mix_respects_weights():
 
 
 def test_env_spec_validation():
-    with pytest.raises(ValueError):
-        EnvSpec(name="reverse-text", min_chars=5, max_chars=4)
+    with pytest.raises(ValueError, match="min_chars <= max_chars"):
+        build(EnvSpec(name="reverse-text", min_chars=5, max_chars=4))
     with pytest.raises(ValueError):
         EnvSpec(name="reverse-text", weight=0)
-    with pytest.raises(ValueError):
-        EnvSpec(name="no-such-env")
+    with pytest.raises(ValueError, match="no environment named 'no-such-env'"):
+        build(EnvSpec(name="no-such-env"))
+    # the top-level payload keys of older profiles are the built-in factories' args
+    assert EnvSpec(name="sort-letters", max_chars=5).args == {"max_chars": 5}
 
 
 def test_char_chat_template_renders_the_tag_prompt_ids():

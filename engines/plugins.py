@@ -1,0 +1,163 @@
+"""Environment plugins: an `[[envs]]` entry's `id` -> its factory -> an Environment.
+
+An id is an import path (`module:attribute`, the attribute may be dotted) or a name in the
+`rollflow.envs` entry-point group (config/registry.py; rollflow's own toy tasks and reasoning-gym are
+registered there, pyproject.toml). The factory is called with the entry's `args` as keyword arguments,
+plus `prompt_style` when it takes one. `check` runs the whole chain once at load, in the CLI process, and
+reports every problem with the env, the profile that set it and what would be valid; the orchestrator
+and the warm-up then build the same environments with `build`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import random
+from collections.abc import Callable, Sequence
+from importlib import metadata
+from typing import Any
+
+from config.envs import EnvSpec, is_import_path
+from config.registry import ENV_ENTRY_POINT_GROUP, ENVIRONMENTS
+
+
+class PluginError(ValueError):
+    """An environment that cannot be loaded or built; the message says why and what would be valid."""
+
+
+def entry_points() -> dict[str, str]:
+    """name -> `module:attribute` of every environment registered in the entry-point group, built-ins
+    included (the first distribution wins where two register one name)."""
+    found: dict[str, str] = {}
+    for ep in metadata.entry_points(group=ENV_ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, ep.value)
+    return {**ENVIRONMENTS, **found}
+
+
+def _import_path(env_id: str) -> Any:
+    module_name, _, attr = env_id.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise PluginError(f"importing module {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+        raise PluginError(
+            f"cannot import module {module_name!r} ({exc}); install the package that provides it or put its "
+            "directory on PYTHONPATH"
+        ) from None
+    except Exception as exc:  # a plugin module that fails at import: show its own error
+        raise PluginError(f"importing module {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+    parts = attr.split(".")
+    for i, part in enumerate(parts):
+        if not hasattr(obj, part):
+            where = f"{module_name}:{'.'.join(parts[:i])}" if i else f"module {module_name!r}"
+            public = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))
+            raise PluginError(
+                f"{where} has no attribute {part!r}; callables there: {', '.join(public) or '(none)'}"
+            ) from None
+        obj = getattr(obj, part)
+    return obj
+
+
+def resolve(env_id: str) -> Callable[..., Any]:
+    """The factory an id names (imports its module)."""
+    if is_import_path(env_id):
+        target = env_id
+    else:
+        registered = entry_points()
+        if env_id not in registered:
+            raise PluginError(
+                f"no environment named {env_id!r} in entry-point group {ENV_ENTRY_POINT_GROUP!r}; registered: "
+                f"{', '.join(sorted(registered))}; or give an import path `module:attribute`"
+            )
+        target = registered[env_id]
+    factory = _import_path(target)
+    if not callable(factory):
+        raise PluginError(f"{target} is a {type(factory).__name__}, not a callable factory of an Environment")
+    return factory
+
+
+def _parameters(factory: Callable[..., Any]) -> inspect.Signature | None:
+    try:
+        return inspect.signature(factory)
+    except (TypeError, ValueError):  # some builtins have no signature: call them and see
+        return None
+
+
+def _takes(sig: inspect.Signature | None, name: str) -> bool:
+    if sig is None:
+        return False
+    return name in sig.parameters or any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+
+
+def _bind_args(factory: Callable[..., Any], spec: EnvSpec, style: str) -> dict[str, Any]:
+    sig = _parameters(factory)
+    kwargs = dict(spec.args)
+    if _takes(sig, "prompt_style"):
+        kwargs.setdefault("prompt_style", style)
+    elif spec.prompt != "auto":
+        raise PluginError(f"prompt = {spec.prompt!r} is set but the factory takes no `prompt_style`; remove it")
+    if sig is not None:
+        try:
+            sig.bind(**kwargs)
+        except TypeError as exc:
+            accepted = [n for n, p in sig.parameters.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            raise PluginError(
+                f"bad args {spec.args}: {exc}; the factory accepts: {', '.join(accepted) or '(no arguments)'}"
+            ) from None
+    return kwargs
+
+
+def make(spec: EnvSpec, default_style: str = "tag") -> Any:
+    """What the entry's factory returns for its args, unchecked; `default_style` replaces
+    `prompt = "auto"` (the tokenizer's `prompt_style`)."""
+    factory = resolve(spec.id)
+    kwargs = _bind_args(factory, spec, default_style if spec.prompt == "auto" else spec.prompt)
+    try:
+        return factory(**kwargs)
+    except Exception as exc:
+        raise PluginError(f"the factory raised {type(exc).__name__}: {exc} (args {spec.args})") from None
+
+
+def build(spec: EnvSpec, default_style: str = "tag") -> Any:
+    """The single-turn Environment an `[[envs]]` entry describes (`make`, then the protocol check)."""
+    env = make(spec, default_style)
+    missing = [m for m in ("sample", "reward") if not callable(getattr(env, m, None))]
+    if missing:
+        raise PluginError(
+            f"the factory returned a {type(env).__name__}, which is not an Environment: it lacks "
+            f"{' and '.join(missing)}() (an Environment has sample(rng) -> Task and reward(task, completion) -> float)"
+        )
+    return env
+
+
+def _smoke(env: Any) -> None:
+    """One task drawn and scored, so an environment that breaks on use fails at load too."""
+    task: Any
+    try:
+        task = env.sample(random.Random(0))
+    except Exception as exc:
+        raise PluginError(f"sample(rng) raised {type(exc).__name__}: {exc}") from None
+    is_task = dataclasses.is_dataclass(task) and not isinstance(task, type)
+    if not is_task or not all(isinstance(getattr(task, f, None), str) for f in ("env", "prompt", "answer")):
+        raise PluginError(f"sample(rng) returned {task!r}, not a Task (a dataclass with env, prompt, answer strings)")
+    try:
+        reward = env.reward(task, task.answer)
+    except Exception as exc:
+        raise PluginError(f"reward(task, completion) raised {type(exc).__name__}: {exc}") from None
+    if isinstance(reward, bool) or not isinstance(reward, int | float):
+        raise PluginError(f"reward(task, completion) returned {reward!r}, not a float")
+
+
+def check(specs: Sequence[EnvSpec], sources: Sequence[str], default_style: str) -> None:
+    """Build every environment and draw one task from each; one PluginError listing every problem, each
+    naming the env, its index, its id and the source (profile file or command line) that set it."""
+    problems = []
+    for i, (spec, source) in enumerate(zip(specs, sources, strict=True)):
+        try:
+            _smoke(build(spec, default_style))
+        except PluginError as exc:
+            problems.append(f"{source}: envs[{i}] (name {spec.label!r}, id {spec.id!r}): {exc}")
+    if problems:
+        raise PluginError("invalid environment:\n  " + "\n  ".join(problems))
