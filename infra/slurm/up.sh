@@ -15,7 +15,8 @@ MEM_MB=$(awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.85}' /proc/meminfo)
 
 log() { echo "slurm-up: $*" >&2; }
 # Live (not defunct) processes named $1: a daemon stopped here can linger as a zombie under PID 1.
-alive() { ps -C "$1" -o pid=,stat= 2>/dev/null | awk '$2 !~ /^Z/ {print $1}'; }
+# `|| true`: ps exits 1 when none runs, which pipefail + set -e would turn into an exit of this script.
+alive() { ps -C "$1" -o pid=,stat= 2>/dev/null | awk '$2 !~ /^Z/ {print $1}' || true; }
 
 if [[ "${1:-}" == "--down" ]]; then
     for d in slurmd slurmctld; do
