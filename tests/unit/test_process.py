@@ -32,10 +32,18 @@ def test_stop_kills_the_whole_process_group(tmp_path):
     # The grandchild ignores SIGTERM, so only the SIGKILL after the grace period stops it.
     argv = ["bash", "-c", f"(trap '' TERM; sleep 60) & echo $! > {pidfile}; wait"]
     stop = threading.Event()
-    threading.Timer(0.5, stop.set).start()
-    t0 = time.monotonic()
+
+    def stop_once_the_grandchild_runs() -> None:  # a loaded machine may take seconds to start bash
+        deadline = time.monotonic() + 30
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stopped_at.append(time.monotonic())
+        stop.set()
+
+    stopped_at: list[float] = []
+    threading.Thread(target=stop_once_the_grandchild_runs, daemon=True).start()
     rc = supervise("demo", argv, {}, lambda _: None, stop, grace_s=0.5)
-    assert rc != 0 and time.monotonic() - t0 < 10
+    assert rc != 0 and time.monotonic() - stopped_at[0] < 10
     deadline = time.monotonic() + 5
     child = int(pidfile.read_text())
     while pid_alive(child) and time.monotonic() < deadline:
