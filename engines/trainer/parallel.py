@@ -13,6 +13,7 @@ With `world_size = 1` nothing here touches torch.distributed: the trainer is the
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import types
 from collections.abc import Iterator, Sequence
@@ -62,6 +63,19 @@ def _torchtitan_on_cpu() -> None:
     tt_utils.device_type, tt_utils.device_module = "cpu", torch.cpu
 
 
+def _die_with_launcher() -> None:
+    """torchrun starts each rank in a session of its own: without this a SIGKILLed agent (the flow's
+    supervised child) would leave its ranks running, still writing to the run."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux/glibc
+    if os.getppid() == 1:  # the agent died before the call above
+        raise SystemExit("torchrun's agent is gone")
+
+
 def backend_for(p: ParallelConfig) -> str:
     if p.backend != "auto":
         return p.backend
@@ -78,6 +92,7 @@ def init(p: ParallelConfig) -> Dist:
         )
     if world == 1:
         return Dist()
+    _die_with_launcher()
     import torch.distributed as dist
 
     backend = backend_for(p)
