@@ -118,3 +118,41 @@ def test_a_corrupted_dcp_shard_is_refused(runs):
     state = checkpoint.TrainerState(torch.nn.Linear(1, 1), {"optimizer": None}, None, 0)  # type: ignore[dict-item]
     with pytest.raises(CorruptError, match="checksum mismatch"):
         checkpoint.restore(fs, root, 2, state)
+
+
+RANK_SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+out, rank = Path(sys.argv[1]), os.environ["RANK"]
+got = []
+signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
+(out / f"ready-{rank}").write_text("")
+deadline = time.monotonic() + 60
+while not got and time.monotonic() < deadline:
+    time.sleep(0.05)
+(out / f"got-{rank}").write_text(str(len(got)))
+"""
+
+
+def test_the_torchrun_agent_relays_sigusr1_to_every_rank(tmp_path):
+    """The flow's "checkpoint now" (SIGUSR1 to the trainer's process group) reaches ranks that torchrun
+    started in sessions of their own, and the agent itself survives it."""
+    import signal
+    import time
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "engines.trainer.torchrun", "--standalone", "--nproc-per-node", "2"]
+    agent = subprocess.Popen([*argv, str(script), str(tmp_path)], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)):
+            assert agent.poll() is None and time.monotonic() < deadline, "ranks did not start"
+            time.sleep(0.1)
+        os.killpg(agent.pid, signal.SIGUSR1)
+        assert agent.wait(timeout=60) == 0  # the ranks exited 0 after their signal; the agent lived on
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    assert [(tmp_path / f"got-{r}").read_text() for r in (0, 1)] == ["1", "1"]
