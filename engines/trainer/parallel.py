@@ -12,6 +12,7 @@ With `world_size = 1` nothing here touches torch.distributed: the trainer is the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -172,7 +173,16 @@ def even_micro_batches(mbs: Sequence[Any], weight: float, d: Dist) -> Iterator[t
     the busiest one: FSDP's all-gathers and reduce-scatters pair up across ranks call by call."""
     count = int(all_reduce([float(len(mbs))], d, "max")[0]) if d.enabled else len(mbs)
     for i in range(count):
-        yield (mbs[i], weight) if i < len(mbs) else (mbs[0], 0.0)
+        mb = to_device(mbs[min(i, len(mbs) - 1)], d.device)
+        yield (mb, weight) if i < len(mbs) else (mb, 0.0)
+
+
+def to_device(mb: Any, device: torch.device) -> Any:
+    """A (packed) micro-batch with its tensors on the ranks' device (GPU ranks); unchanged on the CPU."""
+    if device.type == "cpu":
+        return mb
+    moved = {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb)}
+    return dataclasses.replace(mb, **{k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
 
 
 def all_reduce(values: list[float], d: Dist, op: str = "sum") -> list[float]:
