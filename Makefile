@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	# index with the rest, so only torch itself is looked up on TORCH_INDEX.
 	$(BIN)/pip install -q --no-deps --retries 1 "$(TORCH_SPEC)" --extra-index-url $(TORCH_INDEX)
 	$(BIN)/pip install -q -c requirements/constraints.txt -e ".[dev]"
+	# torchtitan (the trainer's parallelism under torchrun, docs/parallelism.md) without its training-script
+	# dependencies (wandb, tensorboard, datasets...): only what its distributed modules import.
+	$(BIN)/pip install -q --no-deps -c requirements/constraints.txt torchtitan spmd_types
+	$(BIN)/pip install -q -c requirements/constraints.txt tyro
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -18,6 +18,7 @@ from config.envs import EnvSpec
 from config.inference import InferenceConfig
 from config.model import ModelConfig
 from config.orchestrator import OrchestratorConfig
+from config.parallel import check_against_model, check_impl
 from config.storage import StorageConfig
 from config.tracking import TrackingConfig
 from config.trainer import CheckpointConfig, SFTConfig, TrainerConfig
@@ -90,6 +91,15 @@ class RunConfig(Strict):
                 f"envs: name {', '.join(map(repr, twice))} is used by more than one [[envs]] entry; the lake and "
                 "the reward tell environments apart by name: give each entry its own `name`"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _parallel_fits_model(self) -> RunConfig:
+        # With model.path the shape comes from config.json: the trainer checks it again once loaded.
+        if self.model.path is None:
+            check_against_model(self.trainer.parallel, self.model, self.model.impl)
+        elif self.model.impl == "hf":
+            check_impl(self.trainer.parallel, "hf")
         return self
 
     @model_validator(mode="after")

@@ -31,7 +31,7 @@ from flows.walltime import WalltimeReached, WalltimeWatch
 from storage.checkpoints import checkpoint_steps
 from storage.fs import CONFIG_STORAGE_ENV, Storage, is_local, join
 from storage.runstate import write_state
-from tasks.components import run_component
+from tasks.components import run_component, torchrun_args
 from tasks.process import ComponentFailed
 from tasks.resume import Attempt, prepare_attempt
 from tasks.slurm import allocation_nodes, srun_prefix
@@ -83,7 +83,13 @@ def _component_env(cfg: RunConfig, tracking_uri: str | None) -> dict[str, dict[s
 
 
 def _run_components(
-    attempt: Attempt, logs: str, env: dict[str, dict[str, str]], srun: dict, watch: WalltimeWatch, logger
+    attempt: Attempt,
+    logs: str,
+    env: dict[str, dict[str, str]],
+    srun: dict,
+    watch: WalltimeWatch,
+    logger,
+    trainer_launcher: list[str] | None = None,
 ) -> None:
     """Warm-up to completion if needed, then inference, orchestrator and trainer side by side. `srun`:
     component -> job-step prefix inside a Slurm job, empty locally."""
@@ -107,6 +113,7 @@ def _run_components(
                 stop,
                 srun.get(name),
                 watch.checkpoint_request if name == "trainer" else None,
+                trainer_launcher if name == "trainer" else None,
             )
             for name in ("inference", "orchestrator", "trainer")
         }
@@ -142,7 +149,8 @@ def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: W
         failures = 0 if start > last_start else failures
         last_start = start
         try:
-            _run_components(attempt, logs, _component_env(cfg, run.tracking_uri), srun, watch, logger)
+            launcher = torchrun_args(cfg.trainer.parallel.world_size)  # torchrun when the trainer has ranks
+            _run_components(attempt, logs, _component_env(cfg, run.tracking_uri), srun, watch, logger, launcher)
             return
         except ComponentFailed as exc:
             if watch.reached.is_set():

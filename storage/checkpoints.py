@@ -4,23 +4,60 @@ from __future__ import annotations
 
 import fsspec
 
-from storage.fs import commit_dir, committed_steps, join, read_manifest, read_verified, step_dir
+from storage.fs import (
+    MANIFEST,
+    commit_dir,
+    committed_steps,
+    join,
+    read_manifest,
+    read_verified,
+    sha256,
+    step_dir,
+)
 
 
 def checkpoints_root(output_root: str) -> str:
     return join(output_root, "checkpoints")
 
 
-def save(fs: fsspec.AbstractFileSystem, output_root: str, step: int, component: str, files: dict[str, bytes]) -> str:
-    directory = join(step_dir(checkpoints_root(output_root), step), component)
-    commit_dir(fs, directory, files, {"step": step, "component": component})
+def step_path(output_root: str, step: int, component: str) -> str:
+    return join(step_dir(checkpoints_root(output_root), step), component)
+
+
+def uncommit(fs: fsspec.AbstractFileSystem, directory: str) -> None:
+    """Remove a directory's manifest before files are written into it by other processes (DCP shards)."""
+    path = join(directory, MANIFEST)
+    if fs.exists(path):
+        fs.rm(path)
+
+
+def save(
+    fs: fsspec.AbstractFileSystem,
+    output_root: str,
+    step: int,
+    component: str,
+    files: dict[str, bytes],
+    written: list[str] | None = None,
+) -> str:
+    """Write `files` and commit them with `written` (names, relative to the directory, that other writers
+    already put there): each is read back and checksummed into the manifest, which is written last."""
+    directory = step_path(output_root, step, component)
+    entries = {}
+    for name in written or []:
+        data = fs.cat_file(join(directory, name))
+        entries[name] = {"bytes": len(data), "sha256": sha256(data)}
+    commit_dir(fs, directory, files, {"step": step, "component": component}, written=entries)
     return directory
 
 
+def manifest(fs: fsspec.AbstractFileSystem, output_root: str, step: int, component: str) -> dict:
+    return read_manifest(fs, step_path(output_root, step, component))
+
+
 def load(fs: fsspec.AbstractFileSystem, output_root: str, step: int, component: str) -> dict[str, bytes]:
-    directory = join(step_dir(checkpoints_root(output_root), step), component)
-    manifest = read_manifest(fs, directory)
-    return {name: read_verified(fs, directory, name, manifest) for name in manifest["files"]}
+    directory = step_path(output_root, step, component)
+    m = read_manifest(fs, directory)
+    return {name: read_verified(fs, directory, name, m) for name in m["files"]}
 
 
 def checkpoint_steps(fs: fsspec.AbstractFileSystem, output_root: str, component: str = "trainer") -> list[int]:

@@ -308,8 +308,10 @@ def commit_dir(
     files: dict[str, bytes],
     meta: dict,
     digests: dict[str, str] | None = None,
+    written: dict[str, dict] | None = None,
 ) -> dict:
     """Write `files` into `directory`, then the manifest that commits them. Returns the manifest.
+    `written`: manifest entries ({"bytes", "sha256"}) of files others already wrote there (DCP shards).
 
     Rewriting a committed directory first removes its manifest, so no reader ever pairs the old
     manifest with new files. The manifest carries a checksum of its own content (`manifest_sha256`).
@@ -317,7 +319,7 @@ def commit_dir(
     """
     manifest_path = join(directory, MANIFEST)
     _remove_if_present(fs, manifest_path)
-    entries = {}
+    entries = dict(written or {})
     for name, data in files.items():
         write_bytes_atomic(fs, join(directory, name), data)
         entries[name] = {"bytes": len(data), "sha256": (digests or {}).get(name) or sha256(data)}

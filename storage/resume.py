@@ -92,5 +92,6 @@ def repair(fs: fsspec.AbstractFileSystem, root: str, step: int | None, log: Call
         files = checkpoints.load(fs, root, step, "trainer")
         state = st_load(files["model.safetensors"])
         # the Hugging Face files (config.json, tokenizer) the checkpoint keeps beside the weights
-        extra = {k: v for k, v in files.items() if k not in ("model.safetensors", "trainer_state.pt", "run_state.json")}
+        own = ("model.safetensors", "trainer_state.pt", "run_state.json")
+        extra = {k: v for k, v in files.items() if k not in own and not k.startswith("optimizer/")}
         weights.publish(fs, root, step, state, extra)  # full: this process has no delta base

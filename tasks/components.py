@@ -21,13 +21,24 @@ def run_component(
     stop: threading.Event,
     srun: list[str] | None = None,
     nudge: threading.Event | None = None,
+    launcher: list[str] | None = None,
 ) -> int:
     """Launch `python -m <module> --config <config_url>` and supervise it until it exits or `stop` is set.
     Inside a Slurm job `srun` is the job-step prefix that places it (tasks/slurm.py); locally None.
-    `nudge` set: the component gets SIGUSR1 (the trainer checkpoints after its current step)."""
+    `nudge` set: the component gets SIGUSR1 (the trainer checkpoints after its current step).
+    `launcher`: arguments between the interpreter and `-m <module>`, e.g. torchrun's (`torchrun_args`)."""
     logger = get_run_logger()
-    argv = [*(srun or []), sys.executable, "-m", module, "--config", config_url]
+    argv = [*(srun or []), sys.executable, *(launcher or []), "-m", module, "--config", config_url]
     logger.info(f"starting {name}: {' '.join(argv)}")
     rc = supervise(name, argv, env, lambda line: logger.info(f"[{name}] {line}"), stop, log_path, nudge=nudge)
     logger.info(f"{name} exited with code {rc}")
     return rc
+
+
+def torchrun_args(world_size: int) -> list[str]:
+    """torchrun (`torch.distributed.run`, via engines/trainer/torchrun.py which keeps SIGUSR1 for the ranks)
+    on this node with `world_size` ranks: the trainer's launcher when trainer.parallel.world_size > 1; empty
+    for one process. `--standalone` rendezvouses on localhost."""
+    if world_size <= 1:
+        return []
+    return ["-m", "engines.trainer.torchrun", "--standalone", "--nproc-per-node", str(world_size)]

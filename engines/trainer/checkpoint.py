@@ -5,6 +5,11 @@ tokenizer files, so it is a Hugging Face directory too), the optimizer, schedule
 (`trainer_state.pt`) and `run_state.json`, the run-level progress at that point: committed rollout
 steps, where the orchestrator's prompt cursor stands, and the MLflow run. A manifest with checksums is
 written last, so a checkpoint is complete or ignored.
+
+The optimizer goes through torch.distributed.checkpoint (DCP, `optimizer/` beside the weights, written by
+every rank, keyed by parameter name), so a checkpoint written by N ranks restores on M (engines/trainer/dcp.py).
+The weights are the full safetensors rank 0 gathers anyway to publish, loaded before the model is sharded.
+Checkpoints from before DCP hold the optimizer inside `trainer_state.pt`; they restore on one process.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ from typing import Any, Protocol
 import fsspec
 import torch
 
+from engines.trainer import dcp, parallel
+from engines.trainer.parallel import Dist
 from storage import checkpoints, rollouts
+from storage.fs import read_verified
 
 
 class Stateful(Protocol):
@@ -51,12 +59,23 @@ class TrainerState:
     files: dict[str, bytes] = field(default_factory=dict)  # config.json, tokenizer: saved beside the weights
 
 
-def save(fs: fsspec.AbstractFileSystem, root: str, step: int, state: TrainerState) -> str:
-    """Commit trainer `step`'s checkpoint; returns its directory."""
+def save(fs: fsspec.AbstractFileSystem, root: str, step: int, state: TrainerState, d: Dist | None = None) -> str | None:
+    """Commit trainer `step`'s checkpoint (a collective: every rank calls it); rank 0 returns its directory."""
     from safetensors.torch import save as st_save
 
+    d = d or Dist()
+    directory = checkpoints.step_path(root, step, "trainer")
+    if d.is_main:
+        checkpoints.uncommit(fs, directory)  # rewriting: no reader may pair an old manifest with new files
+    parallel.barrier(d)
+    weights = parallel.full_state_dict(state.model, d)
+    written, staged = dcp.save_optimizer(fs, directory, state.model, state.parts["optimizer"], d)
+    if not d.is_main:
+        parallel.barrier(d)
+        return None
     buf = io.BytesIO()
-    torch.save({"step": step, **{name: part.state_dict() for name, part in state.parts.items()}}, buf)
+    kept = {name: part.state_dict() for name, part in state.parts.items() if name != "optimizer"}
+    torch.save({"step": step, **kept}, buf)
     committed = rollouts.committed_rollout_steps(fs, root)
     run_state = {
         "step": step,
@@ -67,24 +86,43 @@ def save(fs: fsspec.AbstractFileSystem, root: str, step: int, state: TrainerStat
         "orchestrator": {"prompt_cursor": (committed[-1] + 1) if committed else 1, "seed": state.seed},
     }
     files = {
-        "model.safetensors": st_save(state.model.publishable_state_dict()),
+        "model.safetensors": st_save(weights),
         "trainer_state.pt": buf.getvalue(),
         "run_state.json": json.dumps(run_state, indent=1).encode(),
         **state.files,
+        **staged,
     }
-    return checkpoints.save(fs, root, step, "trainer", files)
+    checkpoints.save(fs, root, step, "trainer", files, written)
+    parallel.barrier(d)
+    return directory
 
 
-def restore(fs: fsspec.AbstractFileSystem, root: str, step: int, state: TrainerState) -> None:
-    """Load checkpoint `step` (checksum-verified) into the model and every part."""
+def restore_weights(fs: fsspec.AbstractFileSystem, root: str, step: int, model: Any) -> None:
+    """Load checkpoint `step`'s weights (checksum-verified) into the model, before it is sharded."""
     from safetensors.torch import load as st_load
 
-    files = checkpoints.load(fs, root, step, "trainer")
-    state.model.load_published(st_load(files["model.safetensors"]))
-    saved = torch.load(io.BytesIO(files["trainer_state.pt"]), weights_only=True)
+    manifest = checkpoints.manifest(fs, root, step, "trainer")
+    directory = checkpoints.step_path(root, step, "trainer")
+    model.load_published(st_load(read_verified(fs, directory, "model.safetensors", manifest)))
+
+
+def restore(fs: fsspec.AbstractFileSystem, root: str, step: int, state: TrainerState, d: Dist | None = None) -> None:
+    """Load checkpoint `step`'s parts (checksum-verified); the weights were loaded by `restore_weights`."""
+    d = d or Dist()
+    manifest = checkpoints.manifest(fs, root, step, "trainer")
+    directory = checkpoints.step_path(root, step, "trainer")
+    saved = torch.load(io.BytesIO(read_verified(fs, directory, "trainer_state.pt", manifest)), weights_only=True)
     if saved["step"] != step:
         raise RuntimeError(f"checkpoint step={step} holds trainer state for step {saved['step']}")
     if "rng" not in saved and "torch_rng" in saved:  # checkpoints written before parts had names
         saved["rng"] = {"torch": saved["torch_rng"], "python": saved["python_rng"]}
     for name, part in state.parts.items():
-        part.load_state_dict(saved[name])
+        if name == "optimizer" and "optimizer" not in saved:
+            dcp.load_optimizer(fs, directory, manifest, state.model, part, d)
+        elif name == "optimizer" and d.enabled:
+            raise SystemExit(
+                f"{directory}: written by a single-process trainer before DCP checkpoints; resume it once with "
+                "trainer.parallel.world_size = 1 (its next checkpoint restores on any number of ranks)"
+            )
+        else:
+            part.load_state_dict(saved[name])

@@ -14,7 +14,7 @@ import torch
 
 from config.process import TrainerProcessConfig
 from engines import modeldir
-from engines.trainer import checkpoint
+from engines.trainer import checkpoint, parallel
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
 from engines.trainer.common import log, routing_for, seed_everything, train_logprobs
 from engines.trainer.loss import policy_loss
@@ -38,12 +38,16 @@ def _scoring(mb: Batch | PackedBatch) -> torch.Tensor:
 class RLTrainer:
     def __init__(self, cfg: TrainerProcessConfig):
         self.cfg, self.tcfg = cfg, cfg.trainer
+        self.dist = parallel.init(self.tcfg.parallel)  # torchrun ranks; a plain Dist for one process
         seed_everything(cfg.seed, self.tcfg.num_threads)
         self.fs, self.root = Storage(cfg.run.storage).open(cfg.run.output_dir)
         self.publisher = weights.Publisher(self.fs, self.root)
         loaded = modeldir.load(cfg.model, pretrained=False)  # version 0 or a checkpoint is loaded next
         self.tok, self.model = loaded.tokenizer, loaded.model
         self.publication_files = loaded.publication_files()  # config.json, tokenizer: same every version
+        self.version = self._load_weights()
+        self.history = self._build_history() if self.tcfg.measure_mismatch and self.dist.is_main else None
+        parallel.parallelize(self.model, self.dist, self.tcfg.parallel, loaded.source.impl)
         self.optimizer, self.scheduler = self._build_optimizer()
         self.state = checkpoint.TrainerState(
             self.model,
@@ -52,8 +56,9 @@ class RLTrainer:
             cfg.seed,
             self.publication_files,
         )
-        self.version = self._restore()
-        self.history = self._build_history() if self.tcfg.measure_mismatch else None
+        if cfg.resume_step is not None:
+            checkpoint.restore(self.fs, self.root, cfg.resume_step, self.state, self.dist)
+            log.info(f"resumed from checkpoint step={cfg.resume_step}")
         self.tracker = Tracker(self.fs, self.root, cfg.tracking.tracking_uri, cfg.mlflow_run_id)
 
     def _build_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
@@ -63,12 +68,11 @@ class RLTrainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
         return optimizer, scheduler
 
-    def _restore(self) -> int:
-        """Start from the checkpoint the flow chose, or from the warm-up's version 0; returns the version."""
+    def _load_weights(self) -> int:
+        """Weights of the checkpoint the flow chose, or the warm-up's version 0; returns the version."""
         step = self.cfg.resume_step
         if step is not None:
-            checkpoint.restore(self.fs, self.root, step, self.state)
-            log.info(f"resumed from checkpoint step={step}")
+            checkpoint.restore_weights(self.fs, self.root, step, self.model)
             return step
         if not is_committed(self.fs, weights.version_dir(self.root, 0)):
             raise SystemExit("no committed weights to start from; the warm-up publishes version 0")
@@ -97,13 +101,15 @@ class RLTrainer:
             return micro_batches(pack_batch(batch, self.tok.pad_id), self.tcfg.micro_batch_size)
         return micro_batches(batch, self.tcfg.micro_batch_size)
 
-    def train_on(self, batch: Batch) -> dict:
+    def train_on(self, batch: Batch, n_tokens: float | None = None, weight: float = 1.0) -> dict:
+        """One optimizer step on `batch` (under torchrun: this rank's share, `n_tokens` the whole step's count,
+        `weight` 0 for a rank whose share is a stand-in row)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        n_tokens = float(batch.loss_mask.sum().clamp(min=1))
+        n_tokens = n_tokens or float(batch.loss_mask.sum().clamp(min=1))
         loss_sum = masked = kl_sum = nonfinite = replayed = 0.0
         lc = self.tcfg.loss
-        for mb in self.train_micro_batches(batch):
+        for mb, w in parallel.even_micro_batches(self.train_micro_batches(batch), weight, self.dist):
             routing = routing_for(mb, self.tcfg.enable_router_replay)
             if routing is not None and routing.replay is not None:
                 replayed += float(((routing.replay[..., 0, 0] >= 0) & (_scoring(mb) > 0)).sum())
@@ -116,19 +122,24 @@ class RLTrainer:
                 lc.mask_high,
                 n_tokens,
             )
-            out.loss.backward()
+            (out.loss * w).backward()  # w = 0: a stand-in that keeps the ranks' collectives in step
+            if not w:
+                continue
             loss_sum += float(out.loss.detach())
             masked += out.masked_tokens
             kl_sum += out.sampler_kl_sum
             nonfinite += out.nonfinite_tokens
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.optim.max_grad_norm)
+        grad_norm = parallel.clip_grad_norm(self.model, self.tcfg.optim.max_grad_norm, self.dist)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.model.eval()
+        loss_sum, masked, kl_sum, nonfinite, replayed = parallel.all_reduce(
+            [loss_sum, masked, kl_sum, nonfinite, replayed], self.dist
+        )
         return {
             "loss": loss_sum,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "lr": lr,
             "masked_fraction": masked / n_tokens,
             "sampler_kl": kl_sum / n_tokens,
@@ -149,12 +160,17 @@ class RLTrainer:
             if self.history
             else Mismatch(None, 0, None)
         )
-        stats = self.train_on(batch)
+        share, weight = parallel.local_share(batch, self.dist)
+        stats = self.train_on(share, float(batch.loss_mask.sum().clamp(min=1)), weight)
         t2 = time.perf_counter()
-        self.publisher.publish(step, self.model.publishable_state_dict(), self.publication_files)
-        retention.enforce(self.fs, self.root, bases=self.publisher.bases)  # a no-op unless storage.keep_last_*
+        published = parallel.full_state_dict(self.model, self.dist)  # a collective; rank 0 keeps the weights
+        if self.dist.is_main:
+            self.publisher.publish(step, published, self.publication_files)
+            retention.enforce(self.fs, self.root, bases=self.publisher.bases)  # a no-op unless storage.keep_last_*
         self.version = step
-        if self.history:
+        if self.history and self.dist.enabled:
+            self.history.add_state(step, published)
+        elif self.history:
             self.history.add(step, self.model)
         t3 = time.perf_counter()
         stale = [staleness(step, v) for v in table.column("policy_version").to_pylist()]
@@ -182,14 +198,23 @@ class RLTrainer:
         signal.signal(signal.SIGUSR1, lambda *_: CHECKPOINT_NOW.set())
         for step in range(self.version + 1, self.cfg.max_steps + 1):
             row = self.step(step)
-            self.tracker.record(row)
-            kl = "n/a" if row["mismatch_kl"] is None else f"{row['mismatch_kl']:.1e}"
-            log.info(
-                f"step {step}/{self.cfg.max_steps} | reward {row['reward_mean']:.3f} | loss {row['loss']:+.4f} "
-                f"| mismatch_kl {kl} | staleness {row['staleness_mean']:.2f} | masked {row['masked_fraction']:.3f} "
-                f"| train {row['train_s']:.2f}s wait {row['wait_s']:.2f}s"
-            )
-            if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.max_steps or CHECKPOINT_NOW.is_set():
+            if self.dist.is_main:
+                self._report(step, row)
+            # every rank must checkpoint at the same step: SIGUSR1 may reach them a step apart
+            nudged = parallel.all_reduce([float(CHECKPOINT_NOW.is_set())], self.dist, "max")[0]
+            if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.max_steps or nudged:
                 CHECKPOINT_NOW.clear()
-                log.info(f"checkpoint written: {checkpoint.save(self.fs, self.root, step, self.state)}")
-                retention.enforce(self.fs, self.root, bases=self.publisher.bases)
+                written = checkpoint.save(self.fs, self.root, step, self.state, self.dist)
+                if self.dist.is_main:
+                    log.info(f"checkpoint written: {written}")
+                    retention.enforce(self.fs, self.root, bases=self.publisher.bases)
+        parallel.shutdown(self.dist)
+
+    def _report(self, step: int, row: dict) -> None:
+        self.tracker.record(row)
+        kl = "n/a" if row["mismatch_kl"] is None else f"{row['mismatch_kl']:.1e}"
+        log.info(
+            f"step {step}/{self.cfg.max_steps} | reward {row['reward_mean']:.3f} | loss {row['loss']:+.4f} "
+            f"| mismatch_kl {kl} | staleness {row['staleness_mean']:.2f} | masked {row['masked_fraction']:.3f} "
+            f"| train {row['train_s']:.2f}s wait {row['wait_s']:.2f}s"
+        )

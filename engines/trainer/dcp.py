@@ -1,0 +1,77 @@
+"""The optimizer's part of a trainer checkpoint, through torch.distributed.checkpoint (DCP).
+
+Save: every rank hands DCP its shard of the optimizer state, keyed by parameter name
+(`get_optimizer_state_dict`), and DCP writes one file per rank plus `.metadata` under
+`checkpoints/step=N/trainer/optimizer/`; rank 0 then checksums them into the checkpoint's manifest (written
+last, storage/checkpoints.py). Load: every rank verifies those files against the manifest and DCP reads
+the slices its own shards need, whatever the number of ranks that wrote them (2 -> 1, 1 -> 2 ...).
+Object stores: DCP writes into a local staging directory and rank 0 uploads the files (one node).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from engines.trainer.parallel import Dist
+from storage.fs import is_local, join, read_verified
+
+PREFIX = "optimizer"
+
+
+def _shared_tmp(d: Dist) -> str:
+    """A staging directory every rank of this node agrees on (rank 0 creates it)."""
+    path = [tempfile.mkdtemp(prefix="rollflow-dcp-") if d.is_main else ""]
+    if d.enabled:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def save_optimizer(
+    fs: fsspec.AbstractFileSystem, directory: str, model: Any, optimizer: Any, d: Dist
+) -> tuple[list[str], dict[str, bytes]]:
+    """Write the optimizer state (a collective). Rank 0 gets (names written in place, staged files to commit)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    local = is_local(fs)
+    target = join(directory, PREFIX) if local else _shared_tmp(d)
+    Path(target).mkdir(parents=True, exist_ok=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(target), no_dist=not d.enabled)
+    if not d.is_main:
+        return [], {}
+    names = sorted(p.name for p in Path(target).iterdir() if p.is_file())
+    if local:
+        return [f"{PREFIX}/{n}" for n in names], {}
+    staged = {f"{PREFIX}/{n}": (Path(target) / n).read_bytes() for n in names}
+    shutil.rmtree(target, ignore_errors=True)
+    return [], staged
+
+
+def load_optimizer(
+    fs: fsspec.AbstractFileSystem, directory: str, manifest: dict, model: Any, optimizer: Any, d: Dist
+) -> None:
+    """Verify the checkpoint's DCP files and load this rank's share of the optimizer state (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    names = [n for n in manifest["files"] if n.startswith(f"{PREFIX}/")]
+    if not names:
+        raise RuntimeError(f"{directory}: the checkpoint holds no optimizer state ({PREFIX}/ files)")
+    data = {n: read_verified(fs, directory, n, manifest) for n in names}  # every rank checks what it reads
+    if is_local(fs):
+        source = join(directory, PREFIX)
+    else:
+        source = tempfile.mkdtemp(prefix="rollflow-dcp-")
+        for n, b in data.items():
+            (Path(source) / n.split("/", 1)[1]).write_bytes(b)
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(source), no_dist=not d.enabled)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])

@@ -1,0 +1,233 @@
+"""The trainer under torchrun: process group, torchtitan's device mesh, FSDP2 sharding, each rank's data.
+
+Data flow: `trainer.parallel` + torchrun's env (RANK, WORLD_SIZE) -> `init` (gloo on CPU, NCCL on GPU;
+torchtitan's `ParallelDims` builds the mesh) -> `parallelize` (torch's FSDP2 `fully_shard` per decoder
+layer and at the root, over the mesh's `fsdp` (+ `dp_replicate` for HSDP) axes; torchtitan's
+`disable_fsdp_gradient_division`, so gradients are summed: every rank's loss is already divided by the
+step's global token count) -> `local_share` (the rows of the step's batch this rank trains on) ->
+`full_state_dict` (all ranks gather, rank 0 keeps the weights to publish).
+
+With `world_size = 1` nothing here touches torch.distributed: the trainer is the plain process it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import types
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from config.parallel import ParallelConfig, check_against_model
+from engines.trainer.batch import Batch
+
+
+@dataclass
+class Dist:
+    """This rank's place: `dp_rank` of `dp_size` picks its rows of each step's batch."""
+
+    rank: int = 0
+    world: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    device: torch.device = torch.device("cpu")
+    dims: Any = None  # torchtitan ParallelDims (mesh built) when world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+
+def _torchtitan_on_cpu() -> None:
+    """torchtitan 0.3.0 imports its GPU kernels module (triton) and picks its device at import time:
+    stub the one and point the other at the CPU before anything of torchtitan is imported."""
+    name = "torchtitan.distributed.minimal_async_ep.kernels"
+    if name not in sys.modules:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            sys.modules[name] = types.ModuleType(name)
+    # torchtitan's mesh gives size-1 axes the "fake" backend, which only this torch module registers.
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+    import torchtitan.tools.utils as tt_utils
+
+    tt_utils.device_type, tt_utils.device_module = "cpu", torch.cpu
+
+
+def _die_with_launcher() -> None:
+    """torchrun starts each rank in a session of its own: without this a SIGKILLed agent (the flow's
+    supervised child) would leave its ranks running, still writing to the run."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux/glibc
+    if os.getppid() == 1:  # the agent died before the call above
+        raise SystemExit("torchrun's agent is gone")
+
+
+def backend_for(p: ParallelConfig) -> str:
+    if p.backend != "auto":
+        return p.backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init(p: ParallelConfig) -> Dist:
+    """Join torchrun's process group and build torchtitan's mesh; a plain `Dist` for one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != p.world_size:
+        raise SystemExit(
+            f"trainer.parallel.world_size={p.world_size} but this process runs with WORLD_SIZE={world}; "
+            "the rl flow starts the trainer with torchrun --nproc-per-node world_size"
+        )
+    if world == 1:
+        return Dist()
+    _die_with_launcher()
+    import torch.distributed as dist
+
+    backend = backend_for(p)
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    else:
+        _torchtitan_on_cpu()
+    dist.init_process_group(backend)
+    from torchtitan.distributed import ParallelDims
+
+    dims = ParallelDims(
+        dp_replicate=p.dp_replicate, dp_shard=p.shard_size, cp=p.cp, tp=p.tp, pp=1, ep=p.ep, world_size=world,
+        spmd_backend="partial_dtensor",
+    )  # fmt: skip
+    dims.build_mesh()
+    # Ranks are laid out (batch, cp, tp) row-major: cp and tp neighbours share a data-parallel rank.
+    return Dist(rank, world, rank // (p.cp * p.tp), p.dp_size, device, dims)
+
+
+def parallelize(model: nn.Module, d: Dist, p: ParallelConfig, impl: str = "custom") -> None:
+    """FSDP2 (HSDP with dp_replicate > 1) over `model`'s decoder layers and root, in place. Checks the sizes
+    against the loaded model first (a `model.path` model's shape is known only now)."""
+    if not d.enabled:
+        return
+    try:
+        check_against_model(p, model.cfg, impl)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if d.device.type == "cuda":
+        model.to(d.device)
+    if p.tp > 1 or p.cp > 1 or p.ep > 1:
+        raise SystemExit(
+            f"trainer.parallel tp={p.tp} cp={p.cp} ep={p.ep}: this trainer applies data parallelism (FSDP2/HSDP) "
+            "only so far; see docs/parallelism.md"
+        )
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
+
+    mesh = d.dims.get_mesh(["dp_replicate", "fsdp"] if p.dp_replicate > 1 else "fsdp")
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if d.device.type == "cuda":  # bf16 compute, fp32 master weights and gradient reduction
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    root = model.weights_module()  # type: ignore[operator]
+    for layer in decoder_layers(root):
+        fully_shard(layer, **kwargs)
+    fully_shard(root, **kwargs)
+    disable_fsdp_gradient_division(root)
+    if d.device.type == "cpu":  # gloo has no PREMUL_SUM / AVG reductions
+        for m in root.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+
+
+def decoder_layers(root: nn.Module) -> list[nn.Module]:
+    """The decoder blocks (the `layers` ModuleList of rollflow's or transformers' model): one FSDP unit each."""
+    for name, m in root.named_modules():
+        if name.rsplit(".", 1)[-1] == "layers" and isinstance(m, nn.ModuleList):
+            return list(m)
+    raise ValueError(f"{type(root).__name__}: no `layers` ModuleList to shard per block")
+
+
+def local_share(batch: Batch, d: Dist) -> tuple[Batch, float]:
+    """This rank's contiguous slice of the step's rows, weight 1; with fewer rows than data-parallel ranks,
+    the ranks left over get the first row as a stand-in, weight 0 (they must still run forward/backward)."""
+    if not d.enabled:
+        return batch, 1.0
+    rows = torch.tensor_split(torch.arange(batch.input_ids.shape[0]), d.dp_size)[d.dp_rank]
+    if len(rows) == 0:
+        return batch.select(torch.arange(1)), 0.0
+    return batch.select(rows), 1.0
+
+
+def even_micro_batches(mbs: Sequence[Any], weight: float, d: Dist) -> Iterator[tuple[Any, float]]:
+    """Each micro-batch with its loss weight, then zero-weight repeats until every rank has run as many as
+    the busiest one: FSDP's all-gathers and reduce-scatters pair up across ranks call by call."""
+    count = int(all_reduce([float(len(mbs))], d, "max")[0]) if d.enabled else len(mbs)
+    for i in range(count):
+        mb = to_device(mbs[min(i, len(mbs) - 1)], d.device)
+        yield (mb, weight) if i < len(mbs) else (mb, 0.0)
+
+
+def to_device(mb: Any, device: torch.device) -> Any:
+    """A (packed) micro-batch with its tensors on the ranks' device (GPU ranks); unchanged on the CPU."""
+    if device.type == "cpu":
+        return mb
+    moved = {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb)}
+    return dataclasses.replace(mb, **{k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
+
+
+def all_reduce(values: list[float], d: Dist, op: str = "sum") -> list[float]:
+    """Sum (or max) plain numbers over the ranks; identity for one process."""
+    if not d.enabled:
+        return values
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def full_state_dict(model: nn.Module, d: Dist) -> dict[str, torch.Tensor]:
+    """The publishable weights: on one process the model's own; sharded, gathered by every rank (a collective),
+    kept on rank 0 only (the other ranks get an empty dict)."""
+    if not d.enabled:
+        return model.publishable_state_dict()  # type: ignore[operator]
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    sd = get_model_state_dict(model.weights_module(), options=opts)  # type: ignore[operator]
+    if model.cfg.tie_word_embeddings:  # type: ignore[union-attr]
+        sd.pop("lm_head.weight", None)
+    return sd  # type: ignore[return-value]
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, d: Dist) -> float:
+    """Global gradient norm clipping; torchtitan's version reduces the norm over the sharded parameters."""
+    if not d.enabled:
+        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    from torchtitan.distributed.utils import clip_grad_norm_
+
+    return float(clip_grad_norm_(list(model.parameters()), max_norm, ep_enabled=d.dims.ep_enabled))
+
+
+def barrier(d: Dist) -> None:
+    if d.enabled:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def shutdown(d: Dist) -> None:
+    if d.enabled:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()

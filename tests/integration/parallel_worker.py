@@ -1,0 +1,59 @@
+"""One trainer process of the parallelism tests: `python [-m torch.distributed.run ...] parallel_worker.py
+trainer.json STEPS CHECKPOINT_AT OUT`. It builds the real `RLTrainer` from `trainer.json` (torchrun's ranks
+join a gloo group and shard with FSDP2; one process stays plain), trains on seeded synthetic batches for
+the steps after its version (the resumed checkpoint's or 0), checkpoints at CHECKPOINT_AT (0: never), and
+rank 0 saves the losses, gradient norms and final full weights to OUT.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from config.process import TrainerProcessConfig
+from engines.trainer import checkpoint, parallel
+from engines.trainer.batch import Batch
+from engines.trainer.rl import RLTrainer
+from storage.fs import read_json
+
+
+def synthetic_batch(step: int, vocab: int, rows: int = 7, length: int = 16) -> Batch:
+    """The same rows on every rank and process for a given step: ids, completion mask, advantages."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(4, vocab, (rows, length), generator=g)
+    mask = torch.zeros(rows, length - 1)
+    mask[:, length // 2 :] = 1.0
+    return Batch(
+        input_ids=ids,
+        targets=ids[:, 1:],
+        loss_mask=mask,
+        sampler_logprobs=(-torch.log(torch.tensor(float(vocab))) + 0.1 * torch.randn(rows, length - 1, generator=g))
+        * mask,
+        advantages=torch.randn(rows, generator=g),
+        temperatures=torch.ones(rows),
+        versions=torch.full((rows,), step - 1),
+        versions_end=torch.full((rows,), step - 1),
+    )
+
+
+def main(config: str, steps: int, checkpoint_at: int, out: str) -> None:
+    trainer = RLTrainer(TrainerProcessConfig.model_validate(read_json(config)))
+    d = trainer.dist
+    losses, norms = [], []
+    for step in range(trainer.version + 1, steps + 1):
+        batch = synthetic_batch(step, trainer.model.vocab_size)
+        share, weight = parallel.local_share(batch, d)
+        stats = trainer.train_on(share, float(batch.loss_mask.sum()), weight)
+        losses.append(stats["loss"])
+        norms.append(stats["grad_norm"])
+        if step == checkpoint_at:
+            checkpoint.save(trainer.fs, trainer.root, step, trainer.state, d)
+    weights = parallel.full_state_dict(trainer.model, d)
+    if d.is_main:
+        torch.save({"losses": losses, "grad_norms": norms, "weights": weights, "world": d.world}, out)
+    parallel.shutdown(d)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
