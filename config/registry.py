@@ -11,6 +11,7 @@ from __future__ import annotations
 ENVIRONMENTS: dict[str, str] = {
     "reverse-text": "engines.envs:ReverseText",
     "sort-letters": "engines.envs:SortLetters",
+    "tool-lookup": "engines.envs_tools:ToolLookup",  # multi-turn (engines/episodes.py)
 }
 
 # `model.family` and config.json `model_type` -> the Family (engines/families.py) that maps its config.json
