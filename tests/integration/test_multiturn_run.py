@@ -1,0 +1,89 @@
+"""Multi-turn tool episodes end to end: the real CLI, inference server, orchestrator and trainer on the
+tool-lookup task (profiles/tiny-tools-cpu.toml shortened by tests/profiles/tools-short.toml); then the
+same run killed mid-episode and resumed, audited like tests/integration/test_resume.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pyarrow.dataset as ds
+import pytest
+from conftest import ROOT, cli_argv, cli_env, start_cli
+from test_resume import _assert_nothing_lost_or_duplicated, _committed_rollouts, _kill, _wait_for_step, _wait_gone
+
+from engines.tokenizer import CharTokenizer
+
+pytestmark = pytest.mark.slow
+PROFILES = ("@", str(ROOT / "profiles/tiny-tools-cpu.toml"), "@", str(ROOT / "tests/profiles/tools-short.toml"))
+STEPS = 6
+
+
+def _rows(out: Path) -> list[dict]:
+    return ds.dataset(out / "rollouts", format="ipc", partitioning="hive").to_table().to_pylist()
+
+
+def _assert_episodes(rows: list[dict]) -> None:
+    """Every row is a whole episode: mask over exactly the completion, model tokens carry the sampler's
+    logprobs, environment spans are the tool's rendered answers, one policy version pair per model turn."""
+    tok = CharTokenizer()
+    multi = 0
+    for r in rows:
+        ids, mask, lps = r["completion_ids"], r["completion_mask"], r["completion_logprobs"]
+        assert len(mask) == len(ids) == len(lps) and mask[-1] == 1
+        assert all(lp == 0.0 for lp, m in zip(lps, mask, strict=True) if m == 0)
+        assert all(lp < 0.0 for lp, m in zip(lps, mask, strict=True) if m == 1)  # T=1 samples: never certain
+        env_text = tok.decode([t for t, m in zip(ids, mask, strict=True) if m == 0], skip_special=False)
+        turns = len(r["turn_policy_versions"])
+        assert turns == len(r["turn_policy_versions_end"]) and turns in (1, 2)
+        if turns == 2:
+            multi += 1
+            assert env_text.startswith("is:") and env_text.endswith("=")  # the tool's answer, then the turn prompt
+            assert r["completion_text"].startswith("?")  # only a tool call gets a tool answer
+        else:
+            assert env_text == ""
+        assert r["policy_version"] == min(r["turn_policy_versions"])
+        assert r["policy_version_end"] == max(r["turn_policy_versions_end"])
+    assert multi >= len(rows) // 2, "after the warm-up most episodes should call the tool"
+
+
+def test_tool_episodes_run_through_the_real_stack(tmp_path):
+    out = tmp_path / "run"
+    args = ["rl", *PROFILES, "--output-dir", str(out)]
+    proc = subprocess.run(cli_argv(*args), cwd=tmp_path, env=cli_env(None), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _rows(out)
+    assert len(rows) == STEPS * 6 * 4
+    _assert_episodes(rows)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    model_tokens = {s: 0 for s in range(1, STEPS + 1)}
+    for r in rows:
+        model_tokens[r["step"]] += sum(r["completion_mask"])
+    assert [m["tokens"] for m in metrics] == [model_tokens[s] for s in range(1, STEPS + 1)]  # trained: model only
+    kls = [m["mismatch_kl"] for m in metrics if m["mismatch_kl"] is not None]
+    assert kls and max(kls) <= 1e-3
+
+
+def test_kill_mid_episode_then_resume_keeps_every_episode_once(tmp_path, prefect_api):
+    rng, out, log = random.Random(7), tmp_path / "run", tmp_path / "cli.log"
+    cli = start_cli(tmp_path, log, prefect_api, "rl", *PROFILES, "--output-dir", str(out))
+    snapshots: dict[int, str] = {}
+    try:
+        for point, target in ((1, "orchestrator"), (3, "tree")):  # mid-step: episodes are in flight
+            _wait_for_step(cli, out, point)
+            time.sleep(rng.uniform(0.0, 0.5))
+            snapshots.update(_committed_rollouts(out))
+            cli = _kill(cli, out, target, log, prefect_api)
+        assert cli.wait(timeout=300) == 0, log.read_text()[-4000:]
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+    _assert_nothing_lost_or_duplicated(out, STEPS, snapshots)
+    _assert_episodes(_rows(out))
+    _wait_gone(out)
