@@ -184,3 +184,30 @@ def test_sft_batch_trains_replies_of_multi_turn_envs():
     for row, m in zip(ids.tolist(), mask.tolist(), strict=True):
         trained = TOK.decode([t for t, keep in zip(row[1:], m, strict=True) if keep], skip_special=False)
         assert trained.startswith("?") and trained.count("<eos>") == 2
+
+
+CHATML = (
+    "{% for m in messages %}<bos>{{ m['role'] }}:{{ m['content'] }}<eos> {% endfor %}"
+    "{% if add_generation_prompt %}<bos>assistant:{% endif %}"
+)
+
+
+def test_hf_continuation_equals_the_template_rendering_of_the_whole_conversation(tmp_path):
+    """A ChatML-like template (text after the assistant's eos): sampled ids + continuation == full render."""
+    import json
+
+    from engines.tokenizer import HFTokenizer
+
+    TOK.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    hf = HFTokenizer(tmp_path)
+    user, tool = {"role": "user", "content": "get:ab"}, {"role": "tool", "content": "is:xyz"}
+    sampled = hf.encode("?ab", bos=False) + [hf.eos_id]
+    ids = hf.render_prompt(user["content"]) + sampled + hf.render_continuation([tool])
+    assert ids == hf.render_messages([user, {"role": "assistant", "content": "?ab"}, tool])
+    assert hf.decode(hf.render_continuation([tool]), skip_special=False) == " <bos>tool:is:xyz<eos> <bos>assistant:"
+    no_eos = "{{ messages[0]['content'] }}"  # never closes an assistant turn with the eos
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": no_eos}))
+    with pytest.raises(ValueError, match="does not end an assistant turn"):
+        HFTokenizer(tmp_path).render_continuation([tool])
