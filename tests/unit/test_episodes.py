@@ -211,3 +211,44 @@ def test_hf_continuation_equals_the_template_rendering_of_the_whole_conversation
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": no_eos}))
     with pytest.raises(ValueError, match="does not end an assistant turn"):
         HFTokenizer(tmp_path).render_continuation([tool])
+
+
+def test_every_request_of_an_episode_carries_its_session_header_over_http():
+    """post_completion over a real loopback socket: the server sees the episode's X-Session-ID."""
+    import httpx
+
+    from engines.inference.api import CompletionResponse, Usage
+    from engines.orchestrator.multiturn import post_completion
+
+    body = CompletionResponse(
+        id="c",
+        created=0,
+        model="m",
+        choices=[_choice("?ab", 3)],
+        usage=Usage(prompt_tokens=1, completion_tokens=4, total_tokens=5),
+    ).model_dump_json()
+    seen: list[str] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in head.split("\r\n")[1:] if ": " in line)}
+        await reader.readexactly(int(headers["content-length"]))
+        seen.append(headers.get("x-session-id", ""))
+        writer.write(
+            f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+        )
+        writer.write(body.encode())
+        await writer.drain()
+        writer.close()
+
+    async def main() -> list[CompletionChoice]:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        limit = asyncio.Semaphore(2)
+        request = CompletionRequest(prompt=[1, 2], max_tokens=4)
+        async with server, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            return [await post_completion(client, limit, request, "run/s000001-g0000-03") for _ in range(2)]
+
+    choices = asyncio.run(main())
+    assert seen == ["run/s000001-g0000-03"] * 2
+    assert choices[0].token_ids == TOK.encode("?ab", bos=False) + [TOK.eos_id]
