@@ -102,5 +102,6 @@ def test_tiny_tools_profile_learns_the_tool_task(tmp_path):
     out = _run(tmp_path, PROFILES[:2], 3600)
     rewards = [json.loads(line)["reward_mean"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     rise = sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10
+    print(f"tiny-tools reward: first 10 steps {sum(rewards[:10]) / 10:.3f}, rise {rise:.3f}")  # shown with -s
     assert rise >= 0.1, f"reward rose by {rise:.3f}: {rewards}"
     assert all(r["completion_mask"] is not None for r in _rows(out))
