@@ -16,6 +16,7 @@ ENVIRONMENTS: dict[str, str] = {
     "reverse-text": "engines.envs:reverse_text",
     "sort-letters": "engines.envs:sort_letters",
     "reasoning-gym": "engines.rgym:load",
+    "tool-lookup": "engines.envs_tools:tool_lookup",  # multi-turn (engines/episodes.py)
 }
 # The built-in string tasks: their `args.max_chars` bounds the prompt length the config checks.
 STRING_TASKS = ("reverse-text", "sort-letters")

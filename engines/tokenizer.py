@@ -46,6 +46,12 @@ class Tokenizer(Protocol):
 
     def render_messages(self, messages: list[dict]) -> list[int]: ...
 
+    def render_continuation(self, messages: list[dict]) -> list[int]:
+        """Ids of environment/tool `messages` that follow a finished assistant turn (after its sampled
+        end-of-sequence), through the generation prompt of the next assistant turn: multi-turn episodes
+        append them to the sampled ids instead of re-rendering (and re-tokenizing) the conversation."""
+        ...
+
     def save_pretrained(self, directory: str | Path) -> None: ...
 
 
@@ -84,6 +90,10 @@ class CharTokenizer:
             self._template = _compiled(CHAT_TEMPLATE)
         text = self._template.render(messages=messages, bos_token="<bos>", add_generation_prompt=True)
         return [self.bos_id, *self.encode(text.removeprefix("<bos>"), bos=False)]
+
+    def render_continuation(self, messages: list[dict]) -> list[int]:
+        """CHAT_TEMPLATE concatenates contents and opens a turn with `=`: the messages' text, then `=`."""
+        return self.encode("".join(m["content"] for m in messages) + "=", bos=False)
 
     def save_pretrained(self, directory: str | Path) -> None:
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -146,6 +156,21 @@ class HFTokenizer:
     def render_messages(self, messages: list[dict]) -> list[int]:
         text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.hf.encode(text, add_special_tokens=False)
+
+    def render_continuation(self, messages: list[dict]) -> list[int]:
+        """The template's text after a finished assistant turn's end-of-sequence token, for these messages.
+
+        Rendered after a placeholder exchange and cut at that exchange's last eos string: what the template
+        puts between the eos and the next turn (Qwen's newline) is kept, the eos itself was sampled.
+        """
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        before = str(self.hf.apply_chat_template(base, tokenize=False))
+        after = str(self.hf.apply_chat_template(base + messages, add_generation_prompt=True, tokenize=False))
+        eos = str(self.hf.eos_token)
+        cut = before.rfind(eos)
+        if cut < 0 or not after.startswith(before[: cut + len(eos)]):
+            raise ValueError(f"{self.directory}: the chat template does not end an assistant turn with {eos!r}")
+        return self.hf.encode(after[cut + len(eos) :], add_special_tokens=False)
 
     def save_pretrained(self, directory: str | Path) -> None:
         self.hf.save_pretrained(str(directory))

@@ -18,7 +18,9 @@ from pydantic.fields import FieldInfo
 
 from storage.fs import commit_dir, committed_steps, join, read_manifest, read_verified, step_dir
 
-SCHEMA_VERSION = 1
+# 2: multi-turn columns (completion_mask, turn_policy_versions[_end]); version-1 shards lack them and read as
+# single-turn samples (every completion token a model token).
+SCHEMA_VERSION = 2
 
 
 class ArrowType:
@@ -31,6 +33,7 @@ class ArrowType:
 Int32 = Annotated[int, ArrowType(pa.int32())]
 Float32 = Annotated[float, ArrowType(pa.float32())]
 Int16 = Annotated[int, ArrowType(pa.int16())]
+Int8 = Annotated[int, ArrowType(pa.int8())]
 
 
 class RolloutRow(BaseModel):
@@ -60,6 +63,13 @@ class RolloutRow(BaseModel):
     completion_text: str
     # [seq, layers, top_k] expert ids per token for MoE router replay; null for dense models.
     routed_experts: list[list[list[Int16]]] | None = None
+    # Multi-turn episodes (engines/episodes.py): `completion_ids` holds every token after the first prompt,
+    # model turns and environment/tool responses interleaved; 1 marks a model token (trained, with its
+    # sampler logprob), 0 an environment token (logprob 0, never trained). Null: all model tokens.
+    completion_mask: list[Int8] | None = None
+    # The policy version of each model turn's first and last token; null for single-turn samples.
+    turn_policy_versions: list[int] | None = None
+    turn_policy_versions_end: list[int] | None = None
 
 
 _SCALARS: dict[type, pa.DataType] = {str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_()}
@@ -112,7 +122,25 @@ def to_table(rows: Sequence[RolloutRow | Mapping[str, Any]]) -> pa.Table:
     columns = {f.name: [getattr(r, f.name) for r in typed] for f in ROLLOUT_SCHEMA}
     table = pa.Table.from_pydict(columns, schema=ROLLOUT_SCHEMA)
     check_routed_experts(table)
+    for r in typed:
+        check_episode(r)
     return table
+
+
+def check_episode(row: RolloutRow) -> None:
+    """A multi-turn row's mask and logprobs align with its completion, and it ends on a model token (the
+    trainer finds a sample's length from its last trained token)."""
+    mask = row.completion_mask
+    if mask is None:
+        return
+    n = len(row.completion_ids)
+    if len(row.completion_logprobs) != n:
+        raise ValueError(f"{row.sample_id}: {len(row.completion_logprobs)} logprobs for {n} completion tokens")
+    if len(mask) != n or set(mask) - {0, 1} or not mask or mask[-1] != 1:
+        raise ValueError(f"{row.sample_id}: completion_mask must be {n} zeros and ones ending with a model token (1)")
+    turns = row.turn_policy_versions or []
+    if len(turns) != len(row.turn_policy_versions_end or []) or not turns:
+        raise ValueError(f"{row.sample_id}: turn_policy_versions and turn_policy_versions_end need one entry per turn")
 
 
 def check_routed_experts(table: pa.Table) -> None:

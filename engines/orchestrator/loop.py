@@ -7,6 +7,9 @@ compute group advantages, drop samples older than `max_off_policy_steps`, and co
 while generation runs, so one rollout may span two policy versions. Requests and responses are the
 inference API's own types (engines/inference/api.py); each sample becomes a typed `RolloutRow`, carrying
 the engine's `routed_experts` when it returns them (MoE with inference.enable_return_routed_experts).
+Multi-turn environments run `group_size` episodes per prompt instead (engines/orchestrator/multiturn.py);
+a step's episodes are committed together with its other samples, so an episode is in the lake whole or not
+at all.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import httpx
 from config.process import OrchestratorProcessConfig
 from engines import modeldir
 from engines.envs import EnvMix, Task
+from engines.episodes import MultiTurnEnvironment, is_multi_turn
 from engines.inference.api import (
     CompletionChoice,
     CompletionRequest,
@@ -32,6 +36,7 @@ from engines.inference.api import (
     UpdateWeightsResponse,
 )
 from engines.orchestrator.advantages import group_advantages
+from engines.orchestrator.multiturn import EpisodeGroup
 from engines.sampling import derive_seed
 from storage import rollouts, weights
 from storage.fs import Storage, read_json
@@ -120,9 +125,14 @@ class Orchestrator:
         self.tok = modeldir.load_tokenizer(modeldir.resolve(cfg.model))
         self.mix = EnvMix(cfg.envs, cfg.seed, self.tok.prompt_style)
         self.limit = asyncio.Semaphore(self.ocfg.requests_in_flight)
+        self.episodes = EpisodeGroup(client, self.limit, self.tok, self.ocfg, cfg.seed, cfg.model.max_seq_len)
 
     async def sample_group(self, step: int, group: int) -> list[RolloutRow]:
         task = self.mix.task(f"step={step}/group={group}")
+        env = self.mix.envs[task.env]
+        if is_multi_turn(env):
+            assert isinstance(env, MultiTurnEnvironment)
+            return await self.episodes.run(env, task, self.cfg.run.run_id, step, group)
         prompt_ids = self.tok.render_prompt(task.prompt)
         request = CompletionRequest(
             prompt=prompt_ids,

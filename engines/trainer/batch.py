@@ -24,7 +24,7 @@ def _rows_of(fields: dict[str, Any], idx: torch.Tensor | slice) -> dict[str, Any
 class Batch:
     input_ids: torch.Tensor  # [B, T] prompt + completion, right-padded
     targets: torch.Tensor  # [B, T-1] next tokens
-    loss_mask: torch.Tensor  # [B, T-1] 1.0 where the target is a completion token
+    loss_mask: torch.Tensor  # [B, T-1] 1.0 where the target is a model-sampled completion token
     sampler_logprobs: torch.Tensor  # [B, T-1] sampler logprob of each completion target, 0 elsewhere
     advantages: torch.Tensor  # [B]
     temperatures: torch.Tensor  # [B]
@@ -67,9 +67,13 @@ def make_batch(table: pa.Table, pad_id: int) -> Batch:
     ids = right_pad([p + c for p, c in zip(cols["prompt_ids"], cols["completion_ids"], strict=True)], pad_id)
     mask = torch.zeros((ids.shape[0], ids.shape[1] - 1))
     sampler = torch.zeros_like(mask)
+    # multi-turn episodes mark environment tokens 0 (never trained); a null mask (or a shard written before
+    # the column existed) means every completion token is a model token
+    turn_masks = table.column("completion_mask").to_pylist() if "completion_mask" in table.column_names else None
     for i, (p, lps) in enumerate(zip(cols["prompt_ids"], cols["completion_logprobs"], strict=True)):
         start = len(p) - 1  # target index of the first completion token
-        mask[i, start : start + len(lps)] = 1.0
+        m = turn_masks[i] if turn_masks is not None else None
+        mask[i, start : start + len(lps)] = 1.0 if m is None else torch.tensor(m, dtype=torch.float32)
         sampler[i, start : start + len(lps)] = torch.tensor(lps)
     return Batch(
         input_ids=ids,
@@ -142,6 +146,7 @@ def sample_lengths(batch: Batch) -> list[int]:
     """Prompt + completion tokens per sample: the last completion target sits at index length - 2.
 
     Read from the loss mask, not from pad ids: a sampler may emit the pad token inside a completion.
+    Multi-turn episodes always end on a model token (storage/rollouts.check_episode), so this holds for them.
     """
     last = torch.arange(batch.loss_mask.shape[1]) * (batch.loss_mask > 0)
     return (last.max(-1).values + 2).tolist()

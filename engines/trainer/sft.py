@@ -12,6 +12,7 @@ import torch
 from config.process import SFTProcessConfig
 from engines import modeldir
 from engines.envs import EnvMix
+from engines.episodes import demonstration_ids, is_multi_turn
 from engines.tokenizer import Tokenizer
 from engines.trainer.batch import right_pad
 from engines.trainer.common import log, seed_everything
@@ -20,17 +21,24 @@ from storage.fs import Storage, join, write_bytes_atomic
 
 
 def sft_batch(mix: EnvMix, tok: Tokenizer, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded token ids and a loss mask that covers answer tokens and the end-of-sequence only."""
-    seqs, starts = [], []
+    """Right-padded token ids and a loss mask that covers answer tokens and the end-of-sequence only
+    (in a multi-turn environment's reference episode: every reply's tokens, never the environment's)."""
+    seqs, masks = [], []
     for j in range(size):
         task = mix.task(f"sft/{step}/{j}")
-        prompt = tok.render_prompt(task.prompt)
-        seqs.append(prompt + tok.encode(task.answer, bos=False) + [tok.eos_id])
-        starts.append(len(prompt) - 1)
+        env = mix.envs[task.env]
+        if is_multi_turn(env):
+            seq, token_mask = demonstration_ids(env, task, tok)  # type: ignore[arg-type]
+        else:
+            prompt = tok.render_prompt(task.prompt)
+            seq = prompt + tok.encode(task.answer, bos=False) + [tok.eos_id]
+            token_mask = [0] * len(prompt) + [1] * (len(seq) - len(prompt))
+        seqs.append(seq)
+        masks.append(token_mask[1:])  # target t is token t + 1
     ids = right_pad(seqs, tok.pad_id)
     mask = torch.zeros((size, ids.shape[1] - 1))
-    for i, (s, start) in enumerate(zip(seqs, starts, strict=True)):
-        mask[i, start : len(s) - 1] = 1.0
+    for i, m in enumerate(masks):
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
     return ids, mask
 
 

@@ -40,6 +40,9 @@ def _rows(step: int, n: int = 3) -> list[dict]:
                 "prompt_text": "rev:abc=",
                 "completion_text": "cba"[: 1 + k],
                 "routed_experts": None,
+                "completion_mask": None,
+                "turn_policy_versions": None,
+                "turn_policy_versions_end": None,
             }
         )
     return rows

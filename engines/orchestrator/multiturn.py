@@ -1,0 +1,115 @@
+"""A group of multi-turn episodes for one task: `group_size` episodes run concurrently, each a sequence
+of single-sample requests to the inference server under its own `X-Session-ID`, scored by the
+environment and turned into one `RolloutRow` per episode (engines/episodes.py describes the columns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from config.orchestrator import OrchestratorConfig
+from engines.envs import Task
+from engines.episodes import SESSION_HEADER, Episode, MultiTurnEnvironment, run_episode
+from engines.inference.api import CompletionChoice, CompletionRequest, CompletionResponse
+from engines.orchestrator.advantages import group_advantages
+from engines.sampling import derive_seed
+from engines.tokenizer import Tokenizer
+from storage.rollouts import RolloutRow
+
+
+async def post_completion(
+    client: httpx.AsyncClient, limit: asyncio.Semaphore, request: CompletionRequest, session_id: str
+) -> CompletionChoice:
+    """One request of an episode, with the episode's session header; a 400 names the session."""
+    async with limit:
+        r = await client.post(
+            "/v1/completions", json=request.model_dump(exclude_none=True), headers={SESSION_HEADER: session_id}
+        )
+    if r.status_code == 400:
+        raise RuntimeError(f"inference refused a turn of episode {session_id}: {r.json().get('detail')}")
+    r.raise_for_status()
+    (choice,) = CompletionResponse.model_validate_json(r.content).choices
+    return choice
+
+
+class EpisodeGroup:
+    """The shared pieces of one group: where to send requests and how to build them."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        limit: asyncio.Semaphore,
+        tok: Tokenizer,
+        ocfg: OrchestratorConfig,
+        seed: int,
+        max_seq_len: int,
+    ):
+        self.client, self.limit, self.tok, self.ocfg = client, limit, tok, ocfg
+        self.seed, self.max_seq_len = seed, max_seq_len
+
+    def _request(self, step: int, group: int, k: int):
+        def build(context: list[int], room: int, turn: int) -> CompletionRequest:
+            return CompletionRequest(
+                prompt=context,
+                max_tokens=max(1, min(self.ocfg.max_new_tokens, room)),
+                temperature=self.ocfg.temperature,
+                logprobs=1,
+                return_token_ids=True,
+                # a pure function of (seed, step, group, episode, turn): a resumed run redraws the same episodes
+                seed=derive_seed(self.seed, step, group, k + 1, turn),
+            )
+
+        return build
+
+    async def _sample(self, request: CompletionRequest, session_id: str) -> CompletionChoice:
+        return await post_completion(self.client, self.limit, request, session_id)
+
+    async def run(self, env: MultiTurnEnvironment, task: Task, run_id: str, step: int, group: int) -> list[RolloutRow]:
+        group_id = f"s{step:06d}-g{group:04d}"
+        episodes = await asyncio.gather(
+            *(
+                run_episode(
+                    env,
+                    task,
+                    self.tok,
+                    self._sample,
+                    self._request(step, group, k),
+                    f"{run_id}/{group_id}-{k:02d}",
+                    self.max_seq_len,
+                )
+                for k in range(self.ocfg.group_size)
+            )
+        )
+        rewards = [env.score(task, e.replies) for e in episodes]
+        advantages = group_advantages(rewards, self.ocfg.normalize_advantages)
+        return [
+            self._row(run_id, step, group_id, k, task, e, reward, adv)
+            for k, (e, reward, adv) in enumerate(zip(episodes, rewards, advantages, strict=True))
+        ]
+
+    def _row(
+        self, run_id: str, step: int, group_id: str, k: int, task: Task, e: Episode, reward: float, adv: float
+    ) -> RolloutRow:
+        return RolloutRow(
+            run_id=run_id,
+            step=step,
+            sample_id=f"{group_id}-{k:02d}",
+            group_id=group_id,
+            env=task.env,
+            policy_version=min(e.turn_versions),
+            policy_version_end=max(e.turn_versions_end),
+            prompt_ids=e.prompt_ids,
+            completion_ids=e.completion_ids,
+            completion_logprobs=e.completion_logprobs,
+            reward=reward,
+            advantage=adv,
+            temperature=self.ocfg.temperature,
+            finish_reason=e.finish_reason,
+            prompt_text=task.prompt,
+            completion_text=e.text,
+            completion_mask=e.completion_mask,
+            turn_policy_versions=e.turn_versions,
+            turn_policy_versions_end=e.turn_versions_end,
+        )
