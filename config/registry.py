@@ -17,6 +17,7 @@ ENVIRONMENTS: dict[str, str] = {
     "sort-letters": "engines.envs:sort_letters",
     "reasoning-gym": "engines.rgym:load",
     "tool-lookup": "engines.envs_tools:tool_lookup",  # multi-turn (engines/episodes.py)
+    "verifiers": "engines.verifiers_env:verifiers",  # verifiers (v1) environments (docs/environments.md)
 }
 # The built-in string tasks: their `args.max_chars` bounds the prompt length the config checks.
 STRING_TASKS = ("reverse-text", "sort-letters")

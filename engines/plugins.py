@@ -123,7 +123,9 @@ def make(spec: EnvSpec, default_style: str = "tag") -> Any:
 def build(spec: EnvSpec, default_style: str = "tag") -> Any:
     """The single-turn Environment an `[[envs]]` entry describes (`make`, then the protocol check)."""
     env = make(spec, default_style)
-    missing = [m for m in ("sample", "reward") if not callable(getattr(env, m, None))]
+    # an environment that runs its own episodes (`run_group`, e.g. verifiers') scores them itself
+    needed = ("sample",) if callable(getattr(env, "run_group", None)) else ("sample", "reward")
+    missing = [m for m in needed if not callable(getattr(env, m, None))]
     if missing:
         raise PluginError(
             f"the factory returned a {type(env).__name__}, which is not an Environment: it lacks "
@@ -142,6 +144,8 @@ def _smoke(env: Any) -> None:
     is_task = dataclasses.is_dataclass(task) and not isinstance(task, type)
     if not is_task or not all(isinstance(getattr(task, f, None), str) for f in ("env", "prompt", "answer")):
         raise PluginError(f"sample(rng) returned {task!r}, not a Task (a dataclass with env, prompt, answer strings)")
+    if callable(getattr(env, "run_group", None)):
+        return
     try:
         reward = env.reward(task, task.answer)
     except Exception as exc:

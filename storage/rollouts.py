@@ -70,6 +70,10 @@ class RolloutRow(BaseModel):
     # The policy version of each model turn's first and last token; null for single-turn samples.
     turn_policy_versions: list[int] | None = None
     turn_policy_versions_end: list[int] | None = None
+    # Named scores from the environment's rubric (verifiers environments: `reward/<name>`, `metric/<name>`),
+    # as parallel lists; the trainer averages each name over the step into metrics.jsonl. Null: none.
+    metric_names: list[str] | None = None
+    metric_values: list[Float32] | None = None
 
 
 _SCALARS: dict[type, pa.DataType] = {str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_()}
@@ -141,6 +145,18 @@ def check_episode(row: RolloutRow) -> None:
     turns = row.turn_policy_versions or []
     if len(turns) != len(row.turn_policy_versions_end or []) or not turns:
         raise ValueError(f"{row.sample_id}: turn_policy_versions and turn_policy_versions_end need one entry per turn")
+
+
+def metric_means(table: pa.Table) -> dict[str, float]:
+    """The step's mean of each rubric score name (`metric_names`/`metric_values`) over the rows that carry it."""
+    if "metric_names" not in table.column_names:
+        return {}
+    sums: dict[str, list[float]] = {}
+    columns = (table.column("metric_names").to_pylist(), table.column("metric_values").to_pylist())
+    for names, values in zip(*columns, strict=True):
+        for name, value in zip(names or [], values or [], strict=True):
+            sums.setdefault(name, []).append(value)
+    return {f"env/{name}": sum(v) / len(v) for name, v in sorted(sums.items())}
 
 
 def check_routed_experts(table: pa.Table) -> None:

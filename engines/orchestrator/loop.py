@@ -130,6 +130,8 @@ class Orchestrator:
     async def sample_group(self, step: int, group: int) -> list[RolloutRow]:
         task = self.mix.task(f"step={step}/group={group}")
         env = self.mix.envs[task.env]
+        if hasattr(env, "run_group"):  # it runs its own episodes (verifiers environments, engines/verifiers_env.py)
+            return await env.run_group(self.episodes, task, self.cfg.run.run_id, step, group)
         if is_multi_turn(env):
             assert isinstance(env, MultiTurnEnvironment)
             return await self.episodes.run(env, task, self.cfg.run.run_id, step, group)
@@ -222,6 +224,9 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
                 await orch.run_step(step)
         finally:
             sync.follower.cancel()
+            for env in orch.mix.envs.values():
+                if hasattr(env, "close"):
+                    await env.close()
     log.info("all rollout steps committed")
 
 

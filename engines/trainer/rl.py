@@ -192,6 +192,7 @@ class RLTrainer:
             "publish_s": t3 - t2,
             "step_s": t3 - t0,
             "gen_s": manifest.get("gen_s"),
+            **rollouts.metric_means(table),
         }
 
     def run(self) -> None:

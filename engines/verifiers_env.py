@@ -1,0 +1,159 @@
+"""verifiers (v1) environments as rollflow environments: `[[envs]] id = "verifiers"`,
+`args = {env = "pkg.mod:load_environment", env_args = {...}, tool_parser = "pkg.mod:parse"}`.
+
+The factory named by `env` returns a `verifiers.v1.Env` (taskset + harness + rubric). Each group runs
+`group_size` of its episodes on one task through verifiers' own machinery (`Env.serving()`, its
+interception server, `Env.run_slot`) inside the orchestrator process. Every model call the harness makes
+reaches `TokenClient`, a verifiers `Client` that never renders text: the first turn's prompt is the chat
+template over the task's messages, each later turn's prompt is the episode's ids so far (every sampled token
+exactly as rollflow's server returned it) plus the new tool/user messages rendered by
+`Tokenizer.render_continuation`, and the server samples from those ids (`/v1/completions`, `return_token_ids`,
+logprobs). So each episode is an `engines.episodes.Episode` built turn by turn from the server's responses:
+`completion_mask` 1 on sampled tokens, 0 on tool/user tokens, the server's logprobs, each turn's policy
+versions. The client also hands verifiers the turn's ids (`Response.tokens`) so its trace records them.
+Rewards are the rubric's (`Trace.reward`, its weighted `@reward`s); its rewards and `@metric`s by name go
+into the row's `env_metrics`, which the trainer averages into metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engines.envs import Task
+from engines.episodes import Episode
+from engines.orchestrator.advantages import group_advantages
+from engines.plugins import PluginError, _import_path
+from storage.rollouts import RolloutRow
+
+MODEL = "rollflow"  # the model name verifiers sends; rollflow's server serves one policy
+
+
+@dataclass(frozen=True)
+class VerifiersTask(Task):
+    index: int = 0  # the task's position in the environment's taskset
+
+
+@dataclass
+class _Session:
+    """One episode in flight: which sample of the group it is and what the server returned so far."""
+
+    k: int
+    episode: Episode | None = None
+    seen: int = 0  # messages of the conversation already in `episode` (prompt and replies)
+
+
+class VerifiersEnvironment:
+    """A verifiers Env behind rollflow's environment interface (`sample`) plus `run_group`, which the
+    orchestrator calls instead of its own sampling (engines/orchestrator/loop.py)."""
+
+    def __init__(self, name: str, env: Any, tool_parser: Callable[[str], list[tuple[str, str]]] | None):
+        self.name, self.env, self.tool_parser = name, env, tool_parser
+        self.tasks = list(env.taskset)
+        if not self.tasks:
+            raise PluginError("the verifiers environment's taskset yields no tasks")
+        self._stack: contextlib.AsyncExitStack | None = None
+
+    def sample(self, rng: random.Random) -> Task:
+        index = rng.randrange(len(self.tasks))
+        prompt = self.tasks[index].data.prompt
+        text = prompt if isinstance(prompt, str) else str(prompt)
+        return VerifiersTask(self.name, text, "", index=index)
+
+    async def _serving(self, client: Any) -> None:
+        """verifiers' serving resources (interception server, shared tools) for this process's lifetime,
+        with `client` as the model client of every rollout."""
+        if self._stack is not None:
+            return
+        from engines.verifiers_client import install_client
+
+        self._stack = contextlib.AsyncExitStack()
+        await self._stack.enter_async_context(self.env.serving())
+        self.ctx = install_client(self.env, client, MODEL)
+
+    async def close(self) -> None:
+        if self._stack is not None:
+            await self._stack.aclose()
+            self._stack = None
+
+    async def run_group(self, group: Any, task: Task, run_id: str, step: int, group_idx: int) -> list[RolloutRow]:
+        from engines.verifiers_client import TokenClient
+
+        if self._stack is None:
+            await self._serving(TokenClient(group, self.tool_parser))
+        client: TokenClient = self.ctx.client_object
+        assert isinstance(task, VerifiersTask)
+        group_id = f"s{step:06d}-g{group_idx:04d}"
+        client.begin(group_id, step, group_idx)
+        slots = self.env.slots(self.tasks[task.index], group.ocfg.group_size)
+        traces: list[Any] = []
+
+        def bind(k: int) -> Callable[[Any], None]:
+            def on_trace(trace: Any) -> None:
+                client.bind(trace.id, k)
+                traces.append(trace)
+
+            return on_trace
+
+        episodes = await asyncio.gather(
+            *(self.env.run_slot(slot, self.ctx.model_context, on_trace=bind(k)) for k, slot in enumerate(slots))
+        )
+        rows = [self._row(client, run_id, step, group_id, k, task, ep) for k, ep in enumerate(episodes)]
+        advantages = group_advantages([r.reward for r in rows], group.ocfg.normalize_advantages)
+        for row, adv in zip(rows, advantages, strict=True):
+            row.advantage = adv
+        return rows
+
+    def _row(self, client: Any, run_id: str, step: int, group_id: str, k: int, task: Task, ep: Any) -> RolloutRow:
+        if ep.errors or len(ep.traces) != 1:
+            raise RuntimeError(f"verifiers episode {group_id}-{k:02d} failed: {[str(e) for e in ep.errors]}")
+        (trace,) = ep.traces
+        if trace.errors:
+            raise RuntimeError(f"verifiers episode {group_id}-{k:02d} failed: {[str(x) for x in trace.errors]}")
+        e = client.finish(trace.id)
+        scores = {f"reward/{n}": r.value for n, r in trace.rewards.items() if r is not None}
+        scores |= {f"metric/{n}": float(v) for n, v in trace.metrics.items() if v is not None}
+        return RolloutRow(
+            run_id=run_id,
+            step=step,
+            sample_id=f"{group_id}-{k:02d}",
+            group_id=group_id,
+            env=task.env,
+            policy_version=min(e.turn_versions),
+            policy_version_end=max(e.turn_versions_end),
+            prompt_ids=e.prompt_ids,
+            completion_ids=e.completion_ids,
+            completion_logprobs=e.completion_logprobs,
+            reward=float(trace.reward),
+            advantage=0.0,
+            temperature=client.temperature,
+            finish_reason=e.finish_reason,
+            prompt_text=task.prompt,
+            completion_text=e.text,
+            completion_mask=e.completion_mask,
+            turn_policy_versions=e.turn_versions,
+            turn_policy_versions_end=e.turn_versions_end,
+            metric_names=list(scores) or None,
+            metric_values=list(scores.values()) or None,
+        )
+
+
+def verifiers(env: str, env_args: dict | None = None, tool_parser: str | None = None) -> VerifiersEnvironment:
+    """The `verifiers` plugin: `env` is the import path of a factory returning a `verifiers.v1.Env`
+    (called with `env_args`); `tool_parser` the import path of `text -> [(tool name, JSON arguments)]` for
+    models without a native tool-call format (None: replies never call tools)."""
+    import verifiers.v1 as vf
+
+    factory = _import_path(env)
+    made = factory(**(env_args or {}))
+    if not isinstance(made, vf.Env):
+        raise PluginError(f"{env} returned a {type(made).__name__}, not a verifiers.v1.Env")
+    parser = _import_path(tool_parser) if tool_parser else None
+    if parser is not None and not callable(parser):
+        raise PluginError(f"tool_parser {tool_parser} is not callable")
+    name = f"verifiers:{env.partition(':')[0]}"
+    return VerifiersEnvironment(name, made, parser)
