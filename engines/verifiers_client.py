@@ -13,6 +13,7 @@ is a pure function of run seed, step, group, episode and turn) and returns a ver
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -51,20 +52,15 @@ def _content(message: dict) -> dict:
 
 
 class TokenClient(Client):
-    def __init__(self, group: Any, tool_parser: Callable[[str], list[tuple[str, str]]] | None):
-        self.group, self.tool_parser = group, tool_parser
+    def __init__(self, group: Any, tool_parser: Callable[[str], list[tuple[str, str]]] | None, record: str | None):
+        self.group, self.tool_parser, self.record = group, tool_parser, record
         self.tok, self.temperature = group.tok, group.ocfg.temperature
         self.sessions: dict[str, _Session] = {}
-        self._pending: tuple[str, int, int] = ("", 0, 0)
         self._call_ids = itertools.count()
 
-    def begin(self, group_id: str, step: int, group: int) -> None:
-        self._pending = (group_id, step, group)
-
-    def bind(self, session_id: str, k: int) -> None:
-        """The trace `session_id` is episode `k` of the group `begin` named (verifiers mints the trace
+    def bind(self, session_id: str, k: int, group_id: str, step: int, group: int) -> None:
+        """The trace `session_id` is episode `k` of a group (verifiers mints the trace, and calls this,
         before the rollout's first model call)."""
-        group_id, step, group = self._pending
         self.sessions[session_id] = _Session(k, group_id, step, group)
 
     def finish(self, session_id: str) -> Episode:
@@ -113,10 +109,18 @@ class TokenClient(Client):
         choice = await self.group._sample(build(before, room, turn_no), f"{s.group_id}-{s.k:02d}")
         e.add_turn(choice)
         s.seen = len(messages) + 1
+        if self.record:
+            self._record(f"{s.group_id}-{s.k:02d}", turn_no, before, choice)
         return self._response(choice, before, body.get("model", ""))
 
+    def _record(self, sample_id: str, turn: int, prompt: list[int], choice: Any) -> None:
+        """One line per model turn: the ids sent and the server's choice as received, for audits."""
+        line = {"sample_id": sample_id, "turn": turn, "prompt": prompt, "choice": choice.model_dump(mode="json")}
+        with open(self.record, "a") as f:  # noqa: ASYNC230 - a small append per turn, audit-only
+            f.write(json.dumps(line) + "\n")
+
     def _response(self, choice: Any, prompt_ids: list[int], model: str) -> Response:
-        calls = self.tool_parser(choice.text) if self.tool_parser and choice.finish_reason == "stop" else []
+        calls = self.tool_parser(choice.text) if self.tool_parser else []  # a truncated reply may call too
         tool_calls = [ToolCall(id=f"call_{next(self._call_ids)}", name=n, arguments=a) for n, a in calls] or None
         finish = "tool_calls" if tool_calls else ("length" if choice.finish_reason == "length" else "stop")
         response = Response(

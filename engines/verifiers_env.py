@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.envs import Task
-from engines.episodes import Episode
 from engines.orchestrator.advantages import group_advantages
 from engines.plugins import PluginError, _import_path
 from storage.rollouts import RolloutRow
 
+Parser = Callable[[str], list[tuple[str, str]]]  # reply text -> [(tool name, JSON arguments)]
 MODEL = "rollflow"  # the model name verifiers sends; rollflow's server serves one policy
 
 
@@ -38,25 +38,17 @@ class VerifiersTask(Task):
     index: int = 0  # the task's position in the environment's taskset
 
 
-@dataclass
-class _Session:
-    """One episode in flight: which sample of the group it is and what the server returned so far."""
-
-    k: int
-    episode: Episode | None = None
-    seen: int = 0  # messages of the conversation already in `episode` (prompt and replies)
-
-
 class VerifiersEnvironment:
     """A verifiers Env behind rollflow's environment interface (`sample`) plus `run_group`, which the
     orchestrator calls instead of its own sampling (engines/orchestrator/loop.py)."""
 
-    def __init__(self, name: str, env: Any, tool_parser: Callable[[str], list[tuple[str, str]]] | None):
-        self.name, self.env, self.tool_parser = name, env, tool_parser
+    def __init__(self, name: str, env: Any, tool_parser: Parser | None, record: str | None):
+        self.name, self.env, self.tool_parser, self.record = name, env, tool_parser, record
         self.tasks = list(env.taskset)
         if not self.tasks:
             raise PluginError("the verifiers environment's taskset yields no tasks")
         self._stack: contextlib.AsyncExitStack | None = None
+        self._starting = asyncio.Lock()
 
     def sample(self, rng: random.Random) -> Task:
         index = rng.randrange(len(self.tasks))
@@ -67,13 +59,12 @@ class VerifiersEnvironment:
     async def _serving(self, client: Any) -> None:
         """verifiers' serving resources (interception server, shared tools) for this process's lifetime,
         with `client` as the model client of every rollout."""
-        if self._stack is not None:
-            return
         from engines.verifiers_client import install_client
 
-        self._stack = contextlib.AsyncExitStack()
-        await self._stack.enter_async_context(self.env.serving())
+        stack = contextlib.AsyncExitStack()
+        await stack.enter_async_context(self.env.serving())
         self.ctx = install_client(self.env, client, MODEL)
+        self._stack = stack
 
     async def close(self) -> None:
         if self._stack is not None:
@@ -83,19 +74,17 @@ class VerifiersEnvironment:
     async def run_group(self, group: Any, task: Task, run_id: str, step: int, group_idx: int) -> list[RolloutRow]:
         from engines.verifiers_client import TokenClient
 
-        if self._stack is None:
-            await self._serving(TokenClient(group, self.tool_parser))
+        async with self._starting:  # a step's groups start together: one of them brings the env up
+            if self._stack is None:
+                await self._serving(TokenClient(group, self.tool_parser, self.record))
         client: TokenClient = self.ctx.client_object
         assert isinstance(task, VerifiersTask)
         group_id = f"s{step:06d}-g{group_idx:04d}"
-        client.begin(group_id, step, group_idx)
         slots = self.env.slots(self.tasks[task.index], group.ocfg.group_size)
-        traces: list[Any] = []
 
         def bind(k: int) -> Callable[[Any], None]:
             def on_trace(trace: Any) -> None:
-                client.bind(trace.id, k)
-                traces.append(trace)
+                client.bind(trace.id, k, group_id, step, group_idx)
 
             return on_trace
 
@@ -142,10 +131,13 @@ class VerifiersEnvironment:
         )
 
 
-def verifiers(env: str, env_args: dict | None = None, tool_parser: str | None = None) -> VerifiersEnvironment:
+def verifiers(
+    env: str, env_args: dict | None = None, tool_parser: str | None = None, record: str | None = None
+) -> VerifiersEnvironment:
     """The `verifiers` plugin: `env` is the import path of a factory returning a `verifiers.v1.Env`
     (called with `env_args`); `tool_parser` the import path of `text -> [(tool name, JSON arguments)]` for
-    models without a native tool-call format (None: replies never call tools)."""
+    models without a native tool-call format (None: replies never call tools); `record` a JSONL file that
+    gets each model turn's prompt ids and the server's choice as received (an audit trail; None: off)."""
     import verifiers.v1 as vf
 
     factory = _import_path(env)
@@ -156,4 +148,4 @@ def verifiers(env: str, env_args: dict | None = None, tool_parser: str | None = 
     if parser is not None and not callable(parser):
         raise PluginError(f"tool_parser {tool_parser} is not callable")
     name = f"verifiers:{env.partition(':')[0]}"
-    return VerifiersEnvironment(name, made, parser)
+    return VerifiersEnvironment(name, made, parser, record)

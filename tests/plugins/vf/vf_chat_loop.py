@@ -2,8 +2,8 @@
 
 verifiers' Harness contract allows it ("a harness may run its loop in-process instead of launching a
 program, as long as every model call goes through `endpoint` + `secret`"). Tool calls the model makes are
-answered by the task's `tool_result(name, arguments)` when its data names tools; the loop ends on a reply
-without tool calls or after `max_turns` model turns.
+answered by `vf_tools.call_tool` when the task's data names tools; a reply without a tool call ends the
+loop, except that a task with tools gets a user turn asking again; at most `max_turns` model turns.
 """
 
 from __future__ import annotations
@@ -41,7 +41,11 @@ class ChatLoopHarness(vf.Harness[ChatLoopConfig]):
                 message = r.choices[0].message
                 messages.append(message.model_dump(exclude_none=True))
                 if not message.tool_calls:
-                    break
+                    if not tools or _turn + 1 == self.config.max_turns:
+                        break
+                    # the tool was not called: ask again (a user turn between model turns)
+                    messages.append({"role": "user", "content": "use lookup"})
+                    continue
                 for call in message.tool_calls:
                     args = json.loads(call.function.arguments or "{}")
                     content = call_tool(data, call.function.name, args)

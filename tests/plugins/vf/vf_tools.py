@@ -1,7 +1,7 @@
 """The lookup tool of `vf_lookup` and the text format the tiny model calls it with.
 
-The char-level model has no native tool-call syntax, so its replies are parsed here: `?KEY` is a call of
-`lookup` with `{"key": "KEY"}` (rollflow's verifiers adapter takes this parser as `tool_parser`).
+The char-level model has no native tool-call syntax, so its replies are parsed here (rollflow's verifiers
+adapter takes `parse_calls` as its `tool_parser`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,6 @@ def call_tool(data, name: str, args: dict) -> str:
 
 
 def parse_calls(text: str) -> list[tuple[str, str]]:
-    """(tool name, JSON arguments) of each call in a reply: `?KEY` calls lookup."""
-    text = text.strip()
-    return [("lookup", json.dumps({"key": text[1:]}))] if text.startswith("?") else []
+    """(tool name, JSON arguments) of each call in a reply: `?KEY` anywhere in it calls lookup with the
+    text after the last `?` (lenient, so an untrained model calls the tool now and then)."""
+    return [("lookup", json.dumps({"key": text.rsplit("?", 1)[1].strip()}))] if "?" in text else []
