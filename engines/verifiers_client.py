@@ -75,8 +75,8 @@ class TokenClient(Client):
         if s.episode is None:
             s.episode = Episode(prompt_ids=self.tok.render_messages(wire))
             return
-        last = messages[s.seen - 1] if s.seen else None
-        if last is None or last.get("role") != "assistant" or len(messages) <= s.seen:
+        last = messages[s.seen - 1] if 0 < s.seen < len(messages) else None
+        if last is None or last.get("role") != "assistant":
             raise RuntimeError(
                 f"verifiers session {s.group_id}-{s.k:02d}: the conversation does not extend the last sampled "
                 "reply (rewritten history cannot be trained on without re-tokenizing)"
@@ -110,13 +110,13 @@ class TokenClient(Client):
         e.add_turn(choice)
         s.seen = len(messages) + 1
         if self.record:
-            self._record(f"{s.group_id}-{s.k:02d}", turn_no, before, choice)
+            self._record(self.record, f"{s.group_id}-{s.k:02d}", turn_no, before, choice)
         return self._response(choice, before, body.get("model", ""))
 
-    def _record(self, sample_id: str, turn: int, prompt: list[int], choice: Any) -> None:
+    def _record(self, path: str, sample_id: str, turn: int, prompt: list[int], choice: Any) -> None:
         """One line per model turn: the ids sent and the server's choice as received, for audits."""
         line = {"sample_id": sample_id, "turn": turn, "prompt": prompt, "choice": choice.model_dump(mode="json")}
-        with open(self.record, "a") as f:  # noqa: ASYNC230 - a small append per turn, audit-only
+        with open(path, "a") as f:  # noqa: ASYNC230 - a small append per turn, audit-only
             f.write(json.dumps(line) + "\n")
 
     def _response(self, choice: Any, prompt_ids: list[int], model: str) -> Response:

@@ -43,6 +43,8 @@ def _rows(step: int, n: int = 3) -> list[dict]:
                 "completion_mask": None,
                 "turn_policy_versions": None,
                 "turn_policy_versions_end": None,
+                "metric_names": ["reward/exact", "metric/len"] if k else None,
+                "metric_values": [0.5 * k, float(k)] if k else None,
             }
         )
     return rows
@@ -250,3 +252,9 @@ def test_metrics_log_one_row_per_step(tmp_path):
     log2.record({"step": 1, "loss": 0.8})
     log2.record({"step": 3, "loss": 0.3})
     assert read_metrics(fs, root) == [{"step": 1, "loss": 0.8}, {"step": 2, "loss": 0.4}, {"step": 3, "loss": 0.3}]
+
+
+def test_metric_means_average_each_rubric_name_over_the_rows_that_carry_it():
+    table = to_table(_rows(1))  # rows k=1, 2 carry scores, k=0 none
+    assert rollouts.metric_means(table) == {"env/metric/len": 1.5, "env/reward/exact": 0.75}
+    assert rollouts.metric_means(table.drop_columns(["metric_names", "metric_values"])) == {}
