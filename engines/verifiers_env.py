@@ -1,5 +1,5 @@
 """verifiers (v1) environments as rollflow environments: `[[envs]] id = "verifiers"`,
-`args = {env = "pkg.mod:load_environment", env_args = {...}, tool_parser = "pkg.mod:parse"}`.
+`args = {env = "pkg.mod:load_environment", env_args = {...}, tool_parser = "pkg.mod:parse", record = PATH}`.
 
 The factory named by `env` returns a `verifiers.v1.Env` (taskset + harness + rubric). Each group runs
 `group_size` of its episodes on one task through verifiers' own machinery (`Env.serving()`, its
@@ -12,7 +12,7 @@ logprobs). So each episode is an `engines.episodes.Episode` built turn by turn f
 `completion_mask` 1 on sampled tokens, 0 on tool/user tokens, the server's logprobs, each turn's policy
 versions. The client also hands verifiers the turn's ids (`Response.tokens`) so its trace records them.
 Rewards are the rubric's (`Trace.reward`, its weighted `@reward`s); its rewards and `@metric`s by name go
-into the row's `env_metrics`, which the trainer averages into metrics.jsonl.
+into the row's `metric_names`/`metric_values`, which the trainer averages into metrics.jsonl.
 """
 
 from __future__ import annotations
