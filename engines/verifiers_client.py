@@ -33,6 +33,7 @@ class _Session:
     group_id: str
     step: int
     group: int
+    header: str  # the episode's X-Session-ID toward rollflow's server (`run_id/sample_id`, as multiturn.py)
     episode: Episode | None = None
     seen: int = 0  # messages of the conversation already in `episode`: the prompt's and each reply
 
@@ -58,10 +59,10 @@ class TokenClient(Client):
         self.sessions: dict[str, _Session] = {}
         self._call_ids = itertools.count()
 
-    def bind(self, session_id: str, k: int, group_id: str, step: int, group: int) -> None:
+    def bind(self, session_id: str, k: int, group_id: str, step: int, group: int, run_id: str) -> None:
         """The trace `session_id` is episode `k` of a group (verifiers mints the trace, and calls this,
         before the rollout's first model call)."""
-        self.sessions[session_id] = _Session(k, group_id, step, group)
+        self.sessions[session_id] = _Session(k, group_id, step, group, f"{run_id}/{group_id}-{k:02d}")
 
     def finish(self, session_id: str) -> Episode:
         s = self.sessions.pop(session_id)
@@ -106,7 +107,7 @@ class TokenClient(Client):
         if room < 1:
             raise RuntimeError(f"episode {s.group_id}-{s.k:02d}: no room in model.max_seq_len for turn {turn_no + 1}")
         build = self.group._request(s.step, s.group, s.k)
-        choice = await self.group._sample(build(before, room, turn_no), f"{s.group_id}-{s.k:02d}")
+        choice = await self.group._sample(build(before, room, turn_no), s.header)
         e.add_turn(choice)
         s.seen = len(messages) + 1
         if self.record:

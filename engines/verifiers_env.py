@@ -84,7 +84,7 @@ class VerifiersEnvironment:
 
         def bind(k: int) -> Callable[[Any], None]:
             def on_trace(trace: Any) -> None:
-                client.bind(trace.id, k, group_id, step, group_idx)
+                client.bind(trace.id, k, group_id, step, group_idx, run_id)
 
             return on_trace
 

@@ -53,7 +53,7 @@ def test_token_client_extends_the_sampled_ids_and_refuses_rewritten_history():
     tok = CharTokenizer()
     group = SimpleNamespace(tok=tok, ocfg=SimpleNamespace(temperature=1.0))
     client = TokenClient(group, None, None)
-    s = _Session(0, "g", 1, 0)
+    s = _Session(0, "g", 1, 0, "run/g-00")
     client._extend(s, [{"role": "user", "content": "get:ab"}])
     assert s.episode is not None and s.episode.prompt_ids == tok.render_prompt("get:ab")
     s.episode.completion_ids += tok.encode("?ab", bos=False) + [tok.eos_id]  # what the server sampled
