@@ -48,7 +48,7 @@ class Sampling:
     """One row's sampling parameters (the n rows of a request share them, each with its own seed)."""
 
     max_tokens: int
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0: greedy
     seed: int = 0
     top_k: int = 0  # 0: no limit
     top_p: float = 1.0
@@ -112,6 +112,7 @@ class _Rows:
     next_pos: torch.Tensor
     steps: torch.Tensor  # tokens drawn so far: the position of the row's next token in its noise stream
     temps: torch.Tensor
+    greedy: torch.Tensor  # temperature 0: the most likely token (its logprob at temperature 1)
     seeds: torch.Tensor
     limits: torch.Tensor
     min_tokens: torch.Tensor
@@ -124,13 +125,15 @@ class _Rows:
         def col(name: str, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor([getattr(s, name) for s in params], dtype=dtype)
 
+        temps = col("temperature", torch.float32)
         return cls(
             origin=torch.tensor(origins),
             live=torch.ones(len(params), dtype=torch.bool),
             valid=valid,
             next_pos=next_pos,
             steps=torch.zeros(len(params), dtype=torch.int64),
-            temps=col("temperature", torch.float32)[:, None],
+            temps=torch.where(temps > 0, temps, 1.0)[:, None],
+            greedy=temps == 0,
             seeds=col("seed", torch.int64),
             limits=col("max_tokens", torch.int64),
             min_tokens=col("min_tokens", torch.int64),
@@ -203,7 +206,7 @@ class Decoder:
                 torch.cat([self.logits, logits]),
                 torch.cat([self.tokens, tokens]),
             )
-        self._filters |= any(s.min_tokens > 0 or s.top_k > 0 or s.top_p < 1 for s in params)
+        self._filters |= any(s.min_tokens > 0 or s.top_k > 0 or s.top_p < 1 or s.temperature == 0 for s in params)
         made = [(o, Completion()) for o in origins]
         self.out.update(made)
         self.stops.update({o: s.stop for o, s in zip(origins, params, strict=True) if s.stop is not None})
@@ -242,6 +245,8 @@ class Decoder:
         if self._filters and bool((rows.top_k > 0).any() or (rows.top_p < 1).any()):
             logp = truncate(logp, rows.top_k, rows.top_p)
         tokens = sample(logp, rows.seeds, rows.steps)  # noise depends on (seed, row's own step) only
+        if self._filters and bool(rows.greedy.any()):
+            tokens = torch.where(rows.greedy, logp.argmax(-1), tokens)
         chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
         eos = (tokens == self.eos_id) & ~rows.ignore_eos
         full = rows.steps + 1 >= rows.limits

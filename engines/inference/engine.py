@@ -21,8 +21,9 @@ from engines.generate import Completion, Decoder, Sampling
 from engines.model import CausalLM
 from engines.sampling import row_seeds
 
-# (choice index, token id, logprob, finished) for each of a request's rows that drew a token this step
-TokenEvents = list[tuple[int, int, float, bool]]
+# For each of a request's rows that drew a token this step: (choice index, token id, logprob, finished,
+# policy version that produced it, finish reason (meaningful once finished))
+TokenEvents = list[tuple[int, int, float, bool, int, str]]
 
 
 @dataclass
@@ -221,7 +222,8 @@ class Engine:
         for origin in stepped:
             entry, i = running[origin]
             c = entry.outs[i]
-            events.setdefault(id(entry), (entry, []))[1].append((i, c.token_ids[-1], c.logprobs[-1], c.finished))
+            event = (i, c.token_ids[-1], c.logprobs[-1], c.finished, c.policy_version_end, c.finish_reason)
+            events.setdefault(id(entry), (entry, []))[1].append(event)
             self.stats["tokens"] += 1
             if c.finished:
                 del running[origin]
