@@ -178,16 +178,17 @@ def report(results: list[dict]) -> str:
 
 
 DEFINITIONS = f"""\
-Engine: `engines.generate.generate`, the function the engine's worker runs on each batch; the HTTP layer
-and the queue are not included. HF: `LlamaForCausalLM.generate(do_sample=True, temperature=1.0, top_k=0,
-top_p=1.0)` with its dynamic KV cache and SDPA attention. tokens/s = tokens generated / time, where a
-row's tokens end at its first end-of-sequence. Workload row: the benchmark warm-up's weights and prompts
-(long-tailed lengths), `max_new_tokens` = 26, both stop a row at end-of-sequence, so token counts differ
-a little by chance (last column). Fixed rows: random weights, end-of-sequence disabled on both sides
-(exactly {NEW_TOKENS} tokens per row). TTFT (time to first token) = the same call with one new token:
-prefill of the whole batch plus one sampling step (the engine does not stream, so a request's first token
-is returned only with its batch; this is the compute floor). wide = hidden 512, 4 layers, MLP 1536
-(12.1M parameters); tiny = the workload's model (1.2M).
+Engine: `engines.generate.generate`, which drives the same `Decoder` (prefill, sample, forward) as the
+engine's worker, on one fixed batch; the HTTP layer, the queue and mid-batch joins are not included. HF:
+`LlamaForCausalLM.generate(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)` with its dynamic KV
+cache and SDPA attention. tokens/s = tokens generated / time, where a row's tokens end at its first
+end-of-sequence. Workload row: the benchmark warm-up's weights and prompts (long-tailed lengths),
+`max_new_tokens` = 26, both stop a row at end-of-sequence, so token counts differ a little by chance
+(last column). Fixed rows: random weights, end-of-sequence disabled on both sides (exactly {NEW_TOKENS}
+tokens per row). TTFT (time to first token) = the same call with one new token: prefill of the whole
+batch plus one sampling step (the compute floor of a batch's first token; the server streams each token
+as it is drawn). wide = hidden 512, 4 layers, MLP 1536 (12.1M parameters); tiny = the workload's model
+(1.2M).
 """
 
 
