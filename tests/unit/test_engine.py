@@ -77,14 +77,14 @@ ARRIVALS = {  # step -> (prompt text, n, sampling)
 }
 
 
-def _joined_batch(model: CausalLM, eos: int) -> list[tuple[list[int], Sampling, Completion]] | None:
+def _joined_batch(model, eos: int, arrivals=ARRIVALS) -> list[tuple[list[int], Sampling, Completion]] | None:
     """Rows arriving at the steps of ARRIVALS into one running batch; None if it ran dry before the last."""
     decoder = Decoder(model, eos, TOK.pad_id)
     joined: list[tuple[list[int], Sampling, Completion]] = []
     step = 0
-    while step <= max(ARRIVALS) or decoder.live:
-        if step in ARRIVALS:
-            text, n, params = ARRIVALS[step]
+    while step <= max(arrivals) or decoder.live:
+        if step in arrivals:
+            text, n, params = arrivals[step]
             rows = [dataclasses.replace(params, seed=1000 * step + k) for k in range(n)]
             made = decoder.add([TOK.encode(text)] * n, rows)
             joined += [(TOK.encode(text), p, c) for p, (_, c) in zip(rows, made, strict=True)]
@@ -139,3 +139,30 @@ def test_a_request_joins_the_running_batch_between_steps(engine):
     assert engine.stats["batches"] == 1 and engine.stats["joins"] == 2
     alone = engine.submit(Request(TOK.encode("sort:zyx="), n=2, max_tokens=5, temperature=1.0, seed=7)).result(30)
     assert [c.token_ids for c in joined] == [c.token_ids for c in alone]
+
+
+def test_hf_models_cache_joins_too():
+    """`model.impl = "hf"`: transformers' DynamicCache is realigned and extended like rollflow's own cache."""
+    import transformers
+
+    from engines.hf_model import HFCausalLM
+
+    cfg = CFG.model_copy(update={"num_layers": 2})
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=TOK.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = HFCausalLM(transformers.LlamaForCausalLM(hf_cfg).eval(), cfg)
+    arrivals = {  # a longer prompt joins (the running cache is padded), then a shorter one
+        0: ("rev:abc=", 2, Sampling(max_tokens=6)),
+        2: ("sort:qwertyuiop=", 1, Sampling(max_tokens=5)),
+        3: ("x=", 1, Sampling(max_tokens=3)),
+    }
+    joined = _joined_batch(model, -1, arrivals)
+    assert joined is not None
+    for prompt, params, c in joined:
+        alone = _alone(model, prompt, params, -1)
+        assert c.token_ids == alone.token_ids
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(alone.logprobs), rtol=0, atol=1e-5)
