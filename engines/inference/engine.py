@@ -207,7 +207,12 @@ class Engine:
             seed = req.seed if req.seed is not None else int(torch.randint(2**62, (1,), generator=self.generator))
             prompts += [req.prompt_ids] * req.n
             params += req.sampling(seed)
-        made = decoder.add(prompts, params)
+        try:
+            made = decoder.add(prompts, params)
+        except Exception as exc:  # their prefill failed: they are not in `running` yet, so fail them here
+            for req in taken:
+                req.future.set_exception(exc)
+            raise
         self.stats["joins"] += 1
         start = 0
         for req in taken:
