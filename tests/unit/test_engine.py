@@ -10,7 +10,7 @@ import torch
 from config.model import ModelConfig
 from engines.generate import Completion, Decoder, Sampling
 from engines.inference.engine import Engine, Request
-from engines.model import CausalLM
+from engines.model import CausalLM, token_logprobs
 from engines.tokenizer import CharTokenizer
 
 CFG = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
@@ -166,3 +166,33 @@ def test_hf_models_cache_joins_too():
         alone = _alone(model, prompt, params, -1)
         assert c.token_ids == alone.token_ids
         torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(alone.logprobs), rtol=0, atol=1e-5)
+
+
+def test_an_update_mid_request_is_applied_between_steps_and_recorded(engine):
+    """Weights published while a request decodes serve its next step; the request records both versions.
+    Its first tokens are the old policy's (a full forward of the old weights scores them exactly), its last
+    ones are not (they come from the new weights, over a KV cache the old ones wrote, as PipelineRL keeps it)."""
+    import threading
+
+    old, new = _model(0), _model(5)
+    updated = threading.Event()
+    steps = 0
+
+    def update_after_three_steps(events) -> None:
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            apply = lambda: (engine.update_weights(new.publishable_state_dict(), 9), updated.set())  # noqa: E731
+            threading.Thread(target=apply).start()
+
+    prompt = TOK.encode("rev:abc=")
+    request = Request(prompt, n=1, max_tokens=30, temperature=1.0, seed=2, ignore_eos=True)
+    request.on_tokens = update_after_three_steps
+    (c,) = engine.submit(request).result(timeout=30)
+    assert updated.wait(30) and c.policy_version == 0 and c.policy_version_end == 9
+    ids = torch.tensor([prompt + c.token_ids])
+    with torch.no_grad():
+        old_lp = token_logprobs(old(ids)[:, :-1], ids[:, 1:], 1.0)[0, len(prompt) - 1 :]
+    served = torch.tensor(c.logprobs)
+    assert torch.allclose(served[:3], old_lp[:3], atol=1e-5)
+    assert not torch.allclose(served[-5:], old_lp[-5:], atol=1e-3)
