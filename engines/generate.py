@@ -40,6 +40,7 @@ class Completion:
     policy_version_end: int = -1  # version that produced the last one
     finish_reason: str = "length"
     finished: bool = False
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, with Sampling.top_logprobs
     routed_experts: torch.Tensor | None = None  # [seq, layers, top_k] int16, with record_routes
 
 
@@ -55,6 +56,7 @@ class Sampling:
     min_tokens: int = 0  # end-of-sequence cannot be drawn before this many tokens
     ignore_eos: bool = False  # end-of-sequence does not end the row
     stop: Callable[[list[int]], bool] | None = None  # True ends the row (stop strings), given its tokens
+    top_logprobs: int = 0  # also record this many most likely (token, logprob) per position
 
 
 class _RouteLog:
@@ -176,6 +178,7 @@ class Decoder:
         self.log = _RouteLog() if record_routes and model.cfg.num_experts else None
         self._next_origin = 0
         self._filters = False  # some row has min_tokens, top_k or top_p: the sampler's slower path
+        self.alternatives: dict[int, int] = {}  # origin -> how many top logprobs it records, for rows that do
 
     @property
     def live(self) -> int:
@@ -210,6 +213,7 @@ class Decoder:
         made = [(o, Completion()) for o in origins]
         self.out.update(made)
         self.stops.update({o: s.stop for o, s in zip(origins, params, strict=True) if s.stop is not None})
+        self.alternatives.update({o: s.top_logprobs for o, s in zip(origins, params, strict=True) if s.top_logprobs})
         return made
 
     def _prefill(self, prompts: list[list[int]], origins: list[int], max_tokens: int):
@@ -250,7 +254,11 @@ class Decoder:
         chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
         eos = (tokens == self.eos_id) & ~rows.ignore_eos
         full = rows.steps + 1 >= rows.limits
-        stepped = self._record(tokens.tolist(), chosen.tolist(), eos.tolist(), full.tolist(), version)
+        alts = None
+        if self.alternatives:  # one topk for the batch, only while some row asks for it
+            values, ids = logp.topk(min(max(self.alternatives.values()), logp.shape[-1]), dim=-1)
+            alts = list(zip(ids.tolist(), values.tolist(), strict=True))
+        stepped = self._record(tokens.tolist(), chosen.tolist(), eos.tolist(), full.tolist(), version, alts)
         ended = [o for o in stepped if self.out[o].finished]
         rows.steps += 1
         if ended:
@@ -259,6 +267,7 @@ class Decoder:
         for o in ended:
             c = self.out.pop(o)
             self.stops.pop(o, None)
+            self.alternatives.pop(o, None)
             if self.log:
                 self.log.finish(o, c)
         if not self.out:
@@ -267,18 +276,20 @@ class Decoder:
             self._compact()
         return stepped
 
-    def _record(self, tokens: list[int], logprobs: list[float], eos: list[bool], full: list[bool], version: int):
+    def _record(self, tokens: list[int], logprobs: list[float], eos: list[bool], full: list[bool], version: int, alts):
         """Append this step's token to every live row's completion (plain Python lists: no tensor indexing);
         returns the origins that got one. A row ends at end-of-sequence or a stop ("stop"), or full ("length")."""
         assert self.rows is not None
         stepped = []
         rows = zip(self.rows.origin.tolist(), self.rows.live.tolist(), tokens, logprobs, eos, full, strict=True)
-        for origin, live, token, lp, is_eos, is_full in rows:
+        for j, (origin, live, token, lp, is_eos, is_full) in enumerate(rows):
             if not live:
                 continue
             c = self.out[origin]
             c.token_ids.append(token)
             c.logprobs.append(lp)
+            if alts is not None and (k := self.alternatives.get(origin)):
+                c.top_logprobs.append(list(zip(alts[j][0][:k], alts[j][1][:k], strict=True)))
             if c.policy_version < 0:
                 c.policy_version = version
             c.policy_version_end = version

@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+MAX_TOP_LOGPROBS = 20  # as vLLM's default --max-logprobs
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -62,15 +64,13 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int]  # text, or token ids (token-in, as vLLM accepts)
-    logprobs: int | None = Field(None, ge=0)  # 0 or 1: the sampled token's logprob per position
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the sampled token's logprob, and k alternatives
     echo: bool = False  # only false
     best_of: int | None = None  # only n (or unset)
     suffix: str | None = None  # only unset
 
     @model_validator(mode="after")
     def _completion_only(self) -> CompletionRequest:
-        if self.logprobs is not None and self.logprobs > 1:
-            raise ValueError("logprobs > 1 (top alternatives) is not supported: 0 or 1 gives the sampled token's")
         if self.echo:
             raise ValueError("echo is not supported by the embedded engine")
         if self.best_of not in (None, self.n):
@@ -90,7 +90,13 @@ class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0)  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0)  # top alternatives are not returned: only 0
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per position (needs logprobs)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -125,7 +131,7 @@ class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float]
     text_offset: list[int] | None = None
-    top_logprobs: list[dict[str, float]] | None = None  # never filled: top alternatives are not returned
+    top_logprobs: list[dict[str, float]] | None = None  # with logprobs >= 1: the k most likely, per position
 
 
 class CompletionChoice(BaseModel):
@@ -159,11 +165,17 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
 class ChatLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
-    top_logprobs: list[dict] = Field(default_factory=list)  # never filled: top alternatives are not returned
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)  # with top_logprobs = k: the k most likely
 
 
 class ChatChoiceLogprobs(BaseModel):

@@ -22,8 +22,8 @@ from engines.model import CausalLM
 from engines.sampling import row_seeds
 
 # For each of a request's rows that drew a token this step: (choice index, token id, logprob, finished,
-# policy version that produced it, finish reason (meaningful once finished))
-TokenEvents = list[tuple[int, int, float, bool, int, str]]
+# policy version that produced it, finish reason (meaningful once finished), its top logprobs or None)
+TokenEvents = list[tuple[int, int, float, bool, int, str, list[tuple[int, float]] | None]]
 
 
 @dataclass
@@ -38,6 +38,7 @@ class Request:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: Callable[[list[int]], bool] | None = None  # given a row's tokens, True ends it (stop strings)
+    top_logprobs: int = 0  # also the k most likely (token, logprob) per position
     on_tokens: Callable[[TokenEvents], None] | None = None  # called from the engine thread after each step
     future: Future = field(default_factory=Future)
 
@@ -52,7 +53,8 @@ class Request:
                 min_tokens=self.min_tokens,
                 ignore_eos=self.ignore_eos,
                 stop=self.stop,
-            )  # fmt: skip
+                top_logprobs=self.top_logprobs,
+            )
             for s in row_seeds(seed, self.n)
         ]
 
@@ -227,7 +229,8 @@ class Engine:
         for origin in stepped:
             entry, i = running[origin]
             c = entry.outs[i]
-            event = (i, c.token_ids[-1], c.logprobs[-1], c.finished, c.policy_version_end, c.finish_reason)
+            top = c.top_logprobs[-1] if c.top_logprobs else None
+            event = (i, c.token_ids[-1], c.logprobs[-1], c.finished, c.policy_version_end, c.finish_reason, top)
             events.setdefault(id(entry), (entry, []))[1].append(event)
             self.stats["tokens"] += 1
             if c.finished:

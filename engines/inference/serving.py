@@ -40,6 +40,14 @@ def stop_check(tokenizer, stops: list[str]) -> Callable[[list[int]], bool] | Non
     return lambda ids: any(s in tokenizer.decode(ids[-tail:]) for s in stops)
 
 
+def _top_k(body: api.SamplingFields) -> int:
+    """How many alternatives per position the request asks for."""
+    if isinstance(body, api.CompletionRequest):
+        return body.logprobs or 0
+    assert isinstance(body, api.ChatRequest)
+    return (body.top_logprobs or 0) if body.logprobs else 0
+
+
 @dataclass
 class Prepared:
     """A checked request: its prompt ids, the engine request, and what the response needs."""
@@ -81,6 +89,7 @@ class Serving:
         request = Request(
             ids, body.n, limit, body.temperature, body.seed, top_k=max(body.top_k or 0, 0), top_p=body.top_p or 1.0,
             min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos), stop=stop_check(self.tok, body.stops()),
+            top_logprobs=_top_k(body),
         )  # fmt: skip
         return Prepared(body, ids, request, chat)
 
@@ -109,7 +118,10 @@ class Serving:
             if body.logprobs is not None:
                 tokens = [self._token(t) for t in c.token_ids]
                 offsets = [sum(len(x) for x in tokens[:k]) for k in range(len(tokens))]
-                logprobs = api.CompletionLogprobs(tokens=tokens, token_logprobs=c.logprobs, text_offset=offsets)
+                top = [self._top_dict(alts) for alts in c.top_logprobs] if body.logprobs else None
+                logprobs = api.CompletionLogprobs(
+                    tokens=tokens, token_logprobs=c.logprobs, text_offset=offsets, top_logprobs=top
+                )
             choices.append(
                 api.CompletionChoice(
                     index=i,
@@ -134,7 +146,8 @@ class Serving:
         choices = []
         for i, c in enumerate(outs):
             text, reason, stop = self._finish(c, body.stops())
-            lps = [self._chat_logprob(t, lp) for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
+            tops: list[list[tuple[int, float]] | None] = list(c.top_logprobs) or [None] * len(c.token_ids)
+            lps = [self._chat_logprob(t, lp, a) for t, lp, a in zip(c.token_ids, c.logprobs, tops, strict=True)]
             choices.append(
                 api.ChatChoice(
                     index=i,
@@ -153,9 +166,13 @@ class Serving:
             usage=self.usage(p, outs), prompt_token_ids=p.prompt_ids if body.return_token_ids else None,
         )  # fmt: skip
 
-    def _chat_logprob(self, t: int, lp: float) -> api.ChatLogprob:
+    def _chat_logprob(self, t: int, lp: float, alts: list[tuple[int, float]] | None) -> api.ChatLogprob:
         token = self._token(t)
-        return api.ChatLogprob(token=token, logprob=lp, bytes=list(token.encode()))
+        top = [api.TopLogprob(token=(x := self._token(a)), logprob=v, bytes=list(x.encode())) for a, v in alts or []]
+        return api.ChatLogprob(token=token, logprob=lp, bytes=list(token.encode()), top_logprobs=top)
+
+    def _top_dict(self, alts: list[tuple[int, float]]) -> dict[str, float]:
+        return {self._token(a): v for a, v in alts}
 
     async def stream(self, p: Prepared) -> AsyncIterator[str]:
         """The server-sent events of one request (see the module docstring)."""
@@ -226,7 +243,9 @@ class _Texts:
     def chunks(self, events: TokenEvents) -> list[dict]:
         return [c for e in events if (c := self._chunk(*e)) is not None]
 
-    def _chunk(self, i: int, token: int, logprob: float, finished: bool, version: int, reason: str) -> dict | None:
+    def _chunk(
+        self, i: int, token: int, logprob: float, finished: bool, version: int, reason: str, alts
+    ) -> dict | None:
         if self.ended[i]:
             return None  # a stop string ended its text; the engine's row may still have drawn this token
         if self.first_version[i] is None:
@@ -242,13 +261,14 @@ class _Texts:
         if self.p.chat:
             choice["delta"] = {"content": delta}
             if body.logprobs:
-                choice["logprobs"] = {"content": [self.s._chat_logprob(token, logprob).model_dump()]}
+                choice["logprobs"] = {"content": [self.s._chat_logprob(token, logprob, alts).model_dump()]}
         else:
             choice["text"] = delta
             if body.logprobs is not None:
                 offset = len(self.sent[i]) - len(delta)
                 choice["logprobs"] = {"tokens": [self.s._token(token)], "token_logprobs": [logprob],
-                                      "text_offset": [offset], "top_logprobs": None}  # fmt: skip
+                                      "text_offset": [offset],
+                                      "top_logprobs": [self.s._top_dict(alts)] if alts else None}  # fmt: skip
             if body.return_token_ids and len(self.ids[i]) == 1:
                 choice["prompt_token_ids"] = self.p.prompt_ids  # per choice, on its first chunk (vLLM)
         if body.return_token_ids:

@@ -198,14 +198,18 @@ CHAT = [{"role": "user", "content": "rev:abcd"}]
 def test_openai_chat_with_n_logprobs_and_token_ids(oai, server):
     c, name = oai
     r = c.chat.completions.create(
-        model=name, messages=CHAT, n=2, max_tokens=6, logprobs=True, seed=11, extra_body={"return_token_ids": True}
-    )
+        model=name, messages=CHAT, n=2, max_tokens=6, logprobs=True, top_logprobs=3, seed=11,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
     assert len(r.choices) == 2 and r.usage.completion_tokens == sum(len(ch.token_ids) for ch in r.choices)
     prompt = r.prompt_token_ids  # vLLM's placement for chat: top level
     assert prompt == CharTokenizer().render_messages(CHAT)
     for ch in r.choices:
         assert ch.message.role == "assistant" and ch.finish_reason in ("stop", "length")
         assert [lp.token for lp in ch.logprobs.content] == [CharTokenizer().decode([t], False) for t in ch.token_ids]
+        for lp in ch.logprobs.content:  # three alternatives, most likely first, none likelier than the first
+            assert len(lp.top_logprobs) == 3 and lp.logprob <= lp.top_logprobs[0].logprob + 1e-6
+            assert [a.logprob for a in lp.top_logprobs] == sorted((a.logprob for a in lp.top_logprobs), reverse=True)
     models = server[2]
     latest = models[max(models)]
     for ch in r.choices:  # the logprobs are the served model's (whatever version the earlier tests left)
@@ -219,13 +223,16 @@ def test_openai_completions_return_prompt_and_completion_ids(oai):
     tok = CharTokenizer()
     prompt = tok.encode("sort:dcba=")
     r = c.completions.create(
-        model=name, prompt=prompt, n=3, max_tokens=5, logprobs=1, temperature=0.9, seed=5,
+        model=name, prompt=prompt, n=3, max_tokens=5, logprobs=2, temperature=0.9, seed=5,
         extra_body={"return_token_ids": True},
     )  # fmt: skip
     assert len(r.choices) == 3
     for ch in r.choices:
         assert ch.prompt_token_ids == prompt and 1 <= len(ch.token_ids) <= 5
         assert len(ch.logprobs.token_logprobs) == len(ch.token_ids) == len(ch.logprobs.tokens)
+        assert len(ch.logprobs.top_logprobs) == len(ch.token_ids)
+        assert all(len(top) <= 2 and max(top.values()) >= lp - 1e-6 for top, lp in zip(
+            ch.logprobs.top_logprobs, ch.logprobs.token_logprobs, strict=True))  # fmt: skip
     assert r.choices[0].token_ids != r.choices[1].token_ids or r.choices[1].token_ids != r.choices[2].token_ids
 
 
@@ -239,6 +246,8 @@ def _chat_stream(c, name, **kw) -> tuple[dict[int, str], dict[int, list[int]], d
         for ch in chunk.choices:
             texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
             ids.setdefault(ch.index, []).extend(getattr(ch, "token_ids", None) or [])
+            for lp in ch.logprobs.content if ch.logprobs else []:
+                assert len(lp.top_logprobs) == kw.get("top_logprobs", 0)
             if ch.finish_reason:
                 reasons[ch.index] = ch.finish_reason
     return texts, ids, reasons, usage
@@ -247,7 +256,14 @@ def _chat_stream(c, name, **kw) -> tuple[dict[int, str], dict[int, list[int]], d
 def test_openai_streaming_chat_equals_the_unstreamed_answer(oai):
     """Same seed: the streamed text and tokens are exactly the unstreamed ones; include_usage adds the usage."""
     c, name = oai
-    kw = {"n": 2, "max_tokens": 12, "seed": 21, "extra_body": {"return_token_ids": True}}
+    kw = {
+        "n": 2,
+        "max_tokens": 12,
+        "seed": 21,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "extra_body": {"return_token_ids": True},
+    }
     whole = c.chat.completions.create(model=name, messages=CHAT, **kw)
     texts, ids, reasons, usage = _chat_stream(c, name, stream_options={"include_usage": True}, **kw)
     for ch in whole.choices:
@@ -288,7 +304,7 @@ def test_openai_errors_are_explicit(oai, server):
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         c.completions.create(model=name, prompt="x=", max_tokens=2, presence_penalty=0.5)
     with pytest.raises(openai.BadRequestError, match="logprobs"):
-        c.completions.create(model=name, prompt="x=", max_tokens=2, logprobs=3)
+        c.completions.create(model=name, prompt="x=", max_tokens=2, logprobs=21)
     with pytest.raises(openai.BadRequestError, match="repetition_penalty"):
         c.completions.create(model=name, prompt="x=", max_tokens=2, extra_body={"repetition_penalty": 1.1})
     with pytest.raises(openai.NotFoundError, match="does not exist"):
