@@ -234,6 +234,17 @@ class Decoder:
             cache.select_rows(expand)
         return logits[expand], cache, valid[expand], positions[expand, -1] + 1
 
+    def _distribution(self, rows: _Rows) -> torch.Tensor:
+        """[rows, vocab] log-probabilities each row draws from: temperature, then (rows that ask for them)
+        min_tokens' end-of-sequence mask and top-k / top-p truncation."""
+        scaled = self.logits.float() / rows.temps
+        if self._filters and self.eos_id >= 0:
+            scaled[:, self.eos_id] = scaled[:, self.eos_id].masked_fill(rows.steps < rows.min_tokens, float("-inf"))
+        logp = torch.log_softmax(scaled, dim=-1)
+        if self._filters and bool((rows.top_k > 0).any() or (rows.top_p < 1).any()):
+            logp = truncate(logp, rows.top_k, rows.top_p)
+        return logp
+
     @torch.no_grad()
     def sample(self, version: int) -> list[int]:
         """Draw one token for every live row with the logits `version` produced; returns their origins.
@@ -242,12 +253,7 @@ class Decoder:
         """
         rows = self.rows
         assert rows is not None
-        scaled = self.logits.float() / rows.temps
-        if self._filters and self.eos_id >= 0:
-            scaled[:, self.eos_id] = scaled[:, self.eos_id].masked_fill(rows.steps < rows.min_tokens, float("-inf"))
-        logp = torch.log_softmax(scaled, dim=-1)
-        if self._filters and bool((rows.top_k > 0).any() or (rows.top_p < 1).any()):
-            logp = truncate(logp, rows.top_k, rows.top_p)
+        logp = self._distribution(rows)
         tokens = sample(logp, rows.seeds, rows.steps)  # noise depends on (seed, row's own step) only
         if self._filters and bool(rows.greedy.any()):
             tokens = torch.where(rows.greedy, logp.argmax(-1), tokens)
