@@ -71,6 +71,27 @@ class KVCache:
         self.keys = [k.index_select(0, rows) for k in self.keys]
         self.values = [v.index_select(0, rows) for v in self.values]
 
+    def realign(self, front: int, capacity: int) -> None:
+        """Shift the filled slots by `front` (> 0: that many empty slots before them, which the caller masks
+        out; < 0: drop the first -front) into tensors of `capacity` slots: how rows that joined a running
+        batch at another length line up with it (engines/generate.py)."""
+        length = self.length + front
+        keep = slice(max(0, -front), self.length)
+
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros((*t.shape[:2], capacity, t.shape[3]))
+            out[:, :, max(0, front) : length] = t[:, :, keep]
+            return out
+
+        self.keys, self.values = [moved(k) for k in self.keys], [moved(v) for v in self.values]
+        self.length = length
+
+    def extend(self, other: KVCache) -> None:
+        """Append `other`'s rows (same length and capacity) after these."""
+        assert other.length == self.length, (other.length, self.length)
+        self.keys = [torch.cat([a, b]) for a, b in zip(self.keys, other.keys, strict=True)]
+        self.values = [torch.cat([a, b]) for a, b in zip(self.values, other.values, strict=True)]
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
