@@ -162,7 +162,7 @@ def load_engine(cfg, output_root_url: str, storage):
     """Build the model (engines/modeldir.py), load the newest committed weights, wrap them in an `Engine`."""
     import torch
 
-    from engines import modeldir
+    from engines import lora, modeldir
     from engines.inference.engine import Engine
     from storage import weights
 
@@ -173,6 +173,7 @@ def load_engine(cfg, output_root_url: str, storage):
         raise SystemExit(f"no committed weights under {weights.weights_root(output_root_url)}; run the warm-up first")
     loaded = modeldir.load(cfg.model, pretrained=False)
     model, tokenizer = loaded.model, loaded.tokenizer
+    lora.attach_to(model, cfg.model.lora)  # adapter publications carry base + adapter tensors
     version, state = latest
     model.load_published(state)
     # inference.dtype: the sampler may run in lower precision than the fp32 trainer (as vLLM serves bf16)

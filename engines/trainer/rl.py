@@ -13,7 +13,7 @@ import time
 import torch
 
 from config.process import TrainerProcessConfig
-from engines import modeldir
+from engines import lora, modeldir
 from engines.trainer import checkpoint
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
 from engines.trainer.common import log, routing_for, seed_everything, train_logprobs
@@ -43,11 +43,22 @@ class RLTrainer:
         self.publisher = weights.Publisher(self.fs, self.root)
         loaded = modeldir.load(cfg.model, pretrained=False)  # version 0 or a checkpoint is loaded next
         self.tok, self.model = loaded.tokenizer, loaded.model
+        self.lora = cfg.model.lora
+        if lora.attach_to(self.model, self.lora, train=True):
+            trainable, total = lora.trainable_fraction(self.model)
+            log.info(f"LoRA: {trainable} of {total} parameters train ({trainable / total:.2%})")
         self.publication_files = loaded.publication_files()  # config.json, tokenizer: same every version
         self.optimizer, self.scheduler = self._build_optimizer()
+        parts: dict[str, checkpoint.Stateful] = {
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "rng": checkpoint.RNGState(),
+        }
+        if self.lora:
+            parts["lora"] = lora.AdapterPart(self.model)  # the base is saved as the weights
         self.state = checkpoint.TrainerState(
             self.model,
-            {"optimizer": self.optimizer, "scheduler": self.scheduler, "rng": checkpoint.RNGState()},
+            parts,
             cfg.mlflow_run_id,
             cfg.seed,
             self.publication_files,
@@ -58,7 +69,8 @@ class RLTrainer:
 
     def _build_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
         o = self.tcfg.optim
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        params = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters only
+        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         warmup = o.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
         return optimizer, scheduler
@@ -151,7 +163,7 @@ class RLTrainer:
         )
         stats = self.train_on(batch)
         t2 = time.perf_counter()
-        self.publisher.publish(step, self.model.publishable_state_dict(), self.publication_files)
+        self.publish(step)
         retention.enforce(self.fs, self.root, bases=self.publisher.bases)  # a no-op unless storage.keep_last_*
         self.version = step
         if self.history:
@@ -177,6 +189,13 @@ class RLTrainer:
             "step_s": t3 - t0,
             "gen_s": manifest.get("gen_s"),
         }
+
+    def publish(self, step: int) -> None:
+        """Policy version `step`: the full weights, or with LoRA the adapters on version 0."""
+        if self.lora:
+            lora.publish(self.publisher, self.model, self.lora, step, self.publication_files)
+        else:
+            self.publisher.publish(step, self.model.publishable_state_dict(), self.publication_files)
 
     def run(self) -> None:
         signal.signal(signal.SIGUSR1, lambda *_: CHECKPOINT_NOW.set())
