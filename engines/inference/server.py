@@ -22,8 +22,9 @@ from engines.inference import api
 log = logging.getLogger("rollflow.inference")
 
 
-def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_token: str, storage=None):
-    """The FastAPI app around an `Engine`; split from `main` so tests can serve it in-process."""
+def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_token: str, storage=None, receiver=None):
+    """The FastAPI app around an `Engine`; split from `main` so tests can serve it in-process. With a
+    `receiver` (engines/weight_transport.py) an update takes the tensors the trainer sent for that version."""
     from fastapi import Depends, FastAPI, HTTPException
 
     from storage import weights
@@ -142,12 +143,18 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
             version = await asyncio.to_thread(weights.read_version, fs, directory)
             if version < engine.version:
                 raise HTTPException(409, f"{directory} holds version {version}, older than served {engine.version}")
-            state = await asyncio.to_thread(weights.load, fs, directory, loaded)
+            staged = await asyncio.to_thread(receiver.take, version) if receiver and req.version is not None else None
+            state = staged if staged is not None else await asyncio.to_thread(weights.load, fs, directory, loaded)
             t1 = time.perf_counter()
             served = await asyncio.to_thread(engine.update_weights, state, version)
         except (CorruptError, ValueError) as exc:
             raise HTTPException(status_code=422, detail=str(exc)) from exc
-        return api.UpdateWeightsResponse(policy_version=served, load_s=t1 - t0, apply_s=time.perf_counter() - t1)
+        return api.UpdateWeightsResponse(
+            policy_version=served,
+            load_s=t1 - t0,
+            apply_s=time.perf_counter() - t1,
+            source="collective" if staged is not None else "filesystem",
+        )
 
     @app.post("/shutdown", dependencies=[admin])
     async def shutdown() -> dict:
@@ -199,7 +206,14 @@ def main(argv: list[str] | None = None) -> None:
     storage = Storage(cfg.run.storage)
     engine, tokenizer = load_engine(cfg, cfg.run.output_dir, storage)
     token = os.environ.get("ROLLFLOW_ADMIN_TOKEN") or secrets.token_hex(16)
-    app = build_app(engine, tokenizer, cfg.run.output_dir, f"rollflow/{cfg.run.run_id}", token, storage)
+    receiver = None
+    if cfg.weight_broadcast.type == "collective":
+        from engines.weight_transport import Receiver
+
+        receiver = Receiver(cfg.weight_broadcast)
+        log.info(f"weight transport: group store on {cfg.weight_broadcast.host}:{cfg.weight_broadcast.port}")
+    name = f"rollflow/{cfg.run.run_id}"
+    app = build_app(engine, tokenizer, cfg.run.output_dir, name, token, storage, receiver)
     # Keep-alive longer than the client's (httpx: 5 s): with equal timeouts a request can reuse a connection
     # the server is closing at that moment and fail with a ReadError after a few idle seconds.
     config = uvicorn.Config(
@@ -210,3 +224,5 @@ def main(argv: list[str] | None = None) -> None:
     log.info(f"serving policy version {engine.version} on http://{cfg.inference.host}:{cfg.inference.port}")
     server.run()
     engine.stop()
+    if receiver is not None:
+        receiver.stop()

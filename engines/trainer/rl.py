@@ -66,6 +66,11 @@ class RLTrainer:
         self.version = self._restore()
         self.history = self._build_history() if self.tcfg.measure_mismatch else None
         self.tracker = Tracker(self.fs, self.root, cfg.tracking.tracking_uri, cfg.mlflow_run_id)
+        self.sender = None
+        if cfg.weight_broadcast.type == "collective":
+            from engines.weight_transport import Sender
+
+            self.sender = Sender(cfg.weight_broadcast)
 
     def _build_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
         o = self.tcfg.optim
@@ -163,6 +168,8 @@ class RLTrainer:
         )
         stats = self.train_on(batch)
         t2 = time.perf_counter()
+        # collective transport first: the engine has the tensors before the orchestrator sees the commit
+        broadcast_s = self.sender.send(step, self.model.publishable_state_dict()) if self.sender else None
         self.publish(step)
         retention.enforce(self.fs, self.root, bases=self.publisher.bases)  # a no-op unless storage.keep_last_*
         self.version = step
@@ -186,6 +193,7 @@ class RLTrainer:
             "wait_s": t1 - t0,
             "train_s": t2 - t1,
             "publish_s": t3 - t2,
+            "broadcast_s": broadcast_s,
             "step_s": t3 - t0,
             "gen_s": manifest.get("gen_s"),
         }
