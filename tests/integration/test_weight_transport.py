@@ -80,3 +80,25 @@ def test_a_restarted_engine_is_rejoined_and_a_missing_one_costs_a_bounded_wait(c
         assert rx2.take(2) is None  # what the old engine staged is gone with it
     finally:
         rx2.stop()
+
+
+def test_a_collective_run_serves_every_version_from_the_group(tmp_path, prefect_api):
+    import json
+    from pathlib import Path
+
+    from conftest import cli_argv, cli_env
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "run"
+    profiles = ["@", str(root / "profiles/tiny-cpu.toml"), "@", str(root / "tests/profiles/collective-short.toml")]
+    argv = cli_argv("rl", *profiles, "--output-dir", str(out))
+    proc = subprocess.run(argv, cwd=tmp_path, env=cli_env(prefect_api), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7)) and all(r["broadcast_s"] is not None for r in rows)
+    kls = [r["mismatch_kl"] for r in rows if r["mismatch_kl"] is not None]
+    assert kls and max(kls) < 1e-6, kls  # the same weights as the files: mismatch_kl as with the filesystem
+    log = (out / "logs" / "orchestrator.log").read_text()
+    served = [line for line in log.splitlines() if "engine now serves policy version" in line]
+    assert served and all("from collective" in line for line in served), served
+    assert (out / "weights" / "step=000006" / "model.safetensors").exists()  # still published
