@@ -122,3 +122,32 @@ def test_config_refuses_lora_with_delta_publications():
     with pytest.raises(ValueError, match="weights_delta"):
         RunConfig.model_validate({"model": {"lora": {}}, "storage": {"weights_delta": True}})
     assert RunConfig.model_validate({"model": {"lora": {"rank": 4}}}).model.lora.target_modules[0] == "q_proj"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_hf_impl_adapters_publish_and_load_like_the_custom_model(tmp_path, kind):
+    pytest.importorskip("transformers")
+    from test_models_hf import make_dir
+
+    from engines import modeldir
+
+    make_dir(tmp_path / "m", kind)
+    cfg = ModelConfig(path=str(tmp_path / "m"), impl="hf", lora=LoRAConfig(rank=2))
+
+    def load():
+        model = modeldir.load(cfg, pretrained=True).model
+        lora.attach_to(model, cfg.lora, train=True)
+        return model.eval()
+
+    trainer = load()
+    names = lora.adapted_modules(trainer)
+    assert "model.layers.0.self_attn.q_proj" in names and not any(n.endswith("mlp.gate") for n in names)
+    fs, root = get_fs(str(tmp_path / "run"), StorageConfig())
+    publisher = weights.Publisher(fs, root)
+    publisher.publish(0, trainer.publishable_state_dict())
+    _perturb(trainer)
+    lora.publish(publisher, trainer, cfg.lora, 1, {})
+    engine = load()
+    engine.load_published(weights.load(fs, weights.version_dir(root, 1)))
+    ids = IDS % 40 + 4
+    assert torch.equal(engine(ids), trainer(ids))
