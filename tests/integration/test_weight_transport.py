@@ -82,6 +82,7 @@ def test_a_restarted_engine_is_rejoined_and_a_missing_one_costs_a_bounded_wait(c
         rx2.stop()
 
 
+@pytest.mark.long  # a whole flow run (~40 s idle); the transport itself is covered by the tests above
 def test_a_collective_run_serves_every_version_from_the_group(tmp_path, prefect_api):
     import json
     from pathlib import Path
