@@ -151,3 +151,15 @@ def test_hf_impl_adapters_publish_and_load_like_the_custom_model(tmp_path, kind)
     engine.load_published(weights.load(fs, weights.version_dir(root, 1)))
     ids = IDS % 40 + 4
     assert torch.equal(engine(ids), trainer(ids))
+
+
+def test_config_refuses_collective_transport_with_lora_or_vllm():
+    from config.run import RunConfig
+
+    with pytest.raises(ValueError, match='model.lora is not supported with weight_broadcast.type = "collective"'):
+        RunConfig.model_validate({"model": {"lora": {}}, "weight_broadcast": {"type": "collective"}})
+    with pytest.raises(ValueError, match='needs inference.backend = "embedded"'):
+        RunConfig.model_validate({"inference": {"backend": "vllm"}, "weight_broadcast": {"type": "collective"}})
+    with pytest.raises(ValueError, match="type"):
+        RunConfig.model_validate({"weight_broadcast": {"type": "nccl"}})
+    assert RunConfig().weight_broadcast.type == "filesystem" and RunConfig().weight_broadcast.host == "127.0.0.1"
