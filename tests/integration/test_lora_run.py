@@ -54,3 +54,13 @@ def test_lora_run_publishes_adapters_matches_the_engine_and_resumes(tmp_path, pr
     assert [r["step"] for r in _metrics(out)] == list(range(1, 9))
     m8 = read_manifest(FS, str(out / "weights" / "step=000008"))
     assert m8["encoding"] == "lora" and m8["lora_base"]["model_sha256"] == base["model_sha256"]
+
+
+@pytest.mark.long  # the whole 100-step profile (~5 min): the learning curve docs/benchmarks.md records
+def test_tiny_cpu_lora_learns(tmp_path, prefect_api):
+    out = tmp_path / "run"
+    _cli(out, prefect_api, "rl", "@", str(PROFILES[0]), "--output-dir", str(out))
+    rewards = [r["reward_mean"] for r in _metrics(out)]
+    rise = sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5
+    assert rise >= 0.1, f"reward rose by {rise:.3f}: {rewards}"
+    assert max(r["mismatch_kl"] or 0.0 for r in _metrics(out)) < 1e-6
