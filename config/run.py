@@ -22,6 +22,7 @@ from config.parallel import check_against_model, check_impl
 from config.storage import StorageConfig
 from config.tracking import TrackingConfig
 from config.trainer import CheckpointConfig, SFTConfig, TrainerConfig
+from config.transport import WeightBroadcastConfig
 
 
 class RestartConfig(Strict):
@@ -57,6 +58,7 @@ class RunConfig(Strict):
     restart: RestartConfig = RestartConfig()
     storage: StorageConfig = StorageConfig()
     deployment: DeploymentConfig = DeploymentConfig()  # where components run on Slurm (docs/slurm.md)
+    weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()  # trainer -> engine transport
 
     @model_validator(mode="after")
     def _retention_keeps_what_inference_may_load(self) -> RunConfig:
@@ -90,6 +92,30 @@ class RunConfig(Strict):
             raise ValueError(
                 f"envs: name {', '.join(map(repr, twice))} is used by more than one [[envs]] entry; the lake and "
                 "the reward tell environments apart by name: give each entry its own `name`"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_publications(self) -> RunConfig:
+        if self.model.lora is not None and self.storage.weights_delta:
+            raise ValueError(
+                "model.lora publishes adapters, which are already small: storage.weights_delta = true does not "
+                "apply to them; set storage.weights_delta = false or remove [model.lora]"
+            )
+        if self.model.lora is not None and self.weight_broadcast.type == "collective":
+            raise ValueError(
+                'model.lora is not supported with weight_broadcast.type = "collective": adapters go through the '
+                'filesystem publication; set weight_broadcast.type = "filesystem" (the default) or remove [model.lora]'
+            )
+        if self.model.lora is not None and self.trainer.parallel.world_size > 1:
+            raise ValueError(
+                f"model.lora runs on one trainer process; trainer.parallel.world_size = "
+                f"{self.trainer.parallel.world_size}: set it to 1 or remove [model.lora]"
+            )
+        if self.weight_broadcast.type == "collective" and self.inference.backend != "embedded":
+            raise ValueError(
+                f'weight_broadcast.type = "collective" needs inference.backend = "embedded" (the engine that joins '
+                f'the group), not {self.inference.backend!r}; use weight_broadcast.type = "filesystem" with it'
             )
         return self
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from config.model import ModelConfig
 from engines.moe import Routing, SparseMoeBlock, build_sparse_mlp, is_sparse
+from storage.lora import is_adapter_key
 
 
 class RMSNorm(nn.Module):
@@ -169,7 +170,8 @@ class Backbone(nn.Module):
 
 class Publishable:
     """Publication I/O shared by rollflow's model and the transformers wrapper (engines/hf_model.py):
-    state dicts with the family's Hugging Face names, the tied `lm_head.weight` alias left out."""
+    state dicts with the family's Hugging Face names, the tied `lm_head.weight` alias left out. LoRA adapter
+    keys (engines/lora.py) are never part of the base publication; a state dict may carry them on load."""
 
     cfg: ModelConfig
 
@@ -183,11 +185,14 @@ class Publishable:
         sd = self.weights_module().state_dict()
         if self.cfg.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
-        return sd
+        return {k: v for k, v in sd.items() if not is_adapter_key(k)}
 
     def check_published(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Raise ValueError unless `state_dict` has exactly this model's published keys and shapes."""
         expected = {k: tuple(v.shape) for k, v in self.publishable_state_dict().items()}
+        if any(is_adapter_key(k) for k in state_dict):  # base + adapter: the adapters must fit too
+            full = self.weights_module().state_dict()
+            expected |= {k: tuple(v.shape) for k, v in full.items() if is_adapter_key(k)}
         got = {
             k: tuple(v.shape)
             for k, v in state_dict.items()

@@ -119,6 +119,8 @@ class UpdateWeightsResponse(BaseModel):
     policy_version: int  # the version served after the update
     load_s: float
     apply_s: float
+    # where the tensors came from: the publication's files, or the trainer's collective group (weight_broadcast)
+    source: Literal["filesystem", "collective"] = "filesystem"
 
 
 class HealthResponse(BaseModel):

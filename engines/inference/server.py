@@ -75,8 +75,9 @@ def install_error_handlers(app) -> None:
         return body(400, message, where[0] or None)
 
 
-def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_token: str, storage=None):
-    """The FastAPI app around an `Engine`; split from `main` so tests can serve it in-process."""
+def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_token: str, storage=None, receiver=None):
+    """The FastAPI app around an `Engine`; split from `main` so tests can serve it in-process. With a
+    `receiver` (engines/weight_transport.py) an update takes the tensors the trainer sent for that version."""
     from fastapi import Depends, FastAPI, HTTPException
     from fastapi.responses import StreamingResponse
 
@@ -132,12 +133,18 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
             version = await asyncio.to_thread(weights.read_version, fs, directory)
             if version < engine.version:
                 raise HTTPException(409, f"{directory} holds version {version}, older than served {engine.version}")
-            state = await asyncio.to_thread(weights.load, fs, directory, loaded)
+            staged = await asyncio.to_thread(receiver.take, version) if receiver and req.version is not None else None
+            state = staged if staged is not None else await asyncio.to_thread(weights.load, fs, directory, loaded)
             t1 = time.perf_counter()
             served = await asyncio.to_thread(engine.update_weights, state, version)
         except (CorruptError, ValueError) as exc:
             raise HTTPException(status_code=422, detail=str(exc)) from exc
-        return api.UpdateWeightsResponse(policy_version=served, load_s=t1 - t0, apply_s=time.perf_counter() - t1)
+        return api.UpdateWeightsResponse(
+            policy_version=served,
+            load_s=t1 - t0,
+            apply_s=time.perf_counter() - t1,
+            source="collective" if staged is not None else "filesystem",
+        )
 
     @app.post("/shutdown", dependencies=[admin], responses=_errors(401))
     async def shutdown() -> dict:
@@ -152,7 +159,7 @@ def load_engine(cfg, output_root_url: str, storage):
     """Build the model (engines/modeldir.py), load the newest committed weights, wrap them in an `Engine`."""
     import torch
 
-    from engines import modeldir
+    from engines import lora, modeldir
     from engines.inference.engine import Engine
     from storage import weights
 
@@ -163,6 +170,7 @@ def load_engine(cfg, output_root_url: str, storage):
         raise SystemExit(f"no committed weights under {weights.weights_root(output_root_url)}; run the warm-up first")
     loaded = modeldir.load(cfg.model, pretrained=False)
     model, tokenizer = loaded.model, loaded.tokenizer
+    lora.attach_to(model, cfg.model.lora)  # adapter publications carry base + adapter tensors
     version, state = latest
     model.load_published(state)
     # inference.dtype: the sampler may run in lower precision than the fp32 trainer (as vLLM serves bf16)
@@ -188,7 +196,14 @@ def main(argv: list[str] | None = None) -> None:
     storage = Storage(cfg.run.storage)
     engine, tokenizer = load_engine(cfg, cfg.run.output_dir, storage)
     token = os.environ.get("ROLLFLOW_ADMIN_TOKEN") or secrets.token_hex(16)
-    app = build_app(engine, tokenizer, cfg.run.output_dir, f"rollflow/{cfg.run.run_id}", token, storage)
+    receiver = None
+    if cfg.weight_broadcast.type == "collective":
+        from engines.weight_transport import Receiver
+
+        receiver = Receiver(cfg.weight_broadcast)
+        log.info(f"weight transport: group store on {cfg.weight_broadcast.host}:{cfg.weight_broadcast.port}")
+    name = f"rollflow/{cfg.run.run_id}"
+    app = build_app(engine, tokenizer, cfg.run.output_dir, name, token, storage, receiver)
     # Keep-alive longer than the client's (httpx: 5 s): with equal timeouts a request can reuse a connection
     # the server is closing at that moment and fail with a ReadError after a few idle seconds.
     config = uvicorn.Config(
@@ -199,3 +214,5 @@ def main(argv: list[str] | None = None) -> None:
     log.info(f"serving policy version {engine.version} on http://{cfg.inference.host}:{cfg.inference.port}")
     server.run()
     engine.stop()
+    if receiver is not None:
+        receiver.stop()

@@ -67,8 +67,9 @@ class WeightSync:
             body = UpdateWeightsRequest(version=latest).model_dump(exclude_none=True)
             r = await self.client.post("/update_weights", json=body, headers=self.headers)
             r.raise_for_status()
-            self.engine_version = UpdateWeightsResponse.model_validate_json(r.content).policy_version
-            log.info(f"engine now serves policy version {self.engine_version}")
+            resp = UpdateWeightsResponse.model_validate_json(r.content)
+            self.engine_version = resp.policy_version
+            log.info(f"engine now serves policy version {self.engine_version} (from {resp.source}, {resp.load_s:.3f}s)")
             self.changed.set()
 
     async def follow(self) -> None:
