@@ -1,7 +1,13 @@
 """The HTTP face of the vLLM backend: the same routes as the embedded engine, in front of vLLM servers.
 
-    orchestrator --> proxy (inference.host:inference.port) --> router or the only vLLM server (generation)
+    orchestrator --> proxy (inference.host:inference.port) --> a replica's router, or its only vLLM server
                                                          \\-> every vLLM server (pause, collective_rpc, resume)
+
+With several replicas (inference.num_infer_replicas, each behind its own router) a request goes to the
+replica its `X-Session-ID` hashes to (round robin without one), and the router in front of that replica
+picks the server (consistent_hash on the same header by default). A session's requests carry an
+`X-Request-Id` of `<session>-<random>`, so vLLM's own request ids (and `--enable-log-requests` lines)
+name the session they served.
 
 Generation requests are forwarded with a `cache_salt` naming the policy version they start under, so no
 prefix cached under an older policy serves a newer one, and come back with `policy_version` (at the start)
@@ -15,7 +21,10 @@ say so in `policy_version_end`.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import secrets
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -29,15 +38,35 @@ from engines.inference.api import HealthResponse, UpdateWeightsRequest, admin_au
 Materialize = Callable[[int], Awaitable[str]]
 
 
+SESSION_HEADER, REQUEST_ID_HEADER = "x-session-id", "x-request-id"
+
+
 @dataclass
 class Upstream:
-    """Where generation goes (`entry`: the router or the only server) and the servers that hold weights."""
+    """Where generation goes (`entries`: each replica's router or only server) and the servers that hold
+    weights (every vLLM server of every replica)."""
 
-    entry: str
+    entries: list[str]
     servers: list[str]
     version: int
     open_gate: asyncio.Event = field(default_factory=asyncio.Event)
     update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _turn: itertools.count = field(default_factory=itertools.count)
+
+    def entry(self, session: str | None) -> str:
+        """The replica of a session (a stable hash, the same in every process), else the next in turn."""
+        if len(self.entries) == 1:
+            return self.entries[0]
+        k = zlib.crc32(session.encode()) if session else next(self._turn)
+        return self.entries[k % len(self.entries)]
+
+
+def forward_headers(request_headers) -> dict[str, str]:
+    """The client's x- headers (X-Session-ID for the router), plus a request id naming the session."""
+    headers = {k.lower(): v for k, v in request_headers.items() if k.lower().startswith("x-")}
+    if (session := headers.get(SESSION_HEADER)) and REQUEST_ID_HEADER not in headers:
+        headers[REQUEST_ID_HEADER] = f"{session}-{secrets.token_hex(4)}"
+    return headers
 
 
 def salt(version: int) -> str:
@@ -76,14 +105,16 @@ def build_app(up: Upstream, materialize: Materialize, admin_token: str, client: 
 
     @app.get("/health")
     async def health() -> HealthResponse:
-        r = await client.get(up.entry + "/health")
-        if r.status_code != 200:
-            raise HTTPException(503, f"vLLM at {up.entry} is not healthy (HTTP {r.status_code})")
-        return HealthResponse(status="ok", policy_version=up.version, stats={"vllm_servers": len(up.servers)})
+        for entry in up.entries:
+            r = await client.get(entry + "/health")
+            if r.status_code != 200:
+                raise HTTPException(503, f"vLLM at {entry} is not healthy (HTTP {r.status_code})")
+        stats = {"vllm_servers": len(up.servers), "replicas": len(up.entries)}
+        return HealthResponse(status="ok", policy_version=up.version, stats=stats)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        r = await client.get(up.entry + "/v1/models")
+        r = await client.get(up.entries[0] + "/v1/models")
         return Response(r.content, r.status_code, media_type="application/json")
 
     async def forward(path: str, request: Request) -> Response:
@@ -93,8 +124,8 @@ def build_app(up: Upstream, materialize: Materialize, admin_token: str, client: 
         await up.open_gate.wait()  # no request starts under a version that is being replaced
         start = up.version
         body["cache_salt"] = salt(start)
-        headers = {k: v for k, v in request.headers.items() if k.lower().startswith("x-")}
-        r = await client.post(up.entry + path, json=body, headers=headers)
+        headers = forward_headers(request.headers)
+        r = await client.post(up.entry(headers.get(SESSION_HEADER)) + path, json=body, headers=headers)
         if r.status_code != 200:
             return Response(r.content, r.status_code, media_type="application/json")
         out = r.json()

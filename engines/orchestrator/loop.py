@@ -7,6 +7,9 @@ compute group advantages, drop samples older than `max_off_policy_steps`, and co
 while generation runs, so one rollout may span two policy versions. Requests and responses are the
 inference API's own types (engines/inference/api.py); each sample becomes a typed `RolloutRow`, carrying
 the engine's `routed_experts` when it returns them (MoE with inference.enable_return_routed_experts).
+Every request names its session in the `X-Session-ID` header (one session per group here; a multi-turn
+episode reuses its id), which vllm-router's consistent_hash policy keys on, so a session's turns reach the
+replica that holds its KV cache.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from storage.fs import Storage, read_json
 from storage.rollouts import RolloutRow, staleness
 
 log = logging.getLogger("rollflow.orchestrator")
+SESSION_HEADER = "X-Session-ID"  # what vllm-router's consistent_hash hashes (config: inference.router)
 
 
 class WeightSync:
@@ -134,20 +138,27 @@ class Orchestrator:
             # a pure function of (seed, step, group): a resumed run redraws exactly these samples
             seed=derive_seed(self.cfg.seed, step, group),
         )
+        group_id = f"s{step:06d}-g{group:04d}"
+        response = await self.complete(request, session_id=group_id)
+        return self.score_group(group_id, step, task, prompt_ids, response.choices)
+
+    async def complete(self, request: CompletionRequest, session_id: str) -> CompletionResponse:
+        """One completion call; `session_id` is stable for every request of one rollout session (a group,
+        or every turn of an episode) and travels as the X-Session-ID header the router routes on."""
         async with self.limit:
-            r = await self.client.post("/v1/completions", json=request.model_dump(exclude_none=True))
+            r = await self.client.post(
+                "/v1/completions", json=request.model_dump(exclude_none=True), headers={SESSION_HEADER: session_id}
+            )
         if r.status_code == 400:  # e.g. prompt + max_new_tokens over model.max_seq_len
-            raise RuntimeError(f"inference refused step {step} group {group}: {r.json().get('detail')}")
+            raise RuntimeError(f"inference refused session {session_id}: {r.json().get('detail')}")
         r.raise_for_status()
-        response = CompletionResponse.model_validate_json(r.content)
-        return self.score_group(step, group, task, prompt_ids, response.choices)
+        return CompletionResponse.model_validate_json(r.content)
 
     def score_group(
-        self, step: int, group: int, task: Task, prompt_ids: list[int], choices: list[CompletionChoice]
+        self, group_id: str, step: int, task: Task, prompt_ids: list[int], choices: list[CompletionChoice]
     ) -> list[RolloutRow]:
         rewards = [self.mix.reward(task, c.text) for c in choices]
         advantages = group_advantages(rewards, self.ocfg.normalize_advantages)
-        group_id = f"s{step:06d}-g{group:04d}"
         return [
             RolloutRow(
                 run_id=self.cfg.run.run_id,

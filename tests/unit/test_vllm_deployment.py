@@ -198,10 +198,25 @@ def test_unknown_router_policy_is_refused():
     [
         (SHAPES["wide_ep"], "wide EP"),
         (SHAPES["disaggregated"], "disaggregated"),
-        ({"num_infer_replicas": 2}, "num_infer_replicas"),
     ],
 )
 def test_local_launch_refuses_what_needs_slurm(keys, match):
     with pytest.raises(SystemExit, match=match):
         check_local(inference(**keys))
     check_local(inference(**SHAPES["multi_replica"]))  # several replicas behind a router fit on one host
+    check_local(inference(num_infer_replicas=2))  # and so do several copies, each behind its own router
+
+
+def test_sessions_stick_to_a_replica_and_requests_name_their_session():
+    from engines.inference.vllm_proxy import Upstream, forward_headers
+
+    up = Upstream(["http://r0", "http://r1", "http://r2"], [], 0)
+    sessions = [f"s000001-g{g:04d}" for g in range(30)]
+    first = [up.entry(s) for s in sessions]
+    assert [up.entry(s) for s in sessions] == first  # stable
+    assert set(first) == set(up.entries)  # and spread
+    assert [up.entry(None) for _ in range(4)] == ["http://r0", "http://r1", "http://r2", "http://r0"]
+    headers = forward_headers({"X-Session-ID": "s1-g2", "Authorization": "x", "content-type": "y"})
+    assert headers["x-session-id"] == "s1-g2" and headers["x-request-id"].startswith("s1-g2-")
+    assert set(headers) == {"x-session-id", "x-request-id"}  # only x- headers travel upstream
+    assert forward_headers({"X-Request-Id": "mine", "X-Session-ID": "a"})["x-request-id"] == "mine"

@@ -1,0 +1,161 @@
+"""Two vLLM replicas behind vllm-router on one host, launched by the `rl` flow (inference.deployment.type =
+"multi_node", num_nodes = 2, every node 127.0.0.1), serving a shortened run.
+
+What is asserted comes from the replicas' own logs (`--enable-log-requests`: each vLLM server logs
+`Added request cmpl-<X-Request-Id>...`, the proxy makes that id `<session>-<random>`, and the entry module
+prefixes every line with the server's name), never from our client:
+- consistent_hash (default): every request of a session reached one replica, across the flow's restart,
+  and the sessions were spread over both; a vLLM replica SIGKILLed mid-run is survived by the flow's
+  restart from the last checkpoint, and the run finishes.
+- round_robin (long): the run's requests were spread evenly over both replicas.
+
+vLLM on CPU takes ~35-160 s to start, so the default test starts the pair twice (the second after the
+kill) and checks everything on that one run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import TINY, processes_mentioning, start_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+ADDED = re.compile(r"^\[(vllm-r\d+-node\d+)\] .*Added request \S*?cmpl-([\w.-]+?)-[0-9a-f]{8}\b")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM environment at {VLLM_PYTHON}: run make vllm"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_run(out: Path, policy: str, steps: int):
+    ports = {"inference": free_port(), "backend": free_port(), "router": free_port()}
+    while ports["backend"] + 1 in ports.values():
+        ports["backend"] = free_port()
+    args = ["rl", "@", str(TINY), "--output-dir", str(out), "--max-steps", str(steps), "--sft.steps", "30"]
+    args += ["--orchestrator.batch_size", "8", "--orchestrator.inference_timeout_s", "900"]
+    args += ["--checkpoint.interval", "2", "--restart.backoff_s", "0.1"]
+    args += ["--inference.backend", "vllm", "--inference.port", str(ports["inference"])]
+    args += ["--inference.deployment.type", "multi_node", "--inference.deployment.num_nodes", "2"]
+    args += ["--inference.deployment.backend_port", str(ports["backend"])]
+    args += ["--inference.router.policy", policy, "--inference.router.port", str(ports["router"])]
+    args += ["--inference.vllm_extra.enforce_eager", "true", "--inference.vllm_extra.enable_log_requests", "true"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return start_cli(out.parent, out.parent / "cli.log", None, *args), ports
+
+
+def served_by(out: Path) -> dict[str, list[str]]:
+    """session -> the replica of each of its requests, from the vLLM servers' own log lines."""
+    sessions: dict[str, list[str]] = defaultdict(list)
+    for line in (out / "logs" / "inference.log").read_text(errors="replace").splitlines():
+        if m := ADDED.match(line):
+            sessions[m.group(2)].append(m.group(1))
+    return sessions
+
+
+def vllm_server_pid(port: int) -> int | None:
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in argv and str(port).encode() in argv:
+            return int(pid)
+    return None
+
+
+def sessions_of_our_own(url: str, n_sessions: int = 12, turns: int = 3) -> None:
+    """Sessions of several turns each (as a multi-turn episode sends), through the proxy like the
+    orchestrator's requests."""
+    for _turn in range(turns):
+        for s in range(n_sessions):
+            body = {"prompt": [5, 6, 7, 8], "max_tokens": 2, "n": 1, "return_token_ids": True}
+            r = httpx.post(url + "/v1/completions", json=body, headers={"X-Session-ID": f"test.{s}"}, timeout=300)
+            assert r.status_code == 200, r.text
+
+
+def wait_checkpoint_then_kill(cli, out: Path, port: int, url: str, errors: list) -> None:
+    try:
+        _wait_checkpoint_then_kill(cli, out, port, url)
+    except BaseException as exc:  # reported by the test after the run
+        errors.append(exc)
+
+
+def _wait_checkpoint_then_kill(cli, out: Path, port: int, url: str) -> None:
+    deadline = time.monotonic() + 900
+    while not list((out / "checkpoints").glob("step=*/trainer/_manifest.json")):
+        assert cli.poll() is None, (out.parent / "cli.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint in 900 s"
+        time.sleep(0.5)
+    sessions_of_our_own(url)
+    pid = vllm_server_pid(port)
+    assert pid is not None, f"no vLLM server on port {port}"
+    os.kill(pid, signal.SIGKILL)
+
+
+def finish(cli, out: Path, timeout_s: float = 900) -> str:
+    try:
+        cli.wait(timeout_s)
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+    log = (out.parent / "cli.log").read_text(errors="replace")
+    assert cli.returncode == 0, log[-4000:]
+    deadline = time.monotonic() + 60
+    while processes_mentioning(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_mentioning(str(out)) == [], "a vLLM or router process outlived the run"
+    return log
+
+
+def test_consistent_hash_keeps_sessions_on_a_replica_and_a_killed_replica_is_survived(tmp_path):
+    out = tmp_path / "run"
+    cli, ports = start_run(out, "consistent_hash", steps=6)
+    errors: list[BaseException] = []
+    url = f"http://127.0.0.1:{ports['inference']}"
+    killer = threading.Thread(target=wait_checkpoint_then_kill, args=(cli, out, ports["backend"] + 1, url, errors))
+    killer.start()
+    log = finish(cli, out)
+    killer.join(5)
+    assert not errors, f"sending our sessions or killing the replica failed: {errors[0]!r}"
+    assert "restart 1/" in log, "the killed replica did not make the flow restart"
+    assert json.loads((out / "state.json").read_text())["status"] == "finished"
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics][-1] == 6
+    sessions = served_by(out)
+    ours = {s: r for s, r in sessions.items() if s.startswith("test.")}
+    assert len(ours) == 12 and all(len(r) == 3 for r in ours.values()), ours
+    split = {s: set(r) for s, r in sessions.items() if len(set(r)) > 1}
+    assert not split, f"sessions served by more than one replica: {split}"
+    replicas = {r[0] for r in sessions.values()}
+    assert replicas == {"vllm-r0-node0", "vllm-r0-node1"}, "the sessions were not spread over both replicas"
+
+
+@pytest.mark.long
+def test_round_robin_spreads_a_run_over_both_replicas(tmp_path):
+    out = tmp_path / "run"
+    cli, _ = start_run(out, "round_robin", steps=3)
+    finish(cli, out)
+    counts: dict[str, int] = defaultdict(int)
+    for replicas in served_by(out).values():
+        for r in replicas:
+            counts[r] += 1
+    assert set(counts) == {"vllm-r0-node0", "vllm-r0-node1"}, counts
+    a, b = counts.values()
+    assert abs(a - b) <= 0.2 * (a + b), f"round robin left the replicas unbalanced: {counts}"
