@@ -2,8 +2,9 @@
 "multi_node", num_nodes = 2, every node 127.0.0.1), serving a shortened run.
 
 What is asserted comes from the replicas' own logs (`--enable-log-requests`: each vLLM server logs
-`Added request cmpl-<X-Request-Id>...`, the proxy makes that id `<session>-<random>`, and the entry module
-prefixes every line with the server's name), never from our client:
+`Received request cmpl-<X-Request-Id>-0: ...` once per HTTP request, the proxy makes that id
+`<session>-<random>`, and the entry module prefixes every line with the server's name), never from our
+client:
 - consistent_hash (default): every request of a session reached one replica, across the flow's restart,
   and the sessions were spread over both; a vLLM replica SIGKILLed mid-run is survived by the flow's
   restart from the last checkpoint, and the run finishes.
@@ -31,7 +32,7 @@ from conftest import TINY, processes_mentioning, start_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-ADDED = re.compile(r"^\[(vllm-r\d+-node\d+)\] .*Added request \S*?cmpl-([\w.-]+?)-[0-9a-f]{8}\b")
+RECEIVED = re.compile(r"^\[(vllm-r\d+-node\d+)\] .*Received request cmpl-([\w.-]+?)-[0-9a-f]{8}-\d+: ")
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM environment at {VLLM_PYTHON}: run make vllm"),
@@ -64,7 +65,7 @@ def served_by(out: Path) -> dict[str, list[str]]:
     """session -> the replica of each of its requests, from the vLLM servers' own log lines."""
     sessions: dict[str, list[str]] = defaultdict(list)
     for line in (out / "logs" / "inference.log").read_text(errors="replace").splitlines():
-        if m := ADDED.match(line):
+        if m := RECEIVED.match(line):
             sessions[m.group(2)].append(m.group(1))
     return sessions
 

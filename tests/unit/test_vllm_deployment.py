@@ -220,3 +220,14 @@ def test_sessions_stick_to_a_replica_and_requests_name_their_session():
     assert headers["x-session-id"] == "s1-g2" and headers["x-request-id"].startswith("s1-g2-")
     assert set(headers) == {"x-session-id", "x-request-id"}  # only x- headers travel upstream
     assert forward_headers({"X-Request-Id": "mine", "X-Session-ID": "a"})["x-request-id"] == "mine"
+
+
+def test_the_seeds_top_level_num_infer_replicas_sets_the_inference_key():
+    cfg = RunConfig.model_validate({"deployment": {"num_infer_replicas": 3}, "inference": {"backend": "vllm"}})
+    assert cfg.inference.num_infer_replicas == 3
+    with pytest.raises(ValidationError, match="disagree"):
+        RunConfig.model_validate(
+            {"deployment": {"num_infer_replicas": 3}, "inference": {"backend": "vllm", "num_infer_replicas": 2}}
+        )
+    with pytest.raises(ValidationError, match="backend = 'vllm' only"):
+        RunConfig.model_validate({"deployment": {"num_infer_replicas": 2}})
