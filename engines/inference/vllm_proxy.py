@@ -173,7 +173,10 @@ def build_app(up: Upstream, materialize: Materialize, admin_token: str, client: 
             except FileNotFoundError as exc:
                 raise HTTPException(404, str(exc)) from exc
             t1 = time.perf_counter()
-            results = await apply_update(client, up, path, version)
+            try:
+                results = await apply_update(client, up, path, version)
+            except httpx.TransportError as exc:  # a server died: the entry module exits and the flow restarts
+                raise HTTPException(503, f"a vLLM server is unreachable during the weight update: {exc!r}") from exc
         return {
             "policy_version": up.version,
             "load_s": t1 - t0,

@@ -1,4 +1,4 @@
-"""Benchmark 9: the generation backends in one run: the embedded engine, vLLM CPU (0.32, the `vllm`
+"""Benchmark 8: the generation backends in one run: the embedded engine, vLLM CPU (0.32, the `vllm`
 backend's server) and Hugging Face `generate()`, on the same model, prompts, group size and token budget.
 
 Per model shape: our CausalLM (tiny: the benchmark warm-up's weights; larger shapes: random weights from
@@ -22,7 +22,7 @@ from pathlib import Path
 from tests.bench.harness import QUICK, Stats, Workspace, ratio_stats, repeats, table
 from tests.bench.inference import WIDE, Case, Pair
 
-TITLE = "9. Generation backends: embedded engine vs vLLM CPU vs HF generate()"
+TITLE = "8. Generation backends: embedded engine vs vLLM CPU vs HF generate()"
 NEW_TOKENS = 24
 LARGE = {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 4, "intermediate_size": 2048}
 SHAPES = [  # (name, model overrides, prompts, group, natural stop measured)
