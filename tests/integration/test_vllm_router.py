@@ -61,8 +61,8 @@ def free_port_pair() -> int:
 
 
 def start_run(out: Path, policy: str, steps: int):
-    ports = {"inference": free_port(), "backend": free_port_pair(), "router": free_port()}
-    while {ports["inference"], ports["router"]} & {ports["backend"], ports["backend"] + 1}:
+    ports = {"inference": free_port(), "backend": free_port_pair(), "router": free_port(), "metrics": free_port()}
+    while {ports["inference"], ports["router"], ports["metrics"]} & {ports["backend"], ports["backend"] + 1}:
         ports["backend"] = free_port_pair()
     args = ["rl", "@", str(TINY), "--output-dir", str(out), "--max-steps", str(steps), "--sft.steps", "30"]
     args += ["--orchestrator.batch_size", "8", "--orchestrator.inference_timeout_s", "900"]
@@ -71,6 +71,7 @@ def start_run(out: Path, policy: str, steps: int):
     args += ["--inference.deployment.type", "multi_node", "--inference.deployment.num_nodes", "2"]
     args += ["--inference.deployment.backend_port", str(ports["backend"])]
     args += ["--inference.router.policy", policy, "--inference.router.port", str(ports["router"])]
+    args += ["--inference.router.metrics_port", str(ports["metrics"])]
     args += ["--inference.vllm_extra.enforce_eager", "true", "--inference.vllm_extra.enable_log_requests", "true"]
     out.parent.mkdir(parents=True, exist_ok=True)
     return start_cli(out.parent, out.parent / "cli.log", None, *args), ports
