@@ -73,6 +73,25 @@ class RunConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _infer_replicas_in_one_place(self) -> RunConfig:
+        """`deployment.num_infer_replicas` (the seed's spelling) sets inference.num_infer_replicas."""
+        wanted = self.deployment.num_infer_replicas
+        if wanted is None:
+            return self
+        if "num_infer_replicas" in self.inference.model_fields_set and self.inference.num_infer_replicas != wanted:
+            raise ValueError(
+                f"deployment.num_infer_replicas={wanted} and inference.num_infer_replicas="
+                f"{self.inference.num_infer_replicas} disagree: set one of them"
+            )
+        if self.inference.backend != "vllm" and wanted > 1:
+            raise ValueError(
+                f"deployment.num_infer_replicas={wanted} applies to inference.backend = 'vllm' only "
+                f"(inference.backend = {self.inference.backend!r})"
+            )
+        self.inference.num_infer_replicas = wanted
+        return self
+
+    @model_validator(mode="after")
     def _router_replay_needs_routes(self) -> RunConfig:
         if not self.trainer.enable_router_replay or self.inference.enable_return_routed_experts:
             return self
