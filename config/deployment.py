@@ -65,6 +65,9 @@ class DeploymentConfig(_Strict):
     nodes: int = Field(1, gt=0, description="nodes of the job")
     inference_nodes: int = Field(1, gt=0)
     trainer_nodes: int = Field(1, gt=0)
+    num_infer_replicas: int | None = Field(
+        None, gt=0, description="the seed's key for inference.num_infer_replicas (copies of the inference shape)"
+    )
     slurm: SlurmJobConfig = SlurmJobConfig()
 
     @model_validator(mode="after")

@@ -90,6 +90,9 @@ class RouterConfig(Strict):
     policy: Literal["consistent_hash", "round_robin"] = "consistent_hash"
     session_header: str = Field("X-Session-ID", description="the header consistent_hash hashes (one per rollout)")
     port: int = Field(8000, gt=0, le=65535, description="the router's port; a further replica's router adds 1")
+    metrics_port: int = Field(
+        29000, gt=0, le=65535, description="the router's Prometheus port (vllm-router's default); +1 per replica"
+    )
 
 
 class VLLMRuntimeConfig(Strict):

@@ -9,6 +9,41 @@ from pydantic import Field, field_validator, model_validator
 from config.base import Strict
 from config.registry import MODEL_FAMILIES, one_of
 
+# The seed's cross-family default: attention and MLP projections, MoE experts, and the latent projections of
+# multi-head latent attention; names a model does not have are ignored.
+DEFAULT_LORA_TARGETS = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "experts",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+]
+
+
+class LoRAConfig(Strict):
+    """Low-rank adapters (docs/models.md): only the adapters train; publications carry the adapter and a
+    checksummed reference to the base weights (policy version 0) it applies to."""
+
+    rank: int = Field(8, gt=0, description="adapter rank r")
+    alpha: float = Field(16.0, gt=0, description="scaling numerator: the update is (alpha / rank) * B @ A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+        min_length=1,
+        description="Linear layers to adapt, by their own name or the name of a module containing them "
+        "(e.g. experts); names the model lacks are ignored",
+    )
+    save_merged: bool = Field(
+        False, description="also write the merged weights (model.safetensors) into every adapter publication"
+    )
+
 
 class ModelConfig(Strict):
     """The policy model. Without `path`: rollflow's built-in decoder (Llama/Qwen3 naming) of the shape below,
@@ -52,6 +87,7 @@ class ModelConfig(Strict):
     norm_topk_prob: bool = Field(True, description="renormalise the top-k gate weights to sum to 1")
     decoder_sparse_step: int = Field(1, gt=0, description="every N-th layer is sparse")
     mlp_only_layers: list[int] = Field(default_factory=list, description="layers that stay dense")
+    lora: LoRAConfig | None = Field(None, description="[model.lora]: train low-rank adapters only (None: all weights)")
 
     @field_validator("family")
     @classmethod

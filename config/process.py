@@ -15,6 +15,7 @@ from config.run import RunConfig
 from config.storage import StorageConfig
 from config.tracking import TrackingConfig
 from config.trainer import CheckpointConfig, SFTConfig, TrainerConfig
+from config.transport import WeightBroadcastConfig
 
 
 class ComponentPaths(Strict):
@@ -30,6 +31,7 @@ class InferenceProcessConfig(Strict):
     model: ModelConfig
     inference: InferenceConfig
     seed: int
+    weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
 
 
 class OrchestratorProcessConfig(Strict):
@@ -55,6 +57,7 @@ class TrainerProcessConfig(Strict):
     seed: int
     max_steps: int
     max_off_policy_steps: int
+    weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
     mode: Literal["rl"] = "rl"
 
 
@@ -86,7 +89,9 @@ def component_configs(
             num_threads=cfg.trainer.num_threads,
             seed=cfg.seed,
         ),
-        "inference": InferenceProcessConfig(run=paths, model=cfg.model, inference=cfg.inference, seed=cfg.seed),
+        "inference": InferenceProcessConfig(
+            run=paths, model=cfg.model, inference=cfg.inference, seed=cfg.seed, weight_broadcast=cfg.weight_broadcast
+        ),
         "orchestrator": OrchestratorProcessConfig(
             run=paths,
             model=cfg.model,
@@ -109,5 +114,6 @@ def component_configs(
             seed=cfg.seed,
             max_steps=cfg.max_steps,
             max_off_policy_steps=cfg.max_off_policy_steps,
+            weight_broadcast=cfg.weight_broadcast,
         ),
     }

@@ -22,6 +22,7 @@ from config.parallel import check_against_model, check_impl
 from config.storage import StorageConfig
 from config.tracking import TrackingConfig
 from config.trainer import CheckpointConfig, SFTConfig, TrainerConfig
+from config.transport import WeightBroadcastConfig
 
 
 class RestartConfig(Strict):
@@ -57,6 +58,7 @@ class RunConfig(Strict):
     restart: RestartConfig = RestartConfig()
     storage: StorageConfig = StorageConfig()
     deployment: DeploymentConfig = DeploymentConfig()  # where components run on Slurm (docs/slurm.md)
+    weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()  # trainer -> engine transport
 
     @model_validator(mode="after")
     def _retention_keeps_what_inference_may_load(self) -> RunConfig:
@@ -68,6 +70,25 @@ class RunConfig(Strict):
                 f"may still load any of the newest max_off_policy_steps + 2 = {need} publications; "
                 f"set storage.keep_last_weights >= {need}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _infer_replicas_in_one_place(self) -> RunConfig:
+        """`deployment.num_infer_replicas` (the seed's spelling) sets inference.num_infer_replicas."""
+        wanted = self.deployment.num_infer_replicas
+        if wanted is None:
+            return self
+        if "num_infer_replicas" in self.inference.model_fields_set and self.inference.num_infer_replicas != wanted:
+            raise ValueError(
+                f"deployment.num_infer_replicas={wanted} and inference.num_infer_replicas="
+                f"{self.inference.num_infer_replicas} disagree: set one of them"
+            )
+        if self.inference.backend != "vllm" and wanted > 1:
+            raise ValueError(
+                f"deployment.num_infer_replicas={wanted} applies to inference.backend = 'vllm' only "
+                f"(inference.backend = {self.inference.backend!r})"
+            )
+        self.inference.num_infer_replicas = wanted
         return self
 
     @model_validator(mode="after")
@@ -90,6 +111,30 @@ class RunConfig(Strict):
             raise ValueError(
                 f"envs: name {', '.join(map(repr, twice))} is used by more than one [[envs]] entry; the lake and "
                 "the reward tell environments apart by name: give each entry its own `name`"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_publications(self) -> RunConfig:
+        if self.model.lora is not None and self.storage.weights_delta:
+            raise ValueError(
+                "model.lora publishes adapters, which are already small: storage.weights_delta = true does not "
+                "apply to them; set storage.weights_delta = false or remove [model.lora]"
+            )
+        if self.model.lora is not None and self.weight_broadcast.type == "collective":
+            raise ValueError(
+                'model.lora is not supported with weight_broadcast.type = "collective": adapters go through the '
+                'filesystem publication; set weight_broadcast.type = "filesystem" (the default) or remove [model.lora]'
+            )
+        if self.model.lora is not None and self.trainer.parallel.world_size > 1:
+            raise ValueError(
+                f"model.lora runs on one trainer process; trainer.parallel.world_size = "
+                f"{self.trainer.parallel.world_size}: set it to 1 or remove [model.lora]"
+            )
+        if self.weight_broadcast.type == "collective" and self.inference.backend != "embedded":
+            raise ValueError(
+                f'weight_broadcast.type = "collective" needs inference.backend = "embedded" (the engine that joins '
+                f'the group), not {self.inference.backend!r}; use weight_broadcast.type = "filesystem" with it'
             )
         return self
 

@@ -1,13 +1,17 @@
-"""Batched sampling with a KV cache: the inference engine's inner loop.
+"""Batched sampling with a KV cache: the inference engine's inner loop, as a running batch.
 
-Prompts are left-padded into one batch; prefill runs once, then one decode step per token. Between decode
-steps `between_steps()` may swap the weights (in-flight update) and returns the current policy version,
-so each sequence records the version that produced its first and its last completion token. Each row
-samples with its own seed (engines/sampling.py), so its tokens do not depend on the rest of the batch.
+A `Decoder` holds the rows being sampled and their KV cache. `add` prefills new rows (each distinct
+prompt once: a group's samples share it) and merges them into the running batch; `sample` draws one
+token for every live row; `forward` feeds those tokens through the model for the next step. Rows leave
+when they end, so requests join and leave between decode steps (continuous batching, engines/inference/
+engine.py); `generate` runs one fixed set of prompts to the end. Each row samples with its own seed and
+counts its own tokens (engines/sampling.py), so its tokens do not depend on the rest of the batch or on
+when it joined. The caller passes the policy version at each `sample`, so every row records the version
+that produced its first and its last completion token (in-flight weight updates happen between steps).
 
-Two savings that matter for RL batches (docs/benchmarks.md, benchmark 2): identical prompts (a group's
-samples) are prefilled once and their cache rows copied, and finished rows leave the batch (the cache is
-compacted once enough have finished) instead of decoding padding until the longest row ends.
+The cache is left-aligned per row: all rows share one cache length, a row's earlier slots are padding
+(masked out) when it is shorter or joined later. Finished rows keep their slot until enough have
+finished to make compaction (a cache copy) worth it; compaction also drops leading slots no live row uses.
 
 With `record_routes` (MoE models) each completion also carries `routed_experts` [seq, layers, top_k]: the
 experts every position fed through the model was routed to, seq = prompt + completion - 1 (the prompt's
@@ -18,12 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from engines.model import CausalLM
 from engines.moe import Routing
-from engines.sampling import sample
+from engines.sampling import sample, truncate
 
 
 @dataclass
@@ -33,19 +39,36 @@ class Completion:
     policy_version: int = -1  # version that produced the first completion token
     policy_version_end: int = -1  # version that produced the last one
     finish_reason: str = "length"
+    finished: bool = False
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, with Sampling.top_logprobs
     routed_experts: torch.Tensor | None = None  # [seq, layers, top_k] int16, with record_routes
 
 
+@dataclass
+class Sampling:
+    """One row's sampling parameters (the n rows of a request share them, each with its own seed)."""
+
+    max_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    seed: int = 0
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0
+    min_tokens: int = 0  # end-of-sequence cannot be drawn before this many tokens
+    ignore_eos: bool = False  # end-of-sequence does not end the row
+    stop: Callable[[list[int]], bool] | None = None  # True ends the row (stop strings), given its tokens
+    top_logprobs: int = 0  # also record this many most likely (token, logprob) per position
+
+
 class _RouteLog:
-    """Per request row: the prompt's [P, layers, k] routes, then one [layers, k] per fed completion token."""
+    """Per row (by origin id): the prompt's [P, layers, k] routes, then one [layers, k] per fed token."""
 
-    def __init__(self, rows: int):
-        self.parts: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+    def __init__(self) -> None:
+        self.parts: dict[int, list[torch.Tensor]] = {}
 
-    def prompts(self, routes: torch.Tensor, row_of: list[int], prompts: list[list[int]]) -> None:
+    def prompts(self, routes: torch.Tensor, row_of: list[int], prompts: list[list[int]], origins: list[int]):
         """`routes` [unique prompts, width, layers, k] from the left-padded prefill; pads are dropped."""
-        for i, (u, p) in enumerate(zip(row_of, prompts, strict=True)):
-            self.parts[i].append(routes[u, routes.shape[1] - len(p) :])
+        for o, u, p in zip(origins, row_of, prompts, strict=True):
+            self.parts[o] = [routes[u, routes.shape[1] - len(p) :]]
 
     def step(self, routes: torch.Tensor, origin: list[int], fed: list[bool]) -> None:
         """`routes` [batch rows, 1, layers, k] of one decode step; only rows that fed a real token count."""
@@ -53,9 +76,8 @@ class _RouteLog:
             if real:
                 self.parts[o].append(routes[j])
 
-    def finish(self, out: list[Completion]) -> None:
-        for c, parts in zip(out, self.parts, strict=True):
-            c.routed_experts = torch.cat(parts).to(torch.int16)
+    def finish(self, origin: int, c: Completion) -> None:
+        c.routed_experts = torch.cat(self.parts.pop(origin)).to(torch.int16)
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,43 +106,235 @@ def _unique_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int
 
 @dataclass
 class _Rows:
-    """Per-row decode state of the rows still in the batch; `origin` maps a batch row to its request row."""
+    """Per-row decode state of the rows in the batch; `origin` maps a batch row to its completion."""
 
     origin: torch.Tensor
     live: torch.Tensor  # False once the row has finished (its slot stays until the next compaction)
     valid: torch.Tensor  # [rows, cached positions] which cache slots hold real tokens
     next_pos: torch.Tensor
+    steps: torch.Tensor  # tokens drawn so far: the position of the row's next token in its noise stream
     temps: torch.Tensor
+    greedy: torch.Tensor  # temperature 0: the most likely token (its logprob at temperature 1)
     seeds: torch.Tensor
     limits: torch.Tensor
+    min_tokens: torch.Tensor
+    ignore_eos: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+
+    @classmethod
+    def new(cls, origins: list[int], valid: torch.Tensor, next_pos: torch.Tensor, params: list[Sampling]) -> _Rows:
+        def col(name: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor([getattr(s, name) for s in params], dtype=dtype)
+
+        temps = col("temperature", torch.float32)
+        return cls(
+            origin=torch.tensor(origins),
+            live=torch.ones(len(params), dtype=torch.bool),
+            valid=valid,
+            next_pos=next_pos,
+            steps=torch.zeros(len(params), dtype=torch.int64),
+            temps=torch.where(temps > 0, temps, 1.0)[:, None],
+            greedy=temps == 0,
+            seeds=col("seed", torch.int64),
+            limits=col("max_tokens", torch.int64),
+            min_tokens=col("min_tokens", torch.int64),
+            ignore_eos=col("ignore_eos", torch.bool),
+            top_k=col("top_k", torch.int64),
+            top_p=col("top_p", torch.float32),
+        )
 
     def select(self, rows: torch.Tensor) -> _Rows:
         return _Rows(**{k: v.index_select(0, rows) for k, v in self.__dict__.items()})
 
-
-def _prefill(model: CausalLM, prompts: list[list[int]], pad_id: int, capacity: int, log: _RouteLog | None):
-    """Prefill each distinct prompt once, then give every row its own copy of the cache.
-
-    The rows of a group share their prompt, so a batch of G samples per prompt does 1/G of the prefill.
-    Returns (last-position logits per row, cache, valid mask per row, next position per row).
-    """
-    unique, row_of = _unique_prompts(prompts)
-    ids, valid = _left_pad(unique, pad_id)
-    cache = model.new_cache(len(unique), capacity, next(model.parameters()).dtype)
-    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    routing = Routing() if log else None
-    logits = model(ids, positions, _prefill_mask(valid)[:, None], cache, routing)[:, -1]
-    if log and routing:
-        log.prompts(routing.stacked(), row_of, prompts)
-    expand = torch.tensor(row_of, dtype=torch.long)
-    if len(unique) < len(prompts):
-        cache.select_rows(expand)
-    return logits[expand], cache, valid[expand], positions[expand, -1] + 1
+    def cat(self, other: _Rows) -> _Rows:
+        """These rows then `other`'s; the shorter valid mask is padded on the left (slots before it joined)."""
+        width = max(self.valid.shape[1], other.valid.shape[1])
+        parts = {}
+        for k, v in self.__dict__.items():
+            w = getattr(other, k)
+            if k == "valid":
+                v, w = (F.pad(x, (width - x.shape[1], 0), value=False) for x in (v, w))
+            parts[k] = torch.cat([v, w])
+        return _Rows(**parts)
 
 
 # Finished rows keep costing a full decode step until they leave the batch; compacting copies the cache,
 # so it waits until this fraction of the batch has finished (a handful of copies per batch).
 COMPACT_FRACTION = 0.125
+
+
+class Decoder:
+    """A running batch: rows join with `add`, draw a token per `sample`, advance with `forward`."""
+
+    def __init__(self, model: CausalLM, eos_id: int, pad_id: int, record_routes: bool = False):
+        self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
+        self.rows: _Rows | None = None
+        self.cache: Any = None
+        self.logits = torch.empty(0)  # next-token logits of every batch row
+        self.tokens = torch.empty(0, dtype=torch.long)  # the tokens drawn at the last `sample`
+        self.out: dict[int, Completion] = {}  # the rows still running, by origin id
+        self.stops: dict[int, Callable[[list[int]], bool]] = {}
+        self.log = _RouteLog() if record_routes and model.cfg.num_experts else None
+        self._next_origin = 0
+        self._filters = False  # some row has min_tokens, top_k or top_p: the sampler's slower path
+        self.alternatives: dict[int, int] = {}  # origin -> how many top logprobs it records, for rows that do
+
+    @property
+    def live(self) -> int:
+        return len(self.out)
+
+    @torch.no_grad()
+    def add(self, prompts: list[list[int]], params: list[Sampling]) -> list[tuple[int, Completion]]:
+        """Prefill these rows and merge them into the batch; their first token is drawn at the next
+        `sample`. Returns (origin id, completion) per row, filled in as the rows run."""
+        origins = list(range(self._next_origin, self._next_origin + len(prompts)))
+        self._next_origin += len(prompts)
+        logits, cache, valid, next_pos = self._prefill(prompts, origins, max(s.max_tokens for s in params))
+        rows = _Rows.new(origins, valid, next_pos, params)
+        tokens = torch.full((len(prompts),), self.pad_id, dtype=torch.long)
+        if self.rows is None:
+            self.rows, self.cache, self.logits, self.tokens = rows, cache, logits, tokens
+        else:
+            self._compact()
+            assert self.rows is not None
+            length = max(self.cache.length, cache.length)
+            both = self.rows.cat(rows)
+            capacity = length + int((both.limits - both.steps).max())
+            self.cache.realign(length - self.cache.length, capacity)
+            cache.realign(length - cache.length, capacity)
+            self.cache.extend(cache)
+            self.rows, self.logits, self.tokens = (
+                both,
+                torch.cat([self.logits, logits]),
+                torch.cat([self.tokens, tokens]),
+            )
+        self._filters |= any(s.min_tokens > 0 or s.top_k > 0 or s.top_p < 1 or s.temperature == 0 for s in params)
+        made = [(o, Completion()) for o in origins]
+        self.out.update(made)
+        self.stops.update({o: s.stop for o, s in zip(origins, params, strict=True) if s.stop is not None})
+        self.alternatives.update({o: s.top_logprobs for o, s in zip(origins, params, strict=True) if s.top_logprobs})
+        return made
+
+    def _prefill(self, prompts: list[list[int]], origins: list[int], max_tokens: int):
+        """Prefill each distinct prompt once, then give every row its own copy of the cache.
+
+        Returns (last-position logits per row, cache, valid mask per row, next position per row).
+        """
+        unique, row_of = _unique_prompts(prompts)
+        ids, valid = _left_pad(unique, self.pad_id)
+        cache = self.model.new_cache(len(unique), ids.shape[1] + max_tokens, next(self.model.parameters()).dtype)
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        routing = Routing() if self.log else None
+        logits = self.model(ids, positions, _prefill_mask(valid)[:, None], cache, routing)[:, -1]
+        if self.log and routing:
+            self.log.prompts(routing.stacked(), row_of, prompts, origins)
+        expand = torch.tensor(row_of, dtype=torch.long)
+        if len(unique) < len(prompts):
+            cache.select_rows(expand)
+        return logits[expand], cache, valid[expand], positions[expand, -1] + 1
+
+    def _distribution(self, rows: _Rows) -> torch.Tensor:
+        """[rows, vocab] log-probabilities each row draws from: temperature, then (rows that ask for them)
+        min_tokens' end-of-sequence mask and top-k / top-p truncation."""
+        scaled = self.logits.float() / rows.temps
+        if self._filters and self.eos_id >= 0:
+            scaled[:, self.eos_id] = scaled[:, self.eos_id].masked_fill(rows.steps < rows.min_tokens, float("-inf"))
+        logp = torch.log_softmax(scaled, dim=-1)
+        if self._filters and bool((rows.top_k > 0).any() or (rows.top_p < 1).any()):
+            logp = truncate(logp, rows.top_k, rows.top_p)
+        return logp
+
+    @torch.no_grad()
+    def sample(self, version: int) -> list[int]:
+        """Draw one token for every live row with the logits `version` produced; returns their origins.
+
+        Rows that end (end-of-sequence, their token limit, a stop) are marked finished and leave the batch.
+        """
+        rows = self.rows
+        assert rows is not None
+        logp = self._distribution(rows)
+        tokens = sample(logp, rows.seeds, rows.steps)  # noise depends on (seed, row's own step) only
+        if self._filters and bool(rows.greedy.any()):
+            tokens = torch.where(rows.greedy, logp.argmax(-1), tokens)
+        chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
+        eos = (tokens == self.eos_id) & ~rows.ignore_eos
+        full = rows.steps + 1 >= rows.limits
+        alts = None
+        if self.alternatives:  # one topk for the batch, only while some row asks for it
+            values, ids = logp.topk(min(max(self.alternatives.values()), logp.shape[-1]), dim=-1)
+            alts = list(zip(ids.tolist(), values.tolist(), strict=True))
+        stepped = self._record(tokens.tolist(), chosen.tolist(), eos.tolist(), full.tolist(), version, alts)
+        ended = [o for o in stepped if self.out[o].finished]
+        rows.steps += 1
+        if ended:
+            rows.live &= ~torch.isin(rows.origin, torch.tensor(ended, dtype=rows.origin.dtype))
+        self.tokens = tokens
+        for o in ended:
+            c = self.out.pop(o)
+            self.stops.pop(o, None)
+            self.alternatives.pop(o, None)
+            if self.log:
+                self.log.finish(o, c)
+        if not self.out:
+            self.rows, self.cache, self._filters = None, None, False  # the batch is empty: free its cache
+        elif (~rows.live).sum() >= max(1, COMPACT_FRACTION * len(rows.live)):
+            self._compact()
+        return stepped
+
+    def _record(self, tokens: list[int], logprobs: list[float], eos: list[bool], full: list[bool], version: int, alts):
+        """Append this step's token to every live row's completion (plain Python lists: no tensor indexing);
+        returns the origins that got one. A row ends at end-of-sequence or a stop ("stop"), or full ("length")."""
+        assert self.rows is not None
+        stepped = []
+        rows = zip(self.rows.origin.tolist(), self.rows.live.tolist(), tokens, logprobs, eos, full, strict=True)
+        for j, (origin, live, token, lp, is_eos, is_full) in enumerate(rows):
+            if not live:
+                continue
+            c = self.out[origin]
+            c.token_ids.append(token)
+            c.logprobs.append(lp)
+            if alts is not None and (k := self.alternatives.get(origin)):
+                c.top_logprobs.append(list(zip(alts[j][0][:k], alts[j][1][:k], strict=True)))
+            if c.policy_version < 0:
+                c.policy_version = version
+            c.policy_version_end = version
+            stop = self.stops.get(origin)
+            if is_eos or (stop is not None and stop(c.token_ids)):
+                c.finished, c.finish_reason = True, "stop"
+            elif is_full:
+                c.finished, c.finish_reason = True, "length"
+            stepped.append(origin)
+        return stepped
+
+    @torch.no_grad()
+    def forward(self) -> None:
+        """Feed the tokens drawn at the last `sample` through the model: the next step's logits."""
+        rows = self.rows
+        assert rows is not None
+        rows.valid = torch.cat([rows.valid, rows.live[:, None]], dim=1)
+        step_ids = torch.where(rows.live, self.tokens, self.pad_id)[:, None]
+        mask = rows.valid.clone()
+        mask[:, -1] = True  # finished rows attend to their own pad token: harmless, never NaN
+        routing = Routing() if self.log else None
+        self.logits = self.model(step_ids, rows.next_pos[:, None], mask[:, None, None, :], self.cache, routing)[:, -1]
+        if self.log and routing:
+            self.log.step(routing.stacked(), rows.origin.tolist(), rows.live.tolist())
+        rows.next_pos = rows.next_pos + 1
+
+    def _compact(self) -> None:
+        """Drop finished rows from the batch and its cache, and leading slots that no live row uses."""
+        rows = self.rows
+        assert rows is not None
+        if bool(rows.live.all()):
+            return
+        keep = torch.nonzero(rows.live).flatten()
+        self.rows, self.tokens, self.logits = rows.select(keep), self.tokens[keep], self.logits[keep]
+        self.cache.select_rows(keep)
+        lead = int(self.rows.valid.any(0).int().argmax())  # first slot some live row uses
+        if lead > 0:
+            self.rows.valid = self.rows.valid[:, lead:]
+            self.cache.realign(-lead, self.cache.length - lead + int((self.rows.limits - self.rows.steps).max()))
 
 
 @torch.no_grad()
@@ -136,58 +350,19 @@ def generate(
     between_steps: Callable[[], int] = lambda: 0,
     record_routes: bool = False,
 ) -> list[Completion]:
-    batch = len(prompts)
-    capacity = max(len(p) for p in prompts) + max(max_new_tokens)
-    log = _RouteLog(batch) if record_routes and model.cfg.num_experts else None
+    """Sample every prompt to its end in one batch; `between_steps()` runs before each forward (weight
+    updates) and returns the policy version it serves."""
+    decoder = Decoder(model, eos_id, pad_id, record_routes)
+    params = [
+        Sampling(max_tokens=m, temperature=t, seed=s)
+        for m, t, s in zip(max_new_tokens, temperatures, seeds, strict=True)
+    ]
     version = between_steps()  # the version whose forward produces the logits sampled next
-    logits, cache, valid, next_pos = _prefill(model, prompts, pad_id, capacity, log)
-    rows = _Rows(
-        origin=torch.arange(batch),
-        live=torch.ones(batch, dtype=torch.bool),
-        valid=valid,
-        next_pos=next_pos,
-        temps=torch.tensor(temperatures, dtype=torch.float32)[:, None],
-        seeds=torch.tensor(seeds, dtype=torch.int64),
-        limits=torch.tensor(max_new_tokens),
-    )
-    out = [Completion() for _ in range(batch)]
-    for t in range(max(max_new_tokens)):
-        logp = torch.log_softmax(logits.float() / rows.temps, dim=-1)
-        tokens = sample(logp, rows.seeds, t)  # noise depends on (seed, t) only: compaction changes nothing
-        chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
-        _record(out, rows, tokens.tolist(), chosen.tolist(), version, eos_id)
-        rows.live &= (tokens != eos_id) & (rows.limits > t + 1)
-        if not bool(rows.live.any()):
+    made = decoder.add(prompts, params)
+    while True:
+        decoder.sample(version)
+        if not decoder.live:
             break
-        if (~rows.live).sum() >= max(1, COMPACT_FRACTION * len(rows.live)):
-            keep = torch.nonzero(rows.live).flatten()
-            rows, tokens = rows.select(keep), tokens.index_select(0, keep)
-            cache.select_rows(keep)
-        rows.valid = torch.cat([rows.valid, rows.live[:, None]], dim=1)
-        step_ids = torch.where(rows.live, tokens, pad_id)[:, None]
-        mask = rows.valid.clone()
-        mask[:, -1] = True  # finished rows attend to their own pad token: harmless, never NaN
         version = between_steps()
-        routing = Routing() if log else None
-        logits = model(step_ids, rows.next_pos[:, None], mask[:, None, None, :], cache, routing)[:, -1]
-        if log and routing:
-            log.step(routing.stacked(), rows.origin.tolist(), rows.live.tolist())
-        rows.next_pos = rows.next_pos + 1
-    if log:
-        log.finish(out)
-    return out
-
-
-def _record(out: list[Completion], rows: _Rows, tokens: list[int], logprobs: list[float], version: int, eos: int):
-    """Append this step's token to every live row's completion (plain Python lists: no tensor indexing)."""
-    for origin, live, token, lp in zip(rows.origin.tolist(), rows.live.tolist(), tokens, logprobs, strict=True):
-        if not live:
-            continue
-        c = out[origin]
-        c.token_ids.append(token)
-        c.logprobs.append(lp)
-        if c.policy_version < 0:
-            c.policy_version = version
-        c.policy_version_end = version
-        if token == eos:
-            c.finish_reason = "stop"
+        decoder.forward()
+    return [c for _, c in made]

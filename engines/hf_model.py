@@ -29,6 +29,28 @@ class HFCache:
     def select_rows(self, rows: torch.Tensor) -> None:
         self.inner.reorder_cache(rows)  # index_select on every layer's keys and values
 
+    def _layers(self) -> list[Any]:
+        layers = self.inner.layers
+        if any(getattr(layer, "is_sliding", False) for layer in layers):
+            raise NotImplementedError("joining a running batch needs full-attention cache layers, not sliding ones")
+        return layers
+
+    def realign(self, front: int, capacity: int) -> None:
+        """Shift the cached slots by `front` (as `KVCache.realign`; the cache grows itself, so no capacity)."""
+        for layer in self._layers():
+            if front >= 0:
+                layer.keys, layer.values = (
+                    torch.nn.functional.pad(t, (0, 0, front, 0)) for t in (layer.keys, layer.values)
+                )
+            else:
+                layer.keys, layer.values = layer.keys[:, :, -front:], layer.values[:, :, -front:]
+        self.length += front
+
+    def extend(self, other: HFCache) -> None:
+        assert other.length == self.length, (other.length, self.length)
+        for a, b in zip(self._layers(), other._layers(), strict=True):
+            a.keys, a.values = torch.cat([a.keys, b.keys]), torch.cat([a.values, b.values])
+
 
 class HFCausalLM(Publishable, nn.Module):
     hf: Any  # a transformers PreTrainedModel

@@ -19,6 +19,7 @@ from torch import nn
 
 from config.model import ModelConfig
 from engines.moe import Routing, SparseMoeBlock, build_sparse_mlp, is_sparse
+from storage.lora import is_adapter_key
 
 
 class RMSNorm(nn.Module):
@@ -70,6 +71,27 @@ class KVCache:
         """Keep (or repeat) batch rows `rows` of every layer's keys and values, in that order."""
         self.keys = [k.index_select(0, rows) for k in self.keys]
         self.values = [v.index_select(0, rows) for v in self.values]
+
+    def realign(self, front: int, capacity: int) -> None:
+        """Shift the filled slots by `front` (> 0: that many empty slots before them, which the caller masks
+        out; < 0: drop the first -front) into tensors of `capacity` slots: how rows that joined a running
+        batch at another length line up with it (engines/generate.py)."""
+        length = self.length + front
+        keep = slice(max(0, -front), self.length)
+
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros((*t.shape[:2], capacity, t.shape[3]))
+            out[:, :, max(0, front) : length] = t[:, :, keep]
+            return out
+
+        self.keys, self.values = [moved(k) for k in self.keys], [moved(v) for v in self.values]
+        self.length = length
+
+    def extend(self, other: KVCache) -> None:
+        """Append `other`'s rows (same length and capacity) after these."""
+        assert other.length == self.length, (other.length, self.length)
+        self.keys = [torch.cat([a, b]) for a, b in zip(self.keys, other.keys, strict=True)]
+        self.values = [torch.cat([a, b]) for a, b in zip(self.values, other.values, strict=True)]
 
 
 class Attention(nn.Module):
@@ -148,7 +170,8 @@ class Backbone(nn.Module):
 
 class Publishable:
     """Publication I/O shared by rollflow's model and the transformers wrapper (engines/hf_model.py):
-    state dicts with the family's Hugging Face names, the tied `lm_head.weight` alias left out."""
+    state dicts with the family's Hugging Face names, the tied `lm_head.weight` alias left out. LoRA adapter
+    keys (engines/lora.py) are never part of the base publication; a state dict may carry them on load."""
 
     cfg: ModelConfig
 
@@ -162,11 +185,14 @@ class Publishable:
         sd = self.weights_module().state_dict()
         if self.cfg.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
-        return sd
+        return {k: v for k, v in sd.items() if not is_adapter_key(k)}
 
     def check_published(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Raise ValueError unless `state_dict` has exactly this model's published keys and shapes."""
         expected = {k: tuple(v.shape) for k, v in self.publishable_state_dict().items()}
+        if any(is_adapter_key(k) for k in state_dict):  # base + adapter: the adapters must fit too
+            full = self.weights_module().state_dict()
+            expected |= {k: tuple(v.shape) for k, v in full.items() if is_adapter_key(k)}
         got = {
             k: tuple(v.shape)
             for k, v in state_dict.items()

@@ -49,17 +49,38 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
-def uniform(seeds: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
-    """[batch, vocab] float64 in (0, 1): counter-based noise for token `position` of each row."""
-    counters = torch.arange(vocab, dtype=torch.int64) + position * vocab
-    bits = _shr(_mix(_mix(seeds[:, None]) ^ counters[None, :]), 11)  # 53 random bits
+def uniform(seeds: torch.Tensor, position: int | torch.Tensor, vocab: int) -> torch.Tensor:
+    """[batch, vocab] float64 in (0, 1): counter-based noise for token `position` of each row.
+
+    `position` is one int for the whole batch or a [batch] tensor: rows that joined a running batch at
+    different steps each count their own tokens, and row b's noise depends on its own position only.
+    """
+    pos = torch.as_tensor(position, dtype=torch.int64).reshape(-1, 1)
+    counters = torch.arange(vocab, dtype=torch.int64)[None, :] + pos * vocab
+    bits = _shr(_mix(_mix(seeds[:, None]) ^ counters), 11)  # 53 random bits
     return (bits.double() + 0.5) * 2.0**-53
 
 
-def sample(logp: torch.Tensor, seeds: torch.Tensor, position: int) -> torch.Tensor:
+def sample(logp: torch.Tensor, seeds: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
     """Token ids drawn from `logp` ([batch, vocab] log-probabilities) with each row's own seed."""
     gumbel = -torch.log(-torch.log(uniform(seeds, position, logp.shape[-1])))
     return (logp.double() + gumbel).argmax(dim=-1)
+
+
+def truncate(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's `top_k` most likely tokens (0 = all) and its smallest set whose probability
+    reaches `top_p` (1.0 = all), renormalized: the distribution the token is then drawn from.
+
+    The most likely token always stays, so no row is left empty. Rows are independent of each other.
+    """
+    ordered, order = logp.sort(dim=-1, descending=True)
+    rank = torch.arange(logp.shape[-1])[None, :]
+    k = torch.where(top_k > 0, top_k, logp.shape[-1])[:, None]
+    before = ordered.exp().cumsum(-1) - ordered.exp()  # probability mass ranked above each token
+    drop = (rank >= k) | ((before >= top_p[:, None]) & (rank > 0))
+    masked = ordered.masked_fill(drop, float("-inf"))
+    out = torch.empty_like(logp).scatter_(-1, order, masked)
+    return torch.log_softmax(out, dim=-1)
 
 
 def row_seeds(seed: int, n: int) -> list[int]:

@@ -14,6 +14,12 @@ Next to the weights, a publication carries the files that make it a Hugging Face
 (config.json, generation_config.json, tokenizer files: engines/modeldir.py builds them), committed
 in the same manifest, so a full publication loads with `AutoModelForCausalLM.from_pretrained`. A delta
 publication holds no model.safetensors: `export_hf` writes a loadable copy of any publication.
+
+With `[model.lora]` the trainer publishes adapters (`encoding: "lora"`, storage/lora.py's PEFT layout):
+the manifest's `lora_base` names the full publication the adapter applies to (`path` relative to the
+output root, and that publication's `model_sha256`, checked on load), `base_version` keeps it from
+retention, `payload_bytes` is the adapter's size and `full_bytes` the base's. `load` returns base and
+adapter tensors together (the adapted model's state dict); `export_hf` writes them merged.
 """
 
 from __future__ import annotations
@@ -87,6 +93,47 @@ class Publisher:
         self.bases[version] = base[0] if meta["encoding"] == "delta" and base else None
         return directory
 
+    def publish_adapter(
+        self,
+        version: int,
+        adapters: dict,
+        adapter_config: bytes,
+        base_version: int,
+        files: dict[str, bytes] | None = None,
+        merged: dict | None = None,
+    ) -> str:
+        """Commit LoRA `adapters` (model names) as policy `version`, applying to full publication
+        `base_version`; with `merged`, the merged weights go into the same commit as model.safetensors."""
+        from safetensors.torch import save
+
+        from storage.lora import ADAPTER_CONFIG, ADAPTER_FILE, to_peft
+
+        base_dir = version_dir(self.root, base_version)
+        base = read_manifest(self.fs, base_dir)
+        if base.get("encoding") != "full":
+            raise ValueError(f"{base_dir}: a LoRA base must be a full publication, not {base.get('encoding')!r}")
+        payload = save({k: v.detach().contiguous().cpu() for k, v in to_peft(adapters).items()})
+        out = {ADAPTER_FILE: payload, ADAPTER_CONFIG: adapter_config, **(files or {})}
+        if merged is not None:
+            out[WEIGHTS_FILE] = save({k: v.detach().contiguous().cpu() for k, v in merged.items()})
+        ref = {
+            "version": base_version,
+            "path": base_dir[len(self.root) :].lstrip("/"),
+            "model_sha256": base["model_sha256"],
+        }
+        meta = {
+            "version": version,
+            "encoding": "lora",
+            "lora_base": ref,
+            "base_version": base_version,
+            "payload_bytes": len(payload),
+            "full_bytes": base["full_bytes"],
+        }
+        directory = version_dir(self.root, version)
+        commit_dir(self.fs, directory, out, meta)
+        self.bases[version] = base_version
+        return directory
+
 
 def publish(
     fs: fsspec.AbstractFileSystem,
@@ -127,7 +174,9 @@ def _load(fs: fsspec.AbstractFileSystem, directory: str, cache: dict[str, dict],
     key = f"{directory}#{manifest.get('model_sha256') or manifest.get(MANIFEST_CHECKSUM)}"  # a rewrite misses
     if from_cache and key in cache:
         return dict(cache[key])
-    if manifest.get("encoding") != "delta":
+    if manifest.get("encoding") == "lora":
+        state = _load_adapter(fs, directory, manifest, cache)
+    elif manifest.get("encoding") != "delta":
         state = st_load(read_verified(fs, directory, WEIGHTS_FILE, manifest))
     else:
         from storage import delta
@@ -143,10 +192,36 @@ def _load(fs: fsspec.AbstractFileSystem, directory: str, cache: dict[str, dict],
                 f"{directory}/{DELTA_FILE}: rebuilt weights do not match model_sha256 in the manifest "
                 f"(base {base_dir}); the delta or its base is corrupted"
             )
-    if len(cache) >= 2:
-        cache.pop(next(iter(cache)))
+    plain = [k for k in cache if not k.startswith("lora-base:")]  # a LoRA base stays: every adapter needs it
+    if len(plain) >= 2:
+        cache.pop(plain[0])
     cache[key] = state
     return dict(state)
+
+
+def _load_adapter(fs: fsspec.AbstractFileSystem, directory: str, manifest: dict, cache: dict[str, dict]) -> dict:
+    """Base (the full publication `lora_base` names, its sha256 checked) + adapter tensors, model names.
+    The base stays cached under its own key, so following adapter versions reads only the adapters."""
+    from safetensors.torch import load as st_load
+
+    from storage.lora import ADAPTER_FILE, from_peft
+
+    ref = manifest["lora_base"]
+    base_dir = _sibling(directory, int(ref["version"]))
+    key = f"lora-base:{base_dir}#{ref['model_sha256']}"
+    if key not in cache:
+        base_manifest = read_manifest(fs, base_dir)
+        if base_manifest.get("model_sha256") != ref["model_sha256"]:
+            raise CorruptError(
+                f"{directory}: its LoRA base {base_dir} has model_sha256 {base_manifest.get('model_sha256')}, "
+                f"not the {ref['model_sha256']} the adapter was trained on"
+            )
+        cache[key] = _load(fs, base_dir, {}, from_cache=False)
+    try:
+        adapters = from_peft(st_load(read_verified(fs, directory, ADAPTER_FILE, manifest)))
+    except ValueError as exc:
+        raise CorruptError(f"{directory}/{ADAPTER_FILE}: {exc}") from exc
+    return {**cache[key], **adapters}
 
 
 def load_latest(fs: fsspec.AbstractFileSystem, output_root: str) -> tuple[int, dict] | None:
@@ -160,7 +235,8 @@ def load_latest(fs: fsspec.AbstractFileSystem, output_root: str) -> tuple[int, d
 def extra_files(fs: fsspec.AbstractFileSystem, directory: str) -> dict[str, bytes]:
     """The checksum-verified files of a publication besides its weights (config.json, tokenizer, ...)."""
     manifest = read_manifest(fs, directory)
-    names = [n for n in manifest.get("files", {}) if n not in (WEIGHTS_FILE, DELTA_FILE)]
+    skip = (WEIGHTS_FILE, DELTA_FILE, "adapter_model.safetensors", "adapter/adapter_model.safetensors")
+    names = [n for n in manifest.get("files", {}) if n not in skip]
     return {n: read_verified(fs, directory, n, manifest) for n in names}
 
 
@@ -170,8 +246,15 @@ def export_hf(fs: fsspec.AbstractFileSystem, directory: str, dest: str) -> None:
 
     from safetensors.torch import save_file
 
+    from storage.lora import ADAPTER_CONFIG, is_adapter_key, merge, scaling
+
     os.makedirs(dest, exist_ok=True)
-    save_file(load(fs, directory), os.path.join(dest, WEIGHTS_FILE), metadata={"format": "pt"})
-    for name, data in extra_files(fs, directory).items():
+    state, files = load(fs, directory), extra_files(fs, directory)
+    if ADAPTER_CONFIG in files:  # an adapter publication: its base with the adapter folded in
+        scale = scaling(files.pop(ADAPTER_CONFIG))  # transformers would take a directory with one for a PEFT adapter
+        base = {k: v for k, v in state.items() if not is_adapter_key(k)}
+        state = merge(base, {k: v for k, v in state.items() if is_adapter_key(k)}, scale)
+    save_file(state, os.path.join(dest, WEIGHTS_FILE), metadata={"format": "pt"})
+    for name, data in files.items():
         with open(os.path.join(dest, name), "wb") as f:
             f.write(data)

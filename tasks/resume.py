@@ -38,6 +38,8 @@ def prepare_attempt(
     repair(fs, root, step, logger.warning)
     attempt_cfg = cfg.model_copy(deep=True)
     attempt_cfg.inference.port = cfg.inference.port or free_port(cfg.inference.host)
+    if cfg.weight_broadcast.type == "collective":  # a fresh rendezvous port each attempt, like the engine's
+        attempt_cfg.weight_broadcast.port = cfg.weight_broadcast.port or free_port(cfg.weight_broadcast.host)
     if inference_node and inference_node != socket.gethostname().split(".")[0]:
         attempt_cfg.inference.host = inference_node  # another node: serve on, and connect to, its name
     url = f"http://{attempt_cfg.inference.host}:{attempt_cfg.inference.port}"

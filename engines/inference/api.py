@@ -7,34 +7,96 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_TOP_LOGPROBS = 20  # as vLLM's default --max-logprobs
 
 
-class CompletionRequest(BaseModel):
-    model: str | None = None
-    prompt: str | list[int]  # text, or token ids (token-in, as vLLM accepts)
-    max_tokens: int = Field(16, gt=0)
-    temperature: float = Field(1.0, gt=0)
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False  # a last chunk with `usage` and no choices before `data: [DONE]`
+
+
+class SamplingFields(BaseModel):
+    """Fields both generation routes take. Unknown fields are refused (400), never silently ignored, and the
+    OpenAI fields rollflow does not implement are accepted only at their neutral value.
+
+    Defaults are None where the field is optional, so a client's `model_dump(exclude_none=True)` (the
+    orchestrator's) sends only what it set, to either backend.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # when given, the served model's name (GET /v1/models), else 404
+    max_tokens: int | None = Field(None, gt=0)  # None: up to the model's max_model_len
+    temperature: float = Field(1.0, ge=0)  # 0: greedy (the most likely token)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: no limit (vLLM's convention)
+    min_tokens: int | None = Field(None, ge=0)  # vLLM extension: end-of-sequence is not drawn before this
+    ignore_eos: bool | None = None  # vLLM extension: end-of-sequence does not end the completion
+    stop: str | list[str] | None = None  # the text ends before the first of these; token_ids keep every token
     n: int = Field(1, gt=0)
-    logprobs: int | None = None  # any value returns the sampled token's logprob per position
-    return_token_ids: bool = False  # vLLM extension: completion token ids (needed to train on them)
     seed: int | None = Field(None, ge=0)  # OpenAI field: same seed + prompt -> same samples, in any batch
+    return_token_ids: bool = False  # vLLM extension: completion (and prompt) token ids
+    stream: bool = False  # server-sent events, one chunk per token of a choice
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
+    frequency_penalty: float | None = None  # only 0
+    presence_penalty: float | None = None  # only 0
+    logit_bias: dict[str, float] | None = None  # only empty
+
+    @model_validator(mode="after")
+    def _neutral_only(self) -> SamplingFields:
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported by the embedded engine (only 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by the embedded engine (only empty)")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream=true")
+        if isinstance(self.stop, list) and not all(self.stop):
+            raise ValueError("stop strings must not be empty")
+        return self
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int]  # text, or token ids (token-in, as vLLM accepts)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the sampled token's logprob, and k alternatives
+    echo: bool = False  # only false
+    best_of: int | None = None  # only n (or unset)
+    suffix: str | None = None  # only unset
+
+    @model_validator(mode="after")
+    def _completion_only(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported by the embedded engine")
+        if self.best_of not in (None, self.n):
+            raise ValueError("best_of is not supported by the embedded engine (only equal to n)")
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported by the embedded engine")
+        return self
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant"]
     content: str
 
 
-class ChatRequest(BaseModel):
-    model: str | None = None
+class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int = Field(16, gt=0)
-    temperature: float = Field(1.0, gt=0)
-    n: int = Field(1, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
-    return_token_ids: bool = False
-    seed: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per position (needs logprobs)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -57,6 +119,8 @@ class UpdateWeightsResponse(BaseModel):
     policy_version: int  # the version served after the update
     load_s: float
     apply_s: float
+    # where the tensors came from: the publication's files, or the trainer's collective group (weight_broadcast)
+    source: Literal["filesystem", "collective"] = "filesystem"
 
 
 class HealthResponse(BaseModel):
@@ -68,14 +132,18 @@ class HealthResponse(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float]
+    text_offset: list[int] | None = None
+    top_logprobs: list[dict[str, float]] | None = None  # with logprobs >= 1: the k most likely, per position
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str
+    stop_reason: str | None = None  # the stop string that ended it (vLLM's field)
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (per choice, as vLLM places it)
     # rollflow extension: which weights produced the first and the last completion token
     policy_version: int
     policy_version_end: int
@@ -99,9 +167,17 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
 class ChatLogprob(BaseModel):
     token: str
     logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)  # with top_logprobs = k: the k most likely
 
 
 class ChatChoiceLogprobs(BaseModel):
@@ -112,6 +188,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
     finish_reason: str
+    stop_reason: str | None = None
     logprobs: ChatChoiceLogprobs | None = None
     token_ids: list[int] | None = None
     policy_version: int
@@ -126,6 +203,35 @@ class ChatResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (top level, as vLLM places it for chat)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "rollflow"
+    root: str
+    max_model_len: int  # prompt + completion tokens the model takes (model.max_seq_len)
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str  # e.g. invalid_request_error, not_found_error, authentication_error
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error the servers return: OpenAI's shape, plus `detail` (the same message) for older clients."""
+
+    error: ErrorBody
+    detail: str
 
 
 def admin_auth(token: str):

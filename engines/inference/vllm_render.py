@@ -278,7 +278,9 @@ def _server(ctx: Context, name: str, node: str, flags: list[str], env: dict[str,
 def _router(ctx: Context, r: int, node: str, flags: list[str]) -> Process:
     rc = ctx.cfg.router
     port = rc.port + r
-    argv = [ctx.router_bin, "--host", ctx.cfg.host, "--port", str(port), "--policy", rc.policy, *flags]
+    argv = [ctx.router_bin, "--host", ctx.cfg.host, "--port", str(port), "--policy", rc.policy]
+    # vllm-router always serves Prometheus metrics, by default on 29000: two routers on a host would clash
+    argv += ["--prometheus-host", ctx.cfg.host, "--prometheus-port", str(rc.metrics_port + r), *flags]
     return Process(f"router-r{r}", node, argv, {}, f"http://{ctx.cfg.host}:{port}")
 
 

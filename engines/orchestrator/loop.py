@@ -10,6 +10,9 @@ the engine's `routed_experts` when it returns them (MoE with inference.enable_re
 Multi-turn environments run `group_size` episodes per prompt instead (engines/orchestrator/multiturn.py);
 a step's episodes are committed together with its other samples, so an episode is in the lake whole or not
 at all.
+Every request names its session in the `X-Session-ID` header (one session per group, one per episode
+for multi-turn environments), which vllm-router's consistent_hash policy keys on, so a session's turns reach the
+replica that holds its KV cache.
 """
 
 from __future__ import annotations
@@ -30,13 +33,12 @@ from engines.episodes import MultiTurnEnvironment, is_multi_turn
 from engines.inference.api import (
     CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
     HealthResponse,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
 )
 from engines.orchestrator.advantages import group_advantages
-from engines.orchestrator.multiturn import EpisodeGroup
+from engines.orchestrator.multiturn import EpisodeGroup, post_completion
 from engines.sampling import derive_seed
 from storage import rollouts, weights
 from storage.fs import Storage, read_json
@@ -67,8 +69,9 @@ class WeightSync:
             body = UpdateWeightsRequest(version=latest).model_dump(exclude_none=True)
             r = await self.client.post("/update_weights", json=body, headers=self.headers)
             r.raise_for_status()
-            self.engine_version = UpdateWeightsResponse.model_validate_json(r.content).policy_version
-            log.info(f"engine now serves policy version {self.engine_version}")
+            resp = UpdateWeightsResponse.model_validate_json(r.content)
+            self.engine_version = resp.policy_version
+            log.info(f"engine now serves policy version {self.engine_version} (from {resp.source}, {resp.load_s:.3f}s)")
             self.changed.set()
 
     async def follow(self) -> None:
@@ -146,20 +149,15 @@ class Orchestrator:
             # a pure function of (seed, step, group): a resumed run redraws exactly these samples
             seed=derive_seed(self.cfg.seed, step, group),
         )
-        async with self.limit:
-            r = await self.client.post("/v1/completions", json=request.model_dump(exclude_none=True))
-        if r.status_code == 400:  # e.g. prompt + max_new_tokens over model.max_seq_len
-            raise RuntimeError(f"inference refused step {step} group {group}: {r.json().get('detail')}")
-        r.raise_for_status()
-        response = CompletionResponse.model_validate_json(r.content)
-        return self.score_group(step, group, task, prompt_ids, response.choices)
+        group_id = f"s{step:06d}-g{group:04d}"
+        response = await post_completion(self.client, self.limit, request, session_id=group_id)
+        return self.score_group(group_id, step, task, prompt_ids, response.choices)
 
     def score_group(
-        self, step: int, group: int, task: Task, prompt_ids: list[int], choices: list[CompletionChoice]
+        self, group_id: str, step: int, task: Task, prompt_ids: list[int], choices: list[CompletionChoice]
     ) -> list[RolloutRow]:
         rewards = [self.mix.reward(task, c.text) for c in choices]
         advantages = group_advantages(rewards, self.ocfg.normalize_advantages)
-        group_id = f"s{step:06d}-g{group:04d}"
         return [
             RolloutRow(
                 run_id=self.cfg.run.run_id,

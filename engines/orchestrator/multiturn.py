@@ -21,17 +21,18 @@ from storage.rollouts import RolloutRow
 
 async def post_completion(
     client: httpx.AsyncClient, limit: asyncio.Semaphore, request: CompletionRequest, session_id: str
-) -> CompletionChoice:
-    """One request of an episode, with the episode's session header; a 400 names the session."""
+) -> CompletionResponse:
+    """One completion call of every rollout path (a group's n samples, or one turn of an episode). `session_id`
+    is stable for every request of one rollout session and travels as the X-Session-ID header that
+    vllm-router's consistent_hash keys on; a 400 (e.g. prompt + max_tokens over max_seq_len) names the session."""
     async with limit:
         r = await client.post(
             "/v1/completions", json=request.model_dump(exclude_none=True), headers={SESSION_HEADER: session_id}
         )
     if r.status_code == 400:
-        raise RuntimeError(f"inference refused a turn of episode {session_id}: {r.json().get('detail')}")
+        raise RuntimeError(f"inference refused session {session_id}: {r.json().get('detail')}")
     r.raise_for_status()
-    (choice,) = CompletionResponse.model_validate_json(r.content).choices
-    return choice
+    return CompletionResponse.model_validate_json(r.content)
 
 
 class EpisodeGroup:
@@ -64,7 +65,8 @@ class EpisodeGroup:
         return build
 
     async def _sample(self, request: CompletionRequest, session_id: str) -> CompletionChoice:
-        return await post_completion(self.client, self.limit, request, session_id)
+        (choice,) = (await post_completion(self.client, self.limit, request, session_id)).choices
+        return choice
 
     async def run(self, env: MultiTurnEnvironment, task: Task, run_id: str, step: int, group: int) -> list[RolloutRow]:
         group_id = f"s{step:06d}-g{group:04d}"

@@ -60,7 +60,11 @@ def load_optimizer(
 ) -> None:
     """Verify the checkpoint's DCP files and load this rank's share of the optimizer state (a collective)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     names = [n for n in manifest["files"] if n.startswith(f"{PREFIX}/")]
     if not names:
@@ -72,6 +76,20 @@ def load_optimizer(
         source = tempfile.mkdtemp(prefix="rollflow-dcp-")
         for n, b in data.items():
             (Path(source) / n.split("/", 1)[1]).write_bytes(b)
-    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(source), no_dist=not d.enabled)
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    reader = dcp.FileSystemReader(source)
+    state = {"optimizer": _saved_keys_only(get_optimizer_state_dict(model, optimizer), reader)}
+    dcp.load(state, storage_reader=reader, no_dist=not d.enabled)
+    # strict=False: the parameters _saved_keys_only left out stay without state
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
+
+
+def _saved_keys_only(template: dict, reader: Any) -> dict:
+    """The load template without the parameters the checkpoint holds no state for. AdamW keeps no state for a
+    parameter that never had a gradient (an expert no token was routed to), while the template, built from a
+    fresh optimizer, has state for all: loading that key would fail, and filling it would start the
+    parameter's step count at 1 instead of 0, so it stays without state, as in the run that saved it."""
+    prefix = "optimizer.state."  # DCP's flattened keys: optimizer.state.<parameter fqn>.<state name>
+    meta = reader.read_metadata().state_dict_metadata
+    saved = {key[len(prefix) :].rsplit(".", 1)[0] for key in meta if key.startswith(prefix)}
+    kept = {name: value for name, value in template["state"].items() if name in saved}
+    return {**template, "state": kept}

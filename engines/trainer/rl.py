@@ -13,7 +13,7 @@ import time
 import torch
 
 from config.process import TrainerProcessConfig
-from engines import modeldir
+from engines import lora, modeldir
 from engines.trainer import checkpoint, parallel
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
 from engines.trainer.common import log, routing_for, seed_everything, train_logprobs
@@ -44,14 +44,25 @@ class RLTrainer:
         self.publisher = weights.Publisher(self.fs, self.root)
         loaded = modeldir.load(cfg.model, pretrained=False)  # version 0 or a checkpoint is loaded next
         self.tok, self.model = loaded.tokenizer, loaded.model
+        self.lora = cfg.model.lora
+        if lora.attach_to(self.model, self.lora, train=True):
+            trainable, total = lora.trainable_fraction(self.model)
+            log.info(f"LoRA: {trainable} of {total} parameters train ({trainable / total:.2%})")
         self.publication_files = loaded.publication_files()  # config.json, tokenizer: same every version
         self.version = self._load_weights()
         self.history = self._build_history() if self.tcfg.measure_mismatch and self.dist.is_main else None
         parallel.parallelize(self.model, self.dist, self.tcfg.parallel, loaded.source.impl)
         self.optimizer, self.scheduler = self._build_optimizer()
+        parts: dict[str, checkpoint.Stateful] = {
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "rng": checkpoint.RNGState(),
+        }
+        if self.lora:
+            parts["lora"] = lora.AdapterPart(self.model)  # the base is saved as the weights
         self.state = checkpoint.TrainerState(
             self.model,
-            {"optimizer": self.optimizer, "scheduler": self.scheduler, "rng": checkpoint.RNGState()},
+            parts,
             cfg.mlflow_run_id,
             cfg.seed,
             self.publication_files,
@@ -60,10 +71,16 @@ class RLTrainer:
             checkpoint.restore(self.fs, self.root, cfg.resume_step, self.state, self.dist)
             log.info(f"resumed from checkpoint step={cfg.resume_step}")
         self.tracker = Tracker(self.fs, self.root, cfg.tracking.tracking_uri, cfg.mlflow_run_id)
+        self.sender = None
+        if cfg.weight_broadcast.type == "collective" and self.dist.is_main:  # rank 0 holds the gathered weights
+            from engines.weight_transport import Sender
+
+            self.sender = Sender(cfg.weight_broadcast)
 
     def _build_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
         o = self.tcfg.optim
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        params = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapters only
+        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         warmup = o.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
         return optimizer, scheduler
@@ -164,8 +181,11 @@ class RLTrainer:
         stats = self.train_on(share, float(batch.loss_mask.sum().clamp(min=1)), weight)
         t2 = time.perf_counter()
         published = parallel.full_state_dict(self.model, self.dist)  # a collective; rank 0 keeps the weights
+        broadcast_s = None
         if self.dist.is_main:
-            self.publisher.publish(step, published, self.publication_files)
+            # collective transport first: the engine has the tensors before the orchestrator sees the commit
+            broadcast_s = self.sender.send(step, published) if self.sender else None
+            self.publish(step, published)
             retention.enforce(self.fs, self.root, bases=self.publisher.bases)  # a no-op unless storage.keep_last_*
         self.version = step
         if self.history and self.dist.enabled:
@@ -190,10 +210,19 @@ class RLTrainer:
             "wait_s": t1 - t0,
             "train_s": t2 - t1,
             "publish_s": t3 - t2,
+            "broadcast_s": broadcast_s,
             "step_s": t3 - t0,
             "gen_s": manifest.get("gen_s"),
             **rollouts.metric_means(table),
         }
+
+    def publish(self, step: int, published: dict[str, torch.Tensor]) -> None:
+        """Policy version `step`: the full weights (`published`, gathered on rank 0), or with LoRA the adapters
+        on version 0 (LoRA runs on one trainer process: config/run.py)."""
+        if self.lora:
+            lora.publish(self.publisher, self.model, self.lora, step, self.publication_files)
+        else:
+            self.publisher.publish(step, published, self.publication_files)
 
     def run(self) -> None:
         signal.signal(signal.SIGUSR1, lambda *_: CHECKPOINT_NOW.set())

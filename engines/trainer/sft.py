@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from config.process import SFTProcessConfig
-from engines import modeldir
+from engines import lora, modeldir
 from engines.envs import EnvMix
 from engines.episodes import demonstration_ids, is_multi_turn
 from engines.tokenizer import Tokenizer
@@ -47,8 +47,13 @@ def run_sft(cfg: SFTProcessConfig) -> None:
     fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
     loaded = modeldir.load(cfg.model, pretrained=True)
     tok, model = loaded.tokenizer, loaded.model
+    # LoRA needs pretrained weights to adapt: the built-in model's warm-up trains all weights from scratch.
+    adapters = cfg.model.lora if loaded.source.directory is not None else None
+    if lora.attach_to(model, adapters, train=True):
+        trainable, total = lora.trainable_fraction(model)
+        log.info(f"LoRA warm-up: {trainable} of {total} parameters train ({trainable / total:.2%})")
     mix = EnvMix(cfg.envs, cfg.seed, tok.prompt_style)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft.lr)
     for step in range(1, cfg.sft.steps + 1):
         ids, mask = sft_batch(mix, tok, step, cfg.sft.batch_size)
         logits = model(ids)[:, :-1]
@@ -61,7 +66,13 @@ def run_sft(cfg: SFTProcessConfig) -> None:
             log.info(f"warm-up step {step}/{cfg.sft.steps} | loss {loss.item():.3f}")
     files = loaded.publication_files()
     save_tokenizer(files, fs, join(root, "tokenizer"))
-    weights.publish(fs, root, 0, model.eval().publishable_state_dict(), files)
+    if adapters is None:
+        weights.publish(fs, root, 0, model.eval().publishable_state_dict(), files)
+    else:  # version 0 is the merged model (the base of the RL adapters), with the raw warm-up adapter beside it
+        raw = {
+            f"adapter/{n}": b for n, b in lora.peft_files(model.eval(), adapters, str(loaded.source.directory)).items()
+        }
+        weights.publish(fs, root, 0, lora.merged_state_dict(model), files | raw)
     log.info("warm-up done: published policy version 0")
 
 

@@ -31,6 +31,7 @@ MODULES = {
     "orchestration": "tests.bench.orchestration",
     "scaling": "tests.bench.scaling",
     "router_replay": "tests.bench.router_replay",
+    "backends": "tests.bench.backends",
 }
 STORAGE_MODULE = "tests.bench.storage"
 ANALYSIS_MARKER = "<!-- hand-written below: kept by `make bench` -->"

@@ -178,18 +178,102 @@ def report(results: list[dict]) -> str:
 
 
 DEFINITIONS = f"""\
-Engine: `engines.generate.generate`, the function the engine's worker runs on each batch; the HTTP layer
-and the queue are not included. HF: `LlamaForCausalLM.generate(do_sample=True, temperature=1.0, top_k=0,
-top_p=1.0)` with its dynamic KV cache and SDPA attention. tokens/s = tokens generated / time, where a
-row's tokens end at its first end-of-sequence. Workload row: the benchmark warm-up's weights and prompts
-(long-tailed lengths), `max_new_tokens` = 26, both stop a row at end-of-sequence, so token counts differ
-a little by chance (last column). Fixed rows: random weights, end-of-sequence disabled on both sides
-(exactly {NEW_TOKENS} tokens per row). TTFT (time to first token) = the same call with one new token:
-prefill of the whole batch plus one sampling step (the engine does not stream, so a request's first token
-is returned only with its batch; this is the compute floor). wide = hidden 512, 4 layers, MLP 1536
-(12.1M parameters); tiny = the workload's model (1.2M).
+Engine: `engines.generate.generate`, which drives the same `Decoder` (prefill, sample, forward) as the
+engine's worker, on one fixed batch; the HTTP layer, the queue and mid-batch joins are not included. HF:
+`LlamaForCausalLM.generate(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)` with its dynamic KV
+cache and SDPA attention. tokens/s = tokens generated / time, where a row's tokens end at its first
+end-of-sequence. Workload row: the benchmark warm-up's weights and prompts (long-tailed lengths),
+`max_new_tokens` = 26, both stop a row at end-of-sequence, so token counts differ a little by chance
+(last column). Fixed rows: random weights, end-of-sequence disabled on both sides (exactly {NEW_TOKENS}
+tokens per row). TTFT (time to first token) = the same call with one new token: prefill of the whole
+batch plus one sampling step (the compute floor of a batch's first token; the server streams each token
+as it is drawn). wide = hidden 512, 4 layers, MLP 1536 (12.1M parameters); tiny = the workload's model
+(1.2M).
 """
 
 
+ARRIVAL = {"background": 32, "group": 8, "background_tokens": 48, "probe_tokens": 8, "after_steps": 12}
+
+
+def arrival_once(ws: Workspace, continuous: bool) -> dict[str, float]:
+    """One request (n = group) arrives while a batch of `background` x `group` rows is decoding (after
+    `after_steps` of its steps): its latency to first token and to completion, and the background's tokens/s."""
+    import threading
+
+    import torch
+
+    from engines.inference.engine import Engine, Request
+    from engines.model import CausalLM
+    from engines.tokenizer import CharTokenizer
+
+    torch.set_num_threads(1)
+    tok = CharTokenizer()
+    torch.manual_seed(0)
+    model = CausalLM(bench_config(ws.root / "arrival").model, tok.vocab_size)
+    a = ARRIVAL
+    engine = Engine(model, 0, -1, tok.pad_id, max_batch_size=1024, seed=0, continuous=continuous)
+    marks: dict[str, float] = {}
+    started = threading.Event()
+
+    def make(text: str, tokens: int, on_tokens=None) -> Request:
+        return Request(tok.encode(text), a["group"], tokens, 1.0, seed=1, on_tokens=on_tokens)
+
+    def count_steps(events) -> None:
+        marks["steps"] = marks.get("steps", 0) + 1
+        if marks["steps"] == a["after_steps"]:
+            started.set()
+
+    def first_token(events) -> None:
+        marks.setdefault("first", time.perf_counter())
+
+    background = [make(f"rev:{i:03d}abcdefgh=", a["background_tokens"]) for i in range(a["background"])]
+    background[0].on_tokens = count_steps
+    t0 = time.perf_counter()
+    with engine._cv:  # queued together, so both engines start with the whole background batch
+        futures = [engine.submit(r) for r in background]
+    started.wait(600)
+    probe = make("sort:qwerty=", a["probe_tokens"], first_token)
+    arrived = time.perf_counter()
+    probe_done = engine.submit(probe)
+    probe_done.result(600)
+    done = time.perf_counter()
+    tokens = sum(len(c.token_ids) for f in futures for c in f.result(600))
+    background_s = time.perf_counter() - t0
+    engine.stop()
+    engine._thread.join(10)
+    return {"ttft": marks["first"] - arrived, "latency": done - arrived, "background": tokens / background_s}
+
+
+def arrival(ws: Workspace, n: int) -> str:
+    runs = {mode: [arrival_once(ws, mode == "continuous") for _ in range(n)] for mode in ("static", "continuous")}
+
+    def col(mode: str, key: str) -> list[float]:
+        return [r[key] for r in runs[mode]]
+
+    rows = []
+    for key, label, unit in (("ttft", "time to first token", " ms"), ("latency", "time to completion", " ms")):
+        static, cont = ([v * 1000 for v in col(m, key)] for m in ("static", "continuous"))
+        rows.append([label, Stats(static).fmt(unit=unit), Stats(cont).fmt(unit=unit),
+                     ratio_stats(static, cont).fmt() + "x"])  # fmt: skip
+    static, cont = col("static", "background"), col("continuous", "background")
+    rows.append(
+        ["running batch tokens/s", Stats(static).fmt(), Stats(cont).fmt(), ratio_stats(cont, static).fmt() + "x"]
+    )
+    a = ARRIVAL
+    intro = (
+        f"\n\n### A request that arrives mid-batch (continuous batching vs the static batcher)\n\n"
+        f"`engines.inference.engine.Engine` with `continuous=True` (the server's engine) and `False` (requests "
+        f"wait for the running batch to end, the engine before continuous batching), same model (the workload's, "
+        f"random weights, no end-of-sequence), one thread: {a['background']} requests x n={a['group']} of "
+        f"{a['background_tokens']} tokens are decoding; after {a['after_steps']} of their steps one request "
+        f"(n={a['group']}, {a['probe_tokens']} tokens) arrives. Its latency from submit to its first token and to "
+        f"its completion; the running batch's tokens/s (all its tokens / its wall time) shows what admitting "
+        f"the newcomer costs the others. Ratios: static / continuous for latencies, continuous / static "
+        f"for tokens/s.\n\n"
+    )
+    return intro + table(["", "static batcher (baseline)", "continuous", "ratio"], rows)
+
+
 def run(ws: Workspace) -> str:
-    return __doc__.split("\n\n", 1)[1] + "\n" + DEFINITIONS + "\n" + report(measure(ws, repeats(3)))
+    body = __doc__.split("\n\n", 1)[1] + "\n" + DEFINITIONS + "\n" + report(measure(ws, repeats(3)))
+    return body + arrival(ws, repeats(3))

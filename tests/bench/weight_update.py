@@ -1,5 +1,7 @@
 """Benchmark 3: weight update. From the trainer's optimizer step to the engine serving the new policy,
 against the raw time to write and read the same bytes on the same filesystem; and the engine's pause.
+Each model size runs with both transports (`weight_broadcast.type`): filesystem, and collective (the
+tensors over the trainer-engine gloo group, the publication still written) in the same run.
 
 A real inference server process serves a run directory; this process plays the trainer (optimizer step,
 `weights.publish`) and the orchestrator's weight follower (`POST /update_weights`), as the run does.
@@ -45,6 +47,8 @@ class Server:
         from tasks.prepare import free_port, new_run_id, write_configs
 
         cfg.inference.port = free_port(cfg.inference.host)
+        if cfg.weight_broadcast.type == "collective":
+            cfg.weight_broadcast.port = free_port(cfg.weight_broadcast.host)
         self.url = f"http://{cfg.inference.host}:{cfg.inference.port}"
         self.urls = write_configs(cfg, new_run_id(cfg), self.url)
         self.token = os.urandom(16).hex()
@@ -84,11 +88,12 @@ class Server:
         self.thread.join()
 
 
-def measure_size(root: Path, model_overrides: dict, n: int) -> dict:
+def measure_size(root: Path, model_overrides: dict, n: int, transport: str = "filesystem") -> dict:
     import torch
 
     from engines.model import CausalLM
     from engines.tokenizer import CharTokenizer
+    from engines.weight_transport import Sender
     from storage import weights
     from storage.fs import get_fs
 
@@ -96,6 +101,7 @@ def measure_size(root: Path, model_overrides: dict, n: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     cfg = bench_config(out)
     cfg.model = cfg.model.model_copy(update=model_overrides)
+    cfg.weight_broadcast.type = transport  # type: ignore[assignment]
     torch.set_num_threads(1)
     tok = CharTokenizer()
     model = CausalLM(cfg.model, tok.vocab_size)
@@ -103,19 +109,24 @@ def measure_size(root: Path, model_overrides: dict, n: int) -> dict:
     fs, froot = get_fs(str(out))
     weights.publish(fs, froot, 0, model.publishable_state_dict())
     ids = torch.randint(4, tok.vocab_size, (8, 32))
-    m: dict[str, list[float]] = {k: [] for k in ("publish", "load", "apply", "http", "total", "raw")}
+    m: dict[str, list[float]] = {k: [] for k in ("send", "publish", "load", "apply", "http", "total", "raw")}
     with Server(out, cfg) as server:
+        sender = Sender(cfg.weight_broadcast) if transport == "collective" else None
         for version in range(1, n + 1):
             model(ids).logsumexp(-1).mean().backward()
             opt.step()
             opt.zero_grad()
             t0 = time.perf_counter()  # the optimizer step has returned: the clock starts
+            sent = sender.send(version, model.publishable_state_dict()) if sender else 0.0  # as the trainer does
+            assert sent is not None, "collective transfer failed"
+            t_pub = time.perf_counter()
             directory = weights.publish(fs, froot, version, model.publishable_state_dict())
             t1 = time.perf_counter()
             resp = server.update(version)  # what the orchestrator's follower sends on seeing the manifest
             t2 = time.perf_counter()
-            assert resp["policy_version"] == version
-            m["publish"].append(t1 - t0)
+            assert resp["policy_version"] == version and resp["source"] == transport, resp
+            m["send"].append(sent)
+            m["publish"].append(t1 - t_pub)
             m["load"].append(resp["load_s"])
             m["apply"].append(resp["apply_s"])
             m["http"].append((t2 - t1) - resp["load_s"] - resp["apply_s"])
@@ -135,6 +146,7 @@ def report(results: dict[str, dict], poll_s: float) -> str:
                 Stats(m["total"]).fmt(unit=" s"),
                 Stats(m["raw"]).fmt(unit=" s"),
                 ratio_stats(m["total"], m["raw"]).fmt() + "x",
+                Stats(m["send"]).fmt(unit=" s"),
                 Stats(m["publish"]).fmt(unit=" s"),
                 Stats(m["load"]).fmt(unit=" s"),
                 Stats(m["http"]).fmt(unit=" s"),
@@ -146,6 +158,7 @@ def report(results: dict[str, dict], poll_s: float) -> str:
         "optimizer step -> serving",
         "raw write+read (baseline)",
         "ratio",
+        "collective send",
         "publish",
         "server load + verify",
         "HTTP + JSON",
@@ -165,12 +178,19 @@ fsync + rename, manifest). server load + verify = the server reading the manifes
 size and sha256, deserializing. engine pause = the server's `apply_s`: the engine's worker swapping the
 weights in (`load_state_dict`), the only part during which no decode step can run; the engine is idle
 here, so this is the swap itself, not a wait for a decode step. Baseline: `os.urandom` bytes of the
-same size written with fsync and read back in the same directory with plain file calls.
+same size written with fsync and read back in the same directory with plain file calls. collective
+send = the trainer-side `Sender.send` (announce, tensor-by-tensor gloo sends, the engine's acknowledgement),
+before the publication; with it the server takes the received tensors instead of loading the file
+(its "load" is then the wait for them plus the manifest check).
 """
 
 
 def run(ws: Workspace) -> str:
     n = repeats(5)
-    results = {name: measure_size(ws.root, overrides, n) for name, overrides in SIZES.items()}
+    results = {
+        f"{name}, {transport}": measure_size(ws.root, overrides, n, transport)
+        for name, overrides in SIZES.items()
+        for transport in ("filesystem", "collective")
+    }
     poll = bench_config(ws.root / "x").orchestrator.poll_interval_s
     return DEFINITIONS + "\n" + report(results, poll)

@@ -177,3 +177,140 @@ def test_weights_that_do_not_fit_are_refused_and_an_older_version_is_not_served(
     assert client.get("/health").json()["policy_version"] == before
     r2 = client.post("/v1/completions", json={"prompt": [1, 5], "max_tokens": 2, "return_token_ids": True})
     assert r2.json()["choices"][0]["policy_version"] == before
+
+
+# --- the real `openai` client against the same server ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    import openai
+
+    client, _, _ = server
+    name = client.get("/v1/models").json()["data"][0]["id"]
+    with openai.OpenAI(base_url=f"{client.base_url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c, name
+
+
+CHAT = [{"role": "user", "content": "rev:abcd"}]
+
+
+def test_openai_chat_with_n_logprobs_and_token_ids(oai, server):
+    c, name = oai
+    r = c.chat.completions.create(
+        model=name, messages=CHAT, n=2, max_tokens=6, logprobs=True, top_logprobs=3, seed=11,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert len(r.choices) == 2 and r.usage.completion_tokens == sum(len(ch.token_ids) for ch in r.choices)
+    prompt = r.prompt_token_ids  # vLLM's placement for chat: top level
+    assert prompt == CharTokenizer().render_messages(CHAT)
+    for ch in r.choices:
+        assert ch.message.role == "assistant" and ch.finish_reason in ("stop", "length")
+        assert [lp.token for lp in ch.logprobs.content] == [CharTokenizer().decode([t], False) for t in ch.token_ids]
+        for lp in ch.logprobs.content:  # three alternatives, most likely first, none likelier than the first
+            assert len(lp.top_logprobs) == 3 and lp.logprob <= lp.top_logprobs[0].logprob + 1e-6
+            assert [a.logprob for a in lp.top_logprobs] == sorted((a.logprob for a in lp.top_logprobs), reverse=True)
+    models = server[2]
+    latest = models[max(models)]
+    for ch in r.choices:  # the logprobs are the served model's (whatever version the earlier tests left)
+        fake = {"token_ids": ch.token_ids, "logprobs": {"token_logprobs": [lp.logprob for lp in ch.logprobs.content]}}
+        if ch.policy_version == max(models):
+            _assert_logprobs_match(latest, prompt, fake, 1.0)
+
+
+def test_openai_completions_return_prompt_and_completion_ids(oai):
+    c, name = oai
+    tok = CharTokenizer()
+    prompt = tok.encode("sort:dcba=")
+    r = c.completions.create(
+        model=name, prompt=prompt, n=3, max_tokens=5, logprobs=2, temperature=0.9, seed=5,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert len(r.choices) == 3
+    for ch in r.choices:
+        assert ch.prompt_token_ids == prompt and 1 <= len(ch.token_ids) <= 5
+        assert len(ch.logprobs.token_logprobs) == len(ch.token_ids) == len(ch.logprobs.tokens)
+        assert len(ch.logprobs.top_logprobs) == len(ch.token_ids)
+        assert all(len(top) <= 2 and max(top.values()) >= lp - 1e-6 for top, lp in zip(
+            ch.logprobs.top_logprobs, ch.logprobs.token_logprobs, strict=True))  # fmt: skip
+    assert r.choices[0].token_ids != r.choices[1].token_ids or r.choices[1].token_ids != r.choices[2].token_ids
+
+
+def _chat_stream(c, name, **kw) -> tuple[dict[int, str], dict[int, list[int]], dict[int, str], object]:
+    texts: dict[int, str] = {}
+    ids: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    usage = None
+    for chunk in c.chat.completions.create(model=name, messages=CHAT, stream=True, **kw):
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+            ids.setdefault(ch.index, []).extend(getattr(ch, "token_ids", None) or [])
+            for lp in ch.logprobs.content if ch.logprobs else []:
+                assert len(lp.top_logprobs) == kw.get("top_logprobs", 0)
+            if ch.finish_reason:
+                reasons[ch.index] = ch.finish_reason
+    return texts, ids, reasons, usage
+
+
+def test_openai_streaming_chat_equals_the_unstreamed_answer(oai):
+    """Same seed: the streamed text and tokens are exactly the unstreamed ones; include_usage adds the usage."""
+    c, name = oai
+    kw = {
+        "n": 2,
+        "max_tokens": 12,
+        "seed": 21,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "extra_body": {"return_token_ids": True},
+    }
+    whole = c.chat.completions.create(model=name, messages=CHAT, **kw)
+    texts, ids, reasons, usage = _chat_stream(c, name, stream_options={"include_usage": True}, **kw)
+    for ch in whole.choices:
+        assert texts[ch.index] == ch.message.content and ids[ch.index] == ch.token_ids
+        assert reasons[ch.index] == ch.finish_reason
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_openai_streaming_completions_with_stop_strings(oai):
+    """A stop string cut from an earlier answer ends the text before it, streamed or not."""
+    c, name = oai
+    kw = {"model": name, "prompt": "rev:abcdefgh=", "max_tokens": 16, "seed": 3, "extra_body": {"ignore_eos": True}}
+    full = c.completions.create(**kw).choices[0].text
+    assert len(full) >= 6
+    stop = full[3:5]
+    cut = full[: full.find(stop)]
+    stopped = c.completions.create(stop=[stop], **kw).choices[0]
+    assert stopped.text == cut and stopped.finish_reason == "stop"
+    chunks = list(c.completions.create(stop=stop, stream=True, **kw))
+    assert "".join(ch.choices[0].text for ch in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kw)) == full
+
+
+def test_openai_min_tokens_and_ignore_eos_fix_the_length(oai):
+    c, name = oai
+    for extra in ({"min_tokens": 7}, {"ignore_eos": True}):
+        r = c.completions.create(
+            model=name, prompt="x=", max_tokens=7, n=4, seed=1, extra_body={"return_token_ids": True, **extra}
+        )
+        assert [len(ch.token_ids) for ch in r.choices] == [7] * 4, extra
+
+
+def test_openai_errors_are_explicit(oai, server):
+    import openai
+
+    c, name = oai
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        c.completions.create(model=name, prompt="x=", max_tokens=2, presence_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        c.completions.create(model=name, prompt="x=", max_tokens=2, logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="repetition_penalty"):
+        c.completions.create(model=name, prompt="x=", max_tokens=2, extra_body={"repetition_penalty": 1.1})
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        c.chat.completions.create(model="gpt-4", messages=CHAT, max_tokens=2)
+    (card,) = c.models.list().data
+    assert card.id == name and card.max_model_len == MODEL.max_seq_len
+    paths = server[0].get("/openapi.json").json()["paths"]
+    assert {"400", "404"} <= set(paths["/v1/completions"]["post"]["responses"])
+    assert {"401", "409", "422"} <= set(paths["/update_weights"]["post"]["responses"])

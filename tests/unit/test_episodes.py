@@ -247,7 +247,9 @@ def test_every_request_of_an_episode_carries_its_session_header_over_http():
         limit = asyncio.Semaphore(2)
         request = CompletionRequest(prompt=[1, 2], max_tokens=4)
         async with server, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-            return [await post_completion(client, limit, request, "run/s000001-g0000-03") for _ in range(2)]
+            return [
+                (await post_completion(client, limit, request, "run/s000001-g0000-03")).choices[0] for _ in range(2)
+            ]
 
     choices = asyncio.run(main())
     assert seen == ["run/s000001-g0000-03"] * 2

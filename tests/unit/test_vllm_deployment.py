@@ -198,10 +198,62 @@ def test_unknown_router_policy_is_refused():
     [
         (SHAPES["wide_ep"], "wide EP"),
         (SHAPES["disaggregated"], "disaggregated"),
-        ({"num_infer_replicas": 2}, "num_infer_replicas"),
     ],
 )
 def test_local_launch_refuses_what_needs_slurm(keys, match):
     with pytest.raises(SystemExit, match=match):
         check_local(inference(**keys))
     check_local(inference(**SHAPES["multi_replica"]))  # several replicas behind a router fit on one host
+    check_local(inference(num_infer_replicas=2))  # and so do several copies, each behind its own router
+
+
+def test_sessions_stick_to_a_replica_and_requests_name_their_session():
+    from engines.inference.vllm_proxy import Upstream, forward_headers
+
+    up = Upstream(["http://r0", "http://r1", "http://r2"], [], 0)
+    sessions = [f"s000001-g{g:04d}" for g in range(30)]
+    first = [up.entry(s) for s in sessions]
+    assert [up.entry(s) for s in sessions] == first  # stable
+    assert set(first) == set(up.entries)  # and spread
+    assert [up.entry(None) for _ in range(4)] == ["http://r0", "http://r1", "http://r2", "http://r0"]
+    headers = forward_headers({"X-Session-ID": "s1-g2", "Authorization": "x", "content-type": "y"})
+    assert headers["x-session-id"] == "s1-g2" and headers["x-request-id"].startswith("s1-g2-")
+    assert set(headers) == {"x-session-id", "x-request-id"}  # only x- headers travel upstream
+    assert forward_headers({"X-Request-Id": "mine", "X-Session-ID": "a"})["x-request-id"] == "mine"
+
+
+def test_the_seeds_top_level_num_infer_replicas_sets_the_inference_key():
+    cfg = RunConfig.model_validate({"deployment": {"num_infer_replicas": 3}, "inference": {"backend": "vllm"}})
+    assert cfg.inference.num_infer_replicas == 3
+    with pytest.raises(ValidationError, match="disagree"):
+        RunConfig.model_validate(
+            {"deployment": {"num_infer_replicas": 3}, "inference": {"backend": "vllm", "num_infer_replicas": 2}}
+        )
+    with pytest.raises(ValidationError, match="backend = 'vllm' only"):
+        RunConfig.model_validate({"deployment": {"num_infer_replicas": 2}})
+
+
+def test_vllms_routed_experts_become_the_rollout_column():
+    import base64
+    import io
+
+    import numpy as np
+
+    from engines.inference.vllm_proxy import decode_routes
+
+    routes = np.arange(7 * 3 * 2, dtype=np.int16).reshape(7, 3, 2)  # vLLM: [seq, layers, top_k]
+    buf = io.BytesIO()
+    np.save(buf, routes, allow_pickle=False)  # vllm.utils.serial_utils.numpy2base64's encoding
+    b64 = base64.b64encode(buf.getvalue()).decode()
+    assert decode_routes(b64, 6) == routes[:6].tolist()  # prompt 4 + completion 3 - 1 positions ran
+    with pytest.raises(ValueError, match="expected"):
+        decode_routes(b64, 8)
+
+
+def test_routed_experts_from_the_cpu_build_of_vllm_are_refused_at_launch():
+    from engines.inference.vllm import ROOT
+
+    if not (ROOT / ".venv-vllm" / "bin" / "python").exists():
+        pytest.skip("no vLLM environment")
+    with pytest.raises(SystemExit, match="Model Runner V2"):
+        check_local(inference(enable_return_routed_experts=True))

@@ -1,0 +1,280 @@
+"""The embedded server's generation routes: an OpenAI request in, the engine's completions out.
+
+A request (engines/inference/api.py) is checked and turned into an engine `Request` (its token limit, its
+stop strings as a check the engine runs after each token); the completions come back as one response body,
+or, with `stream=true`, as server-sent events: one `data: {chunk}` per new piece of a choice's text, each
+choice's last chunk with its finish_reason and policy versions, an optional usage chunk, then
+`data: [DONE]`. Text is decoded from each choice's whole token list, so a character split across tokens
+is sent once complete, and text that could still become a stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import HTTPException
+
+from engines.inference import api
+from engines.inference.engine import Completion, Engine, Request, TokenEvents
+
+
+def cut(text: str, stops: list[str]) -> tuple[str, str | None]:
+    """`text` up to the first stop string, and that string (None if none occurs)."""
+    hits = [(text.find(s), s) for s in stops if s in text]
+    if not hits:
+        return text, None
+    at, stop = min(hits)
+    return text[:at], stop
+
+
+def stop_check(tokenizer, stops: list[str]) -> Callable[[list[int]], bool] | None:
+    """The engine's per-token check: does a stop string occur in the row's last tokens' text?"""
+    if not stops:
+        return None
+    tail = max(len(s) for s in stops) + 4  # tokens decode to >= 1 character each, with slack for partial ones
+    return lambda ids: any(s in tokenizer.decode(ids[-tail:]) for s in stops)
+
+
+def _top_k(body: api.SamplingFields) -> int:
+    """How many alternatives per position the request asks for."""
+    if isinstance(body, api.CompletionRequest):
+        return body.logprobs or 0
+    assert isinstance(body, api.ChatRequest)
+    return (body.top_logprobs or 0) if body.logprobs else 0
+
+
+@dataclass
+class Prepared:
+    """A checked request: its prompt ids, the engine request, and what the response needs."""
+
+    body: api.SamplingFields
+    prompt_ids: list[int]
+    request: Request
+    chat: bool
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class Serving:
+    def __init__(self, engine: Engine, tokenizer, model_name: str):
+        self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.model.cfg.max_seq_len)
+
+    def prepare(self, body: api.SamplingFields, ids: list[int], chat: bool) -> Prepared:
+        """Refuse (400/404) what would fail or blow up inside a shared batch, before it is queued."""
+        if body.model is not None and body.model != self.model_name:
+            raise HTTPException(404, f"model {body.model!r} does not exist: this server serves {self.model_name!r}")
+        limit = getattr(body, "max_completion_tokens", None) or body.max_tokens or self.max_model_len - len(ids)
+        problem = None
+        if not ids:
+            problem = "prompt is empty"
+        elif min(ids) < 0 or max(ids) >= self.engine.model.vocab_size:
+            problem = f"prompt token ids must be in [0, {self.engine.model.vocab_size})"
+        elif limit <= 0 or len(ids) + limit > self.max_model_len:
+            problem = f"prompt ({len(ids)} tokens) + max_tokens ({limit}) exceeds max_model_len {self.max_model_len}"
+        elif body.n > self.engine.max_batch_size:
+            problem = f"n={body.n} exceeds the engine's max_batch_size {self.engine.max_batch_size}"
+        elif (body.min_tokens or 0) > limit:
+            problem = f"min_tokens ({body.min_tokens}) exceeds max_tokens ({limit})"
+        if problem:
+            raise HTTPException(status_code=400, detail=problem)
+        request = Request(
+            ids, body.n, limit, body.temperature, body.seed, top_k=max(body.top_k or 0, 0), top_p=body.top_p or 1.0,
+            min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos), stop=stop_check(self.tok, body.stops()),
+            top_logprobs=_top_k(body),
+        )  # fmt: skip
+        return Prepared(body, ids, request, chat)
+
+    async def run(self, p: Prepared) -> list[Completion]:
+        return await asyncio.wrap_future(self.engine.submit(p.request))
+
+    def _token(self, t: int) -> str:
+        return self.tok.decode([t], skip_special=False)
+
+    def usage(self, p: Prepared, outs: list[Completion]) -> api.Usage:
+        done = sum(len(c.token_ids) for c in outs)
+        return api.Usage(prompt_tokens=len(p.prompt_ids), completion_tokens=done, total_tokens=len(p.prompt_ids) + done)
+
+    def _finish(self, c: Completion, stops: list[str]) -> tuple[str, str, str | None]:
+        """(text, finish_reason, stop_reason) of a finished completion."""
+        text, stop = cut(self.tok.decode(c.token_ids), stops)
+        return text, ("stop" if stop else c.finish_reason), stop
+
+    def completion(self, p: Prepared, outs: list[Completion]) -> api.CompletionResponse:
+        body = p.body
+        assert isinstance(body, api.CompletionRequest)
+        choices = []
+        for i, c in enumerate(outs):
+            text, reason, stop = self._finish(c, body.stops())
+            logprobs = None
+            if body.logprobs is not None:
+                tokens = [self._token(t) for t in c.token_ids]
+                offsets = [sum(len(x) for x in tokens[:k]) for k in range(len(tokens))]
+                top = [self._top_dict(alts) for alts in c.top_logprobs] if body.logprobs else None
+                logprobs = api.CompletionLogprobs(
+                    tokens=tokens, token_logprobs=c.logprobs, text_offset=offsets, top_logprobs=top
+                )
+            choices.append(
+                api.CompletionChoice(
+                    index=i,
+                    text=text,
+                    finish_reason=reason,
+                    stop_reason=stop,
+                    logprobs=logprobs,
+                    token_ids=c.token_ids if body.return_token_ids else None,
+                    prompt_token_ids=p.prompt_ids if body.return_token_ids else None,
+                    policy_version=c.policy_version,
+                    policy_version_end=c.policy_version_end,
+                    routed_experts=None if c.routed_experts is None else c.routed_experts.tolist(),
+                )  # fmt: skip
+            )
+        return api.CompletionResponse(
+            id=f"cmpl-{p.id}", created=p.created, model=self.model_name, choices=choices, usage=self.usage(p, outs)
+        )
+
+    def chat(self, p: Prepared, outs: list[Completion]) -> api.ChatResponse:
+        body = p.body
+        assert isinstance(body, api.ChatRequest)
+        choices = []
+        for i, c in enumerate(outs):
+            text, reason, stop = self._finish(c, body.stops())
+            tops: list[list[tuple[int, float]] | None] = list(c.top_logprobs) or [None] * len(c.token_ids)
+            lps = [self._chat_logprob(t, lp, a) for t, lp, a in zip(c.token_ids, c.logprobs, tops, strict=True)]
+            choices.append(
+                api.ChatChoice(
+                    index=i,
+                    message=api.ChatMessage(role="assistant", content=text),
+                    finish_reason=reason,
+                    stop_reason=stop,
+                    logprobs=api.ChatChoiceLogprobs(content=lps) if body.logprobs else None,
+                    token_ids=c.token_ids if body.return_token_ids else None,
+                    policy_version=c.policy_version,
+                    policy_version_end=c.policy_version_end,
+                    routed_experts=None if c.routed_experts is None else c.routed_experts.tolist(),
+                )  # fmt: skip
+            )
+        return api.ChatResponse(
+            id=f"chatcmpl-{p.id}", created=p.created, model=self.model_name, choices=choices,
+            usage=self.usage(p, outs), prompt_token_ids=p.prompt_ids if body.return_token_ids else None,
+        )  # fmt: skip
+
+    def _chat_logprob(self, t: int, lp: float, alts: list[tuple[int, float]] | None) -> api.ChatLogprob:
+        token = self._token(t)
+        top = [api.TopLogprob(token=(x := self._token(a)), logprob=v, bytes=list(x.encode())) for a, v in alts or []]
+        return api.ChatLogprob(token=token, logprob=lp, bytes=list(token.encode()), top_logprobs=top)
+
+    def _top_dict(self, alts: list[tuple[int, float]]) -> dict[str, float]:
+        return {self._token(a): v for a, v in alts}
+
+    async def stream(self, p: Prepared) -> AsyncIterator[str]:
+        """The server-sent events of one request (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvents] = asyncio.Queue()
+
+        def on_tokens(events: TokenEvents) -> None:  # called on the engine's thread
+            loop.call_soon_threadsafe(queue.put_nowait, events)
+
+        p.request.on_tokens = on_tokens
+        done = asyncio.ensure_future(self.run(p))
+        texts = _Texts(self, p)
+        if p.chat:
+            yield texts.sse(texts.chat_first())
+        while True:
+            get = asyncio.ensure_future(queue.get())
+            await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                break
+            for chunk in texts.chunks(get.result()):
+                yield texts.sse(chunk)
+        while not queue.empty():  # events delivered just before the request resolved
+            for chunk in texts.chunks(queue.get_nowait()):
+                yield texts.sse(chunk)
+        try:
+            outs = done.result()
+        except Exception as exc:  # the status line is sent already: the error goes in the stream
+            yield texts.sse({"error": {"message": str(exc), "type": "internal_error", "code": 500}})
+            return
+        if p.body.stream_options and p.body.stream_options.include_usage:
+            yield texts.sse({**texts.head(), "choices": [], "usage": self.usage(p, outs).model_dump()})
+        yield "data: [DONE]\n\n"
+
+
+class _Texts:
+    """Per choice of a streamed request: its tokens, the text sent so far, its first policy version."""
+
+    def __init__(self, serving: Serving, p: Prepared):
+        self.s, self.p = serving, p
+        self.stops = p.body.stops()
+        self.hold = max((len(x) for x in self.stops), default=1) - 1  # text that may still be a stop's start
+        n = p.body.n
+        self.ids: list[list[int]] = [[] for _ in range(n)]
+        self.sent: list[str] = [""] * n
+        self.ended = [False] * n
+        self.first_version: list[int | None] = [None] * n
+
+    def sse(self, chunk: dict) -> str:
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    def head(self) -> dict:
+        if self.p.chat:
+            return {"id": f"chatcmpl-{self.p.id}", "object": "chat.completion.chunk", "created": self.p.created,
+                    "model": self.s.model_name}  # fmt: skip
+        return {"id": f"cmpl-{self.p.id}", "object": "text_completion", "created": self.p.created,
+                "model": self.s.model_name}  # fmt: skip
+
+    def chat_first(self) -> dict:
+        first = {**self.head(), "choices": [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(self.p.body.n)
+        ]}  # fmt: skip
+        if self.p.body.return_token_ids:
+            first["prompt_token_ids"] = self.p.prompt_ids
+        return first
+
+    def chunks(self, events: TokenEvents) -> list[dict]:
+        return [c for e in events if (c := self._chunk(*e)) is not None]
+
+    def _chunk(
+        self, i: int, token: int, logprob: float, finished: bool, version: int, reason: str, alts
+    ) -> dict | None:
+        if self.ended[i]:
+            return None  # a stop string ended its text; the engine's row may still have drawn this token
+        if self.first_version[i] is None:
+            self.first_version[i] = version
+        self.ids[i].append(token)
+        full, stop = cut(self.s.tok.decode(self.ids[i]), self.stops)
+        end = finished or stop is not None
+        ready = full if end else full[: len(full) - self.hold].rstrip("\ufffd")  # no partial characters
+        delta, self.sent[i] = ready[len(self.sent[i]) :], ready
+        choice: dict = {"index": i, "finish_reason": None, "logprobs": None}
+        body = self.p.body
+        assert isinstance(body, api.ChatRequest | api.CompletionRequest)
+        if self.p.chat:
+            choice["delta"] = {"content": delta}
+            if body.logprobs:
+                choice["logprobs"] = {"content": [self.s._chat_logprob(token, logprob, alts).model_dump()]}
+        else:
+            choice["text"] = delta
+            if body.logprobs is not None:
+                offset = len(self.sent[i]) - len(delta)
+                choice["logprobs"] = {"tokens": [self.s._token(token)], "token_logprobs": [logprob],
+                                      "text_offset": [offset],
+                                      "top_logprobs": [self.s._top_dict(alts)] if alts else None}  # fmt: skip
+            if body.return_token_ids and len(self.ids[i]) == 1:
+                choice["prompt_token_ids"] = self.p.prompt_ids  # per choice, on its first chunk (vLLM)
+        if body.return_token_ids:
+            choice["token_ids"] = [token]
+        if end:
+            self.ended[i] = True
+            choice.update(finish_reason="stop" if stop else reason, stop_reason=stop)
+            choice.update(policy_version=self.first_version[i], policy_version_end=version)
+        return {**self.head(), "choices": [choice]}
