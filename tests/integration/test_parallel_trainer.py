@@ -110,7 +110,26 @@ def test_a_two_rank_checkpoint_resumes_on_one_process_and_back(runs):
     _assert_close(r1, r12, 1)
 
 
+def test_two_tensor_parallel_ranks_match_one_process_and_resume_across_rank_counts(runs):
+    """tp = 2: each rank holds half of every layer's heads and MLP width; the published weights are gathered
+    whole, and the DCP checkpoints resume across the layouts (DTensor optimizer shards -> one plain process,
+    and a plain process's checkpoint -> 2 tensor-parallel ranks)."""
+    base, r1, _, rtp = runs
+    worst = _assert_close(r1, rtp, 3, TP_TOL)
+    print(f"parity tp=2 vs 1: worst weight rel diff {worst:.2e}, losses {r1['losses']} vs {rtp['losses']}")
+    assert all(abs(a - b) <= TOL * a for a, b in zip(r1["grad_norms"], rtp["grad_norms"], strict=True))
+    assert rtp["weights"]["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
+    assert rtp["weights"]["model.layers.0.mlp.down_proj.weight"].shape == (64, 128)
+    manifest = json.loads((base / "tp/checkpoints/step=000002/trainer/_manifest.json").read_text())
+    assert {"optimizer/.metadata", "optimizer/__0_0.distcp", "optimizer/__1_0.distcp"} <= manifest["files"].keys()
+    r_tp1 = _train(_setup(base / "tp", 1, 2, source=base / "tp"), 1, 3, 0, base / "rtp1.pt")
+    _assert_close(r1, r_tp1, 1, TP_TOL)
+    r_1tp = _train(_setup(base / "one", 2, 2, source=base / "one", tp=2), 2, 3, 0, base / "r1tp.pt")
+    _assert_close(r1, r_1tp, 1, TP_TOL)
+
+
 def test_a_corrupted_dcp_shard_is_refused(runs):
+    """Runs last: it corrupts the 1-process run's checkpoint the resume tests above read."""
     from engines.trainer import checkpoint
     from storage.fs import CorruptError, get_fs
 
@@ -124,19 +143,6 @@ def test_a_corrupted_dcp_shard_is_refused(runs):
     state = checkpoint.TrainerState(torch.nn.Linear(1, 1), {"optimizer": None}, None, 0)  # type: ignore[dict-item]
     with pytest.raises(CorruptError, match="checksum mismatch"):
         checkpoint.restore(fs, root, 2, state)
-
-
-def test_two_tensor_parallel_ranks_match_one_process_and_resume_on_one(runs):
-    """tp = 2: each rank holds half of every layer's heads and MLP width; the published weights are gathered
-    whole, and the DCP checkpoint (DTensor optimizer shards) resumes in one plain process."""
-    base, r1, _, rtp = runs
-    worst = _assert_close(r1, rtp, 3, TP_TOL)
-    print(f"parity tp=2 vs 1: worst weight rel diff {worst:.2e}, losses {r1['losses']} vs {rtp['losses']}")
-    assert all(abs(a - b) <= TOL * a for a, b in zip(r1["grad_norms"], rtp["grad_norms"], strict=True))
-    assert rtp["weights"]["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
-    assert rtp["weights"]["model.layers.0.mlp.down_proj.weight"].shape == (64, 128)
-    r_tp1 = _train(_setup(base / "tp", 1, 2, source=base / "tp"), 1, 3, 0, base / "rtp1.pt")
-    _assert_close(r1, r_tp1, 1, TP_TOL)
 
 
 RANK_SCRIPT = """
