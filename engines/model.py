@@ -109,9 +109,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(b, t, -1, self.head_dim)  # -1: tensor parallel ranks hold some heads
+        k = self.k_proj(x).view(b, t, -1, self.head_dim)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

@@ -126,11 +126,10 @@ def parallelize(model: nn.Module, d: Dist, p: ParallelConfig, impl: str = "custo
         raise SystemExit(str(exc)) from None
     if d.device.type == "cuda":
         model.to(d.device)
-    if p.tp > 1 or p.cp > 1 or p.ep > 1:
-        raise SystemExit(
-            f"trainer.parallel tp={p.tp} cp={p.cp} ep={p.ep}: this trainer applies data parallelism (FSDP2/HSDP) "
-            "only so far; see docs/parallelism.md"
-        )
+    _refuse_unsupported(p, model)
+    if p.tp > 1:
+        apply_tp(model.weights_module(), d.dims.get_mesh("tp"))  # type: ignore[operator]
+        return
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
@@ -147,6 +146,51 @@ def parallelize(model: nn.Module, d: Dist, p: ParallelConfig, impl: str = "custo
         for m in root.modules():
             if isinstance(m, FSDPModule):
                 m.set_force_sum_reduction_for_comms(True)
+
+
+def _refuse_unsupported(p: ParallelConfig, model: nn.Module) -> None:
+    """What the mesh could express but this trainer does not run (yet): CP, EP, TP mixed with data
+    parallelism, TP on MoE layers."""
+    tp_alone = p.tp == 1 or (p.dp_size == 1 and not model.cfg.num_experts)  # type: ignore[union-attr]
+    if p.cp > 1 or p.ep > 1 or not tp_alone:
+        raise SystemExit(
+            f"trainer.parallel tp={p.tp} cp={p.cp} ep={p.ep} dp_shard={p.shard_size} dp_replicate={p.dp_replicate}: "
+            "this trainer applies data parallelism (FSDP2/HSDP), or tensor parallelism alone (world_size = tp, "
+            "dense model), so far; see docs/parallelism.md"
+        )
+
+
+# torch's tensor-parallel styles per decoder block, as torchtitan's llama `apply_tp` without sequence
+# parallelism: q/k/v and gate/up split their output features (heads, MLP width), o/down their input
+# features and all-reduce their output. Embeddings, norms and lm_head stay replicated (plain tensors).
+_TP_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+_TP_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def apply_tp(root: nn.Module, tp_mesh: Any) -> None:
+    """Tensor parallelism over `tp_mesh` in place: each rank keeps 1/tp of the heads and MLP width, and the
+    attention sees its local heads (engines/model.py infers the head count from the projection's width)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan: dict[str, Any] = {name: ColwiseParallel() for name in _TP_COLWISE}
+    plan |= {name: RowwiseParallel() for name in _TP_ROWWISE}
+    for layer in decoder_layers(root):
+        parallelize_module(layer, tp_mesh, plan)
+        attn: Any = layer.self_attn
+        for norm in (attn.q_norm, attn.k_norm):  # per-head norms see only the local heads: sum their grads
+            if norm is not None:
+                norm.weight.register_hook(_summed_over(tp_mesh.get_group()))
+
+
+def _summed_over(group: Any) -> Any:
+    import torch.distributed as dist
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    return hook
 
 
 def decoder_layers(root: nn.Module) -> list[nn.Module]:
@@ -186,13 +230,16 @@ def to_device(mb: Any, device: torch.device) -> Any:
 
 
 def all_reduce(values: list[float], d: Dist, op: str = "sum") -> list[float]:
-    """Sum (or max) plain numbers over the ranks; identity for one process."""
+    """Sum (or max) plain numbers over the data-parallel ranks (tp/cp neighbours hold the same rows and
+    count once); identity for one process."""
     if not d.enabled:
         return values
     import torch.distributed as dist
 
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    if op != "max":
+        t /= d.world // d.dp_size
     return t.tolist()
 
 
@@ -214,9 +261,28 @@ def clip_grad_norm(model: nn.Module, max_norm: float, d: Dist) -> float:
     """Global gradient norm clipping; torchtitan's version reduces the norm over the sharded parameters."""
     if not d.enabled:
         return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    if d.dims.tp_enabled:
+        return _clip_mixed(list(model.parameters()), max_norm)
     from torchtitan.distributed.utils import clip_grad_norm_
 
     return float(clip_grad_norm_(list(model.parameters()), max_norm, ep_enabled=d.dims.ep_enabled))
+
+
+def _clip_mixed(params: list[nn.Parameter], max_norm: float) -> float:
+    """Tensor parallelism alone: sharded (DTensor) and replicated (plain) parameters, whose norms torch's
+    foreach kernels will not take in one list; the total counts each replicated gradient once."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[bool, list[nn.Parameter]] = {True: [], False: []}
+    for p in params:
+        if p.grad is not None:
+            groups[isinstance(p.grad, DTensor)].append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in g]) for g in groups.values() if g]  # type: ignore[misc]
+    total = torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]).norm()
+    for g in groups.values():
+        if g:
+            torch.nn.utils.clip_grads_with_norm_(g, max_norm, total)
+    return float(total)
 
 
 def barrier(d: Dist) -> None:

@@ -1,0 +1,34 @@
+"""What the trainer's mesh could express but `parallelize` does not run: refused at start, naming the sizes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from config.model import ModelConfig
+from config.parallel import ParallelConfig
+from engines.trainer.parallel import _refuse_unsupported
+
+DENSE = SimpleNamespace(cfg=ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2))
+MOE = SimpleNamespace(cfg=ModelConfig(num_experts=4, num_experts_per_tok=2, qk_norm=True))
+
+
+def test_tensor_parallelism_alone_on_a_dense_model_runs():
+    _refuse_unsupported(ParallelConfig(world_size=2, tp=2), DENSE)  # type: ignore[arg-type]
+    _refuse_unsupported(ParallelConfig(world_size=4), DENSE)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "model"),
+    [
+        ({"world_size": 4, "tp": 2}, DENSE),  # tp x dp_shard
+        ({"world_size": 4, "tp": 2, "dp_replicate": 2}, DENSE),
+        ({"world_size": 2, "tp": 2}, MOE),
+        ({"world_size": 2, "cp": 2}, DENSE),
+        ({"world_size": 2, "ep": 2}, MOE),
+    ],
+)
+def test_other_combinations_are_refused_with_their_sizes(sizes, model):
+    with pytest.raises(SystemExit, match=r"trainer.parallel tp=\d cp=\d ep=\d dp_shard=\d dp_replicate=\d"):
+        _refuse_unsupported(ParallelConfig(**sizes), model)
