@@ -184,6 +184,8 @@ def test_consistent_hash_keeps_sessions_on_a_replica_and_a_killed_replica_is_sur
     assert json.loads((out / "state.json").read_text())["status"] == "finished"
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics][-1] == 8
+    # vLLM's sampler logprobs against the trainer's: fp32 on both sides, so only kernel rounding separates them
+    assert all(m["mismatch_kl"] is not None and m["mismatch_kl"] < 1e-3 for m in metrics), metrics
     sessions = served_by(out)
     last = max(a for served in sessions.values() for a, _ in served)
     ours = {s: [r for _, r in served] for s, served in sessions.items() if s.startswith("test.")}
