@@ -21,6 +21,7 @@ from typing import Protocol, runtime_checkable
 from engines.envs import Task
 from engines.inference.api import CompletionChoice, CompletionRequest
 from engines.tokenizer import Tokenizer
+from storage.rollouts import RolloutRow
 
 SESSION_HEADER = "X-Session-ID"
 
@@ -64,6 +65,28 @@ class Episode:
     turn_versions_end: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
     text: str = ""  # the whole completion, decoded with special tokens (for reading shards)
+
+    def row(self, task: Task, run_id: str, step: int, sample_id: str, group_id: str, **scored) -> RolloutRow:
+        """The episode's lake row; `scored`: reward, advantage, temperature and any other RolloutRow field."""
+        return RolloutRow(
+            run_id=run_id,
+            step=step,
+            sample_id=sample_id,
+            group_id=group_id,
+            env=task.env,
+            policy_version=min(self.turn_versions),
+            policy_version_end=max(self.turn_versions_end),
+            prompt_ids=self.prompt_ids,
+            completion_ids=self.completion_ids,
+            completion_logprobs=self.completion_logprobs,
+            finish_reason=self.finish_reason,
+            prompt_text=task.prompt,
+            completion_text=self.text,
+            completion_mask=self.completion_mask,
+            turn_policy_versions=self.turn_versions,
+            turn_policy_versions_end=self.turn_versions_end,
+            **scored,
+        )
 
     def add_turn(self, choice: CompletionChoice) -> None:
         if choice.token_ids is None or choice.logprobs is None:

@@ -106,26 +106,15 @@ class VerifiersEnvironment:
         e = client.finish(trace.id)
         scores = {f"reward/{n}": r.value for n, r in trace.rewards.items() if r is not None}
         scores |= {f"metric/{n}": float(v) for n, v in trace.metrics.items() if v is not None}
-        return RolloutRow(
-            run_id=run_id,
-            step=step,
-            sample_id=f"{group_id}-{k:02d}",
-            group_id=group_id,
-            env=task.env,
-            policy_version=min(e.turn_versions),
-            policy_version_end=max(e.turn_versions_end),
-            prompt_ids=e.prompt_ids,
-            completion_ids=e.completion_ids,
-            completion_logprobs=e.completion_logprobs,
+        return e.row(
+            task,
+            run_id,
+            step,
+            f"{group_id}-{k:02d}",
+            group_id,
             reward=float(trace.reward),
-            advantage=0.0,
+            advantage=0.0,  # set per group by the caller
             temperature=client.temperature,
-            finish_reason=e.finish_reason,
-            prompt_text=task.prompt,
-            completion_text=e.text,
-            completion_mask=e.completion_mask,
-            turn_policy_versions=e.turn_versions,
-            turn_policy_versions_end=e.turn_versions_end,
             metric_names=list(scores) or None,
             metric_values=list(scores.values()) or None,
         )

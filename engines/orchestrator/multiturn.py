@@ -94,24 +94,13 @@ class EpisodeGroup:
     def _row(
         self, run_id: str, step: int, group_id: str, k: int, task: Task, e: Episode, reward: float, adv: float
     ) -> RolloutRow:
-        return RolloutRow(
-            run_id=run_id,
-            step=step,
-            sample_id=f"{group_id}-{k:02d}",
-            group_id=group_id,
-            env=task.env,
-            policy_version=min(e.turn_versions),
-            policy_version_end=max(e.turn_versions_end),
-            prompt_ids=e.prompt_ids,
-            completion_ids=e.completion_ids,
-            completion_logprobs=e.completion_logprobs,
+        return e.row(
+            task,
+            run_id,
+            step,
+            f"{group_id}-{k:02d}",
+            group_id,
             reward=reward,
             advantage=adv,
             temperature=self.ocfg.temperature,
-            finish_reason=e.finish_reason,
-            prompt_text=task.prompt,
-            completion_text=e.text,
-            completion_mask=e.completion_mask,
-            turn_policy_versions=e.turn_versions,
-            turn_policy_versions_end=e.turn_versions_end,
         )
