@@ -31,10 +31,29 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def initialize_store(tracking_uri: str) -> None:
+    """Create a new local sqlite store under a temporary name and rename it into place once MLflow's schema
+    migrations are done. A kill during them (a second or more; the flow can be killed at any time) would
+    otherwise leave a half-migrated database that MLflow cannot open again, and the run could not resume."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return
+    path = Path(tracking_uri.removeprefix("sqlite:///"))
+    if path.exists():
+        return
+    for stale in path.parent.glob(f".{path.name}.init-*"):  # left by a killed initialization
+        stale.unlink()
+    tmp = path.with_name(f".{path.name}.init-{os.getpid()}")
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(f"sqlite:///{tmp}").search_experiments(max_results=1)  # runs the migrations
+    os.replace(tmp, path)
+
+
 @task(cache_policy=NONE)
 def start_mlflow_run(tracking_uri: str, experiment: str, run_name: str, params: dict, tags: dict) -> str:
     from mlflow.tracking import MlflowClient
 
+    initialize_store(tracking_uri)
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
