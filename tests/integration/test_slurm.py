@@ -205,7 +205,9 @@ def test_a_cancellation_in_prefect_leaves_no_job_step_or_process(tmp_path, slurm
 
 def test_walltime_stops_the_job_and_resume_unfinished_carries_the_run_to_the_end(tmp_path, slurm_worker):
     runs = tmp_path / "runs"
-    out, steps = runs / "a", 30  # longer than the job on a fast machine (~2 s a step), short under load
+    # Longer than the job even on an idle machine (~1.4 s a step: ~110 s of work against a warning at 45-75 s);
+    # under load the first job does less and the resumed one the rest.
+    out, steps = runs / "a", 80
     params = {"profiles": PROFILES, "output_dir": str(out), "overrides": {"max_steps": steps}}
     # Slurm checks time limits about every 30 s: the warning comes 45-75 s after the start.
     fr = _start("rl/rl-slurm", params, {"time_limit": "2", "signal_before_s": 45})
@@ -221,7 +223,7 @@ def test_walltime_stops_the_job_and_resume_unfinished_carries_the_run_to_the_end
     assert len(done) < steps
 
     fr2 = _start("resume-unfinished/resume-unfinished-slurm", {"runs_root": str(runs), "max_runs": 1})
-    run2, seen2 = _follow(fr2.id, _job_id(fr2.id), timeout_s=300)
+    run2, seen2 = _follow(fr2.id, _job_id(fr2.id), timeout_s=600)
     assert run2.state.is_completed(), run2.state
     assert "rollflow-trainer" in seen2
     _audit(out, steps)

@@ -9,7 +9,7 @@ client:
   (except the router's retries on the other replica while the killed one was down), and the sessions
   were spread over both; a vLLM replica SIGKILLed mid-run is survived by the flow's restart from the
   last checkpoint, and the run finishes.
-- round_robin (long): the run's requests were spread evenly over both replicas.
+- round_robin: the run's requests were spread evenly over both replicas.
 
 vLLM on CPU takes ~35-160 s to start, so the default test starts the pair twice (the second after the
 kill) and checks everything on that one run.
@@ -184,8 +184,10 @@ def test_consistent_hash_keeps_sessions_on_a_replica_and_a_killed_replica_is_sur
     assert json.loads((out / "state.json").read_text())["status"] == "finished"
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics][-1] == 8
-    # vLLM's sampler logprobs against the trainer's: fp32 on both sides, so only kernel rounding separates them
-    assert all(m["mismatch_kl"] is not None and m["mismatch_kl"] < 1e-3 for m in metrics), metrics
+    # vLLM's sampler logprobs against the trainer's: fp32 on both sides, so only kernel rounding separates them.
+    # Not measurable for a step sampled by a policy the restart rolled back (published after the checkpoint).
+    measured = [m["mismatch_kl"] for m in metrics if m["mismatch_kl"] is not None]
+    assert len(measured) >= len(metrics) - 2 and max(measured) < 1e-3, metrics
     sessions = served_by(out)
     last = max(a for served in sessions.values() for a, _ in served)
     ours = {s: [r for _, r in served] for s, served in sessions.items() if s.startswith("test.")}
@@ -200,7 +202,6 @@ def test_consistent_hash_keeps_sessions_on_a_replica_and_a_killed_replica_is_sur
     assert after_restart == {"vllm-r0-node0", killed}, "the sessions were not spread over both replicas"
 
 
-@pytest.mark.long
 def test_round_robin_spreads_a_run_over_both_replicas(tmp_path):
     out = tmp_path / "run"
     cli, _ = start_run(out, "round_robin", steps=3)
