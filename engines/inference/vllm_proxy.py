@@ -97,18 +97,20 @@ async def _each(client: httpx.AsyncClient, servers: list[str], path: str, **kwar
 
 
 async def apply_update(client: httpx.AsyncClient, up: Upstream, path: str, version: int) -> list[dict]:
-    """Pause (keeping in-flight requests), load `path` on every worker of every server, resume."""
+    """Pause (keeping in-flight requests), load `path` on every worker of every server, resume. A failed update
+    leaves the gate closed: some servers may then hold the new weights and others the old, and a request
+    served now would carry the wrong policy version (seen as mismatch_kl 3e-3 after a replica died mid-update).
+    The entry module exits when a server died, or the orchestrator's timeout ends the attempt, and the flow
+    restarts from the checkpoint."""
     up.open_gate.clear()
     try:
-        try:
-            await _each(client, up.servers, "/pause", params={"mode": "keep"})
-            rpc = {"method": "rollflow_load", "args": [path, version], "timeout": 600}
-            responses = await _each(client, up.servers, "/collective_rpc", json=rpc)
-            up.version = version
-        finally:  # resume whatever did pause, also when the load failed (the error then reaches the caller)
-            await _each(client, up.servers, "/resume")
-    finally:
-        up.open_gate.set()
+        await _each(client, up.servers, "/pause", params={"mode": "keep"})
+        rpc = {"method": "rollflow_load", "args": [path, version], "timeout": 600}
+        responses = await _each(client, up.servers, "/collective_rpc", json=rpc)
+        up.version = version
+    finally:  # resume whatever did pause, also when the load failed (the error then reaches the caller)
+        await _each(client, up.servers, "/resume")
+    up.open_gate.set()
     return [item for r in responses for item in r.json().get("results", [])]
 
 
