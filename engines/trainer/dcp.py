@@ -76,9 +76,13 @@ def load_optimizer(
         source = tempfile.mkdtemp(prefix="rollflow-dcp-")
         for n, b in data.items():
             (Path(source) / n.split("/", 1)[1]).write_bytes(b)
-    reader = dcp.FileSystemReader(source)
-    state = {"optimizer": _saved_keys_only(get_optimizer_state_dict(model, optimizer), reader)}
-    dcp.load(state, storage_reader=reader, no_dist=not d.enabled)
+    try:
+        reader = dcp.FileSystemReader(source)
+        state = {"optimizer": _saved_keys_only(get_optimizer_state_dict(model, optimizer), reader)}
+        dcp.load(state, storage_reader=reader, no_dist=not d.enabled)
+    finally:
+        if not is_local(fs):  # the staged copy of an object-store checkpoint
+            shutil.rmtree(source, ignore_errors=True)
     # strict=False: the parameters _saved_keys_only left out stay without state
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
 
