@@ -26,6 +26,9 @@ class ParallelConfig(Strict):
     tp: int = Field(1, gt=0, description="tensor parallel size (splits attention heads and MLP width)")
     cp: int = Field(1, gt=0, description="context parallel size (splits each sequence)")
     ep: int = Field(1, gt=0, description="expert parallel size for MoE models; borrowed from dp_shard * cp * tp")
+    rdzv_port: int = Field(
+        29400, gt=0, lt=65536, description="deployment.trainer_nodes > 1: torchrun's rendezvous port on trainer node 0"
+    )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="collective backend; auto: nccl on GPU (bf16 mixed precision), gloo on CPU (fp32)"
     )

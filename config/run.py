@@ -104,6 +104,18 @@ class RunConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _trainer_ranks_fill_its_nodes(self) -> RunConfig:
+        """Under Slurm the trainer's step runs one torchrun agent per trainer node, each starting
+        world_size / trainer_nodes ranks: a remainder, or a node with no rank, has no meaning."""
+        nodes, world = self.deployment.trainer_nodes, self.trainer.parallel.world_size
+        if nodes > 1 and world % nodes:
+            raise ValueError(
+                f"trainer.parallel.world_size={world} must be a multiple of deployment.trainer_nodes={nodes} "
+                f"(each trainer node runs world_size / trainer_nodes ranks): e.g. {nodes * max(1, world // nodes)}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _env_names_unique(self) -> RunConfig:
         labels = [e.label for e in self.envs]
         twice = sorted({n for n in labels if labels.count(n) > 1})

@@ -18,6 +18,7 @@ import concurrent.futures
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -31,10 +32,11 @@ from flows.walltime import WalltimeReached, WalltimeWatch
 from storage.checkpoints import checkpoint_steps
 from storage.fs import CONFIG_STORAGE_ENV, Storage, is_local, join
 from storage.runstate import write_state
-from tasks.components import run_component, torchrun_args
+from tasks.components import run_component
 from tasks.process import ComponentFailed
 from tasks.resume import Attempt, prepare_attempt
 from tasks.slurm import allocation_nodes, srun_prefix
+from tasks.torchrun import torchrun_args
 
 
 class RestartsExhausted(RuntimeError):
@@ -123,13 +125,23 @@ def _run_components(
         watch.trainer_running.clear()
 
 
-def _placement(cfg: RunConfig, logger) -> tuple[dict[str, list[str]], str | None]:
-    """Inside a Slurm job: (component -> srun prefix, the inference node); locally ({}, None)."""
+@dataclass
+class Placement:
+    """Where this attempt's components run: inside a Slurm job, srun job steps on the allocation's nodes."""
+
+    srun: dict[str, list[str]]  # component -> its job-step prefix; empty locally
+    inference_node: str | None  # the host the orchestrator reaches inference on; None locally
+    trainer_launcher: list[str]  # torchrun's arguments when the trainer has ranks (one agent per trainer node)
+
+
+def _placement(cfg: RunConfig, logger) -> Placement:
+    p = cfg.trainer.parallel
     nodes = allocation_nodes(cfg.deployment)
     if nodes is None:
-        return {}, None
+        return Placement({}, None, torchrun_args(p.world_size))
     logger.info("Slurm placement: " + ", ".join(f"{k} on {','.join(v)}" for k, v in nodes.items()))
-    return {name: srun_prefix(name, n, cfg.deployment.slurm) for name, n in nodes.items()}, nodes["inference"][0]
+    srun = {name: srun_prefix(name, n, cfg.deployment.slurm) for name, n in nodes.items()}
+    return Placement(srun, nodes["inference"][0], torchrun_args(p.world_size, nodes["trainer"], p.rdzv_port))
 
 
 def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: WalltimeWatch) -> None:
@@ -138,19 +150,19 @@ def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: W
     rcfg, failures, last_start = cfg.restart, 0, -2
     fs, root = storage.open(cfg.output_dir)
     logs = _logs_dir(fs, root, run.run_id)
-    srun, inference_node = _placement(cfg, logger)
+    placed = _placement(cfg, logger)
     while True:
         if watch.reached.is_set():
             raise WalltimeReached("the Slurm job's time limit is near; the run is left to resume-unfinished")
-        attempt = prepare_attempt(cfg, run.run_id, run.tracking_uri, run.state.mlflow_run_id, inference_node)
+        attempt = prepare_attempt(cfg, run.run_id, run.tracking_uri, run.state.mlflow_run_id, placed.inference_node)
         run.state.attempts += 1
         write_state(fs, root, run.state)
         start = -1 if attempt.resume_step is None else attempt.resume_step
         failures = 0 if start > last_start else failures
         last_start = start
         try:
-            launcher = torchrun_args(cfg.trainer.parallel.world_size)  # torchrun when the trainer has ranks
-            _run_components(attempt, logs, _component_env(cfg, run.tracking_uri), srun, watch, logger, launcher)
+            env = _component_env(cfg, run.tracking_uri)
+            _run_components(attempt, logs, env, placed.srun, watch, logger, placed.trainer_launcher)
             return
         except ComponentFailed as exc:
             if watch.reached.is_set():

@@ -33,12 +33,3 @@ def run_component(
     rc = supervise(name, argv, env, lambda line: logger.info(f"[{name}] {line}"), stop, log_path, nudge=nudge)
     logger.info(f"{name} exited with code {rc}")
     return rc
-
-
-def torchrun_args(world_size: int) -> list[str]:
-    """torchrun (`torch.distributed.run`, via engines/trainer/torchrun.py which keeps SIGUSR1 for the ranks)
-    on this node with `world_size` ranks: the trainer's launcher when trainer.parallel.world_size > 1; empty
-    for one process. `--standalone` rendezvouses on localhost."""
-    if world_size <= 1:
-        return []
-    return ["-m", "engines.trainer.torchrun", "--standalone", "--nproc-per-node", str(world_size)]

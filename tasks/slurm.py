@@ -17,6 +17,8 @@ import subprocess
 from collections.abc import Mapping, Sequence
 
 from config.deployment import DeploymentConfig, SlurmJobConfig
+from config.parallel import ParallelConfig
+from tasks.torchrun import torchrun_args
 
 COMPONENTS = ("warmup", "inference", "orchestrator", "trainer")
 # Slurm's walltime warning reaches the batch shell (sbatch --signal=B:USR1@N); the shell turns it into
@@ -48,8 +50,9 @@ def require(command: str) -> str:
 
 
 def place(dep: DeploymentConfig, hosts: Sequence[str]) -> dict[str, list[str]]:
-    """Component -> nodes: inference on the first nodes, the trainer (and the warm-up) on the rest,
-    the orchestrator beside the trainer's first node; on one node everything shares it."""
+    """Component -> nodes: inference on the first nodes, the trainer on the rest (one torchrun agent per
+    node), the warm-up (one process) and the orchestrator on the trainer's first node; on one node
+    everything shares it."""
     if len(hosts) != dep.nodes:
         raise PlacementError(
             f"the job has {len(hosts)} node(s) ({','.join(hosts)}) but deployment.nodes={dep.nodes}: "
@@ -58,7 +61,7 @@ def place(dep: DeploymentConfig, hosts: Sequence[str]) -> dict[str, list[str]]:
     if dep.nodes == 1:
         return {name: [hosts[0]] for name in COMPONENTS}
     inference, trainer = list(hosts[: dep.inference_nodes]), list(hosts[dep.inference_nodes :])
-    return {"warmup": trainer, "inference": inference, "orchestrator": trainer[:1], "trainer": trainer}
+    return {"warmup": trainer[:1], "inference": inference, "orchestrator": trainer[:1], "trainer": trainer}
 
 
 def srun_prefix(name: str, nodes: Sequence[str], slurm: SlurmJobConfig) -> list[str]:
@@ -140,11 +143,14 @@ def render_sbatch(
     return "\n".join(lines) + "\n"
 
 
-def render_placement(dep: DeploymentConfig, hosts: Sequence[str] | None = None) -> dict:
-    """The placement as --dry-run shows it; without real hosts, nodes are named by index ($node0...)."""
+def render_placement(dep: DeploymentConfig, parallel: ParallelConfig, hosts: Sequence[str] | None = None) -> dict:
+    """The placement as --dry-run shows it; without real hosts, nodes are named by index ($node0...). The
+    trainer's entry also shows its launcher (torchrun's arguments, run on each of its nodes)."""
     hosts = list(hosts) if hosts else [f"$node{i}" for i in range(dep.nodes)]
     nodes = place(dep, hosts)
-    return {name: {"nodes": nodes[name], "srun": srun_prefix(name, nodes[name], dep.slurm)} for name in COMPONENTS}
+    out = {name: {"nodes": nodes[name], "srun": srun_prefix(name, nodes[name], dep.slurm)} for name in COMPONENTS}
+    out["trainer"]["launcher"] = torchrun_args(parallel.world_size, nodes["trainer"], parallel.rdzv_port)
+    return out
 
 
 def submit(script_path: str, cwd: str | None = None) -> str:

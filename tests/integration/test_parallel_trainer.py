@@ -128,6 +128,38 @@ def test_two_tensor_parallel_ranks_match_one_process_and_resume_across_rank_coun
     _assert_close(r1, r_1tp, 1, TP_TOL)
 
 
+def test_two_torchrun_agents_meeting_over_c10d_match_one_process(runs):
+    """The launcher a trainer step on 2 Slurm nodes runs on each node (tasks/torchrun.py), here as two agents
+    on this host, one rank each: they meet at the first "node"'s c10d store, form one 2-rank job, and train
+    as the one process does."""
+    from tasks.torchrun import torchrun_args
+
+    base, r1, _, _ = runs
+    config, result = _setup(base / "nodes", 2), base / "rnodes.pt"
+    launcher = torchrun_args(2, ["127.0.0.1", "127.0.0.1"], free_port())
+    assert launcher[launcher.index("--nproc-per-node") + 1] == "1"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, *launcher, WORKER, str(config), "3", "0", str(result)]
+    agents = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+    try:
+        outputs = [a.communicate(timeout=300)[0].decode(errors="replace") for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    r = torch.load(result, weights_only=True)
+    assert r["world"] == 2
+    _assert_close(r1, r, 3)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_a_corrupted_dcp_shard_is_refused(runs):
     """Runs last: it corrupts the 1-process run's checkpoint the resume tests above read."""
     from engines.trainer import checkpoint

@@ -32,12 +32,14 @@ def _check(name: str, text: str) -> None:
 
 @pytest.mark.parametrize("nodes", [1, 2, 4])
 def test_rendered_job_matches_golden(nodes: int) -> None:
-    dep = load_run_config(PROFILES[nodes]).deployment
+    cfg = load_run_config(PROFILES[nodes])
+    dep = cfg.deployment
     assert dep.nodes == nodes
     script = render_sbatch(dep.slurm, dep.nodes, f"rollflow-{nodes}n", COMMAND, ENV, "/scratch/logs/slurm-%j.out")
     _check(f"slurm-{nodes}node.sbatch", script)
     hosts = [f"gpu{i:02d}" for i in range(1, nodes + 1)]
-    placement = {"symbolic": render_placement(dep), "hosts": render_placement(dep, hosts)}
+    parallel = cfg.trainer.parallel
+    placement = {"symbolic": render_placement(dep, parallel), "hosts": render_placement(dep, parallel, hosts)}
     _check(f"slurm-{nodes}node-placement.json", json.dumps(placement, indent=2) + "\n")
 
 
@@ -45,8 +47,28 @@ def test_layout_inference_first_trainer_rest_orchestrator_beside_trainer() -> No
     dep = load_run_config(PROFILES[4]).deployment
     nodes = place(dep, ["a", "b", "c", "d"])
     assert nodes["inference"] == ["a", "b"]
-    assert nodes["trainer"] == nodes["warmup"] == ["c", "d"]
-    assert nodes["orchestrator"] == ["c"]
+    assert nodes["trainer"] == ["c", "d"]
+    assert nodes["orchestrator"] == nodes["warmup"] == ["c"]  # the warm-up is one process
+
+
+def test_a_trainer_on_two_nodes_runs_one_torchrun_agent_per_node_meeting_on_the_first() -> None:
+    cfg = load_run_config(PROFILES[4])
+    trainer = render_placement(cfg.deployment, cfg.trainer.parallel, ["a", "b", "c", "d"])["trainer"]
+    assert trainer["srun"][2:6] == ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--nodelist=c,d"]
+    assert trainer["launcher"] == [
+        *("-m", "engines.trainer.torchrun", "--nnodes", "2", "--nproc-per-node", "4"),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", "c:29400", "--rdzv-id", "rollflow-trainer"),
+    ]
+    one = load_run_config(PROFILES[1])
+    assert render_placement(one.deployment, one.trainer.parallel)["trainer"]["launcher"] == []
+
+
+def test_trainer_ranks_must_fill_the_trainer_nodes() -> None:
+    with pytest.raises(ConfigError, match=r"world_size=6 must be a multiple of deployment.trainer_nodes=4"):
+        load_run_config(
+            [ROOT / "profiles/tiny-cpu.toml"],
+            [("deployment.nodes", "5"), ("deployment.trainer_nodes", "4"), ("trainer.parallel.world_size", "6")],
+        )
 
 
 def test_allocation_with_other_node_count_is_refused() -> None:
