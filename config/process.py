@@ -11,6 +11,7 @@ from config.envs import EnvSpec
 from config.inference import InferenceConfig
 from config.model import ModelConfig
 from config.orchestrator import OrchestratorConfig
+from config.parallel import ParallelConfig
 from config.run import RunConfig
 from config.storage import StorageConfig
 from config.tracking import TrackingConfig
@@ -68,6 +69,7 @@ class SFTProcessConfig(Strict):
     sft: SFTConfig
     num_threads: int
     seed: int
+    parallel: ParallelConfig = ParallelConfig()  # the warm-up's torchrun ranks (`warmup_parallel`)
     mode: Literal["sft"] = "sft"
 
 
@@ -88,6 +90,7 @@ def component_configs(
             sft=cfg.sft,
             num_threads=cfg.trainer.num_threads,
             seed=cfg.seed,
+            parallel=warmup_parallel(cfg),
         ),
         "inference": InferenceProcessConfig(
             run=paths, model=cfg.model, inference=cfg.inference, seed=cfg.seed, weight_broadcast=cfg.weight_broadcast
@@ -117,3 +120,14 @@ def component_configs(
             weight_broadcast=cfg.weight_broadcast,
         ),
     }
+
+
+def warmup_parallel(cfg: RunConfig) -> ParallelConfig:
+    """The warm-up's ranks: the trainer's ranks of one node (it runs on the first trainer node), as FSDP2
+    data parallelism only (any model shards that way); one process when it only publishes (`sft.steps =
+    0`) or adapts LoRA weights (one process, like the LoRA trainer)."""
+    p = cfg.trainer.parallel
+    world = p.world_size // cfg.deployment.trainer_nodes
+    if cfg.sft.steps == 0 or cfg.model.lora is not None:
+        world = 1
+    return ParallelConfig(world_size=world, backend=p.backend)

@@ -24,6 +24,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from config.process import warmup_parallel
 from config.run import RunConfig
 from flows.lease import hold_lease
 from flows.lifecycle import RunHandle, close_run, reopen_run, start_new_run
@@ -88,20 +89,21 @@ def _run_components(
     attempt: Attempt,
     logs: str,
     env: dict[str, dict[str, str]],
-    srun: dict,
+    placed: Placement,
     watch: WalltimeWatch,
     logger,
-    trainer_launcher: list[str] | None = None,
 ) -> None:
-    """Warm-up to completion if needed, then inference, orchestrator and trainer side by side. `srun`:
-    component -> job-step prefix inside a Slurm job, empty locally."""
+    """Warm-up to completion if needed, then inference, orchestrator and trainer side by side, where
+    `placed` puts them (srun job steps inside a Slurm job) and launched by torchrun where they have ranks."""
+    srun = placed.srun
     stop = threading.Event()
     watch.attach(stop)
     try:
         if attempt.needs_warmup:
             log = join(logs, "warmup.log")
             module, url = attempt.modules["warmup"], attempt.urls["sft"]
-            run_component("warmup", module, url, env["warmup"], log, stop, srun.get("warmup"))
+            launcher = placed.warmup_launcher
+            run_component("warmup", module, url, env["warmup"], log, stop, srun.get("warmup"), None, launcher)
             if stop.is_set():
                 raise ComponentFailed("stopped during the warm-up")
         watch.trainer_running.set()
@@ -115,7 +117,7 @@ def _run_components(
                 stop,
                 srun.get(name),
                 watch.checkpoint_request if name == "trainer" else None,
-                trainer_launcher if name == "trainer" else None,
+                placed.trainer_launcher if name == "trainer" else None,
             )
             for name in ("inference", "orchestrator", "trainer")
         }
@@ -132,16 +134,18 @@ class Placement:
     srun: dict[str, list[str]]  # component -> its job-step prefix; empty locally
     inference_node: str | None  # the host the orchestrator reaches inference on; None locally
     trainer_launcher: list[str]  # torchrun's arguments when the trainer has ranks (one agent per trainer node)
+    warmup_launcher: list[str]  # the warm-up's, on the first trainer node (config.process.warmup_parallel)
 
 
 def _placement(cfg: RunConfig, logger) -> Placement:
-    p = cfg.trainer.parallel
+    p, warmup = cfg.trainer.parallel, torchrun_args(warmup_parallel(cfg).world_size)
     nodes = allocation_nodes(cfg.deployment)
     if nodes is None:
-        return Placement({}, None, torchrun_args(p.world_size))
+        return Placement({}, None, torchrun_args(p.world_size), warmup)
     logger.info("Slurm placement: " + ", ".join(f"{k} on {','.join(v)}" for k, v in nodes.items()))
     srun = {name: srun_prefix(name, n, cfg.deployment.slurm) for name, n in nodes.items()}
-    return Placement(srun, nodes["inference"][0], torchrun_args(p.world_size, nodes["trainer"], p.rdzv_port))
+    trainer = torchrun_args(p.world_size, nodes["trainer"], p.rdzv_port)
+    return Placement(srun, nodes["inference"][0], trainer, warmup)
 
 
 def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: WalltimeWatch) -> None:
@@ -162,7 +166,7 @@ def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: W
         last_start = start
         try:
             env = _component_env(cfg, run.tracking_uri)
-            _run_components(attempt, logs, env, placed.srun, watch, logger, placed.trainer_launcher)
+            _run_components(attempt, logs, env, placed, watch, logger)
             return
         except ComponentFailed as exc:
             if watch.reached.is_set():

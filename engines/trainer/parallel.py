@@ -206,10 +206,14 @@ def local_share(batch: Batch, d: Dist) -> tuple[Batch, float]:
     the ranks left over get the first row as a stand-in, weight 0 (they must still run forward/backward)."""
     if not d.enabled:
         return batch, 1.0
-    rows = torch.tensor_split(torch.arange(batch.input_ids.shape[0]), d.dp_size)[d.dp_rank]
-    if len(rows) == 0:
-        return batch.select(torch.arange(1)), 0.0
-    return batch.select(rows), 1.0
+    rows, weight = local_rows(batch.input_ids.shape[0], d)
+    return batch.select(rows), weight
+
+
+def local_rows(n: int, d: Dist) -> tuple[torch.Tensor, float]:
+    """The indices of this rank's share of `n` rows and its loss weight (see `local_share`)."""
+    rows = torch.tensor_split(torch.arange(n), d.dp_size)[d.dp_rank]
+    return (rows, 1.0) if len(rows) else (torch.arange(1), 0.0)
 
 
 def even_micro_batches(mbs: Sequence[Any], weight: float, d: Dist) -> Iterator[tuple[Any, float]]:

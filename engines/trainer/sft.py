@@ -14,6 +14,7 @@ from engines import lora, modeldir
 from engines.envs import EnvMix
 from engines.episodes import demonstration_ids, is_multi_turn
 from engines.tokenizer import Tokenizer
+from engines.trainer import parallel
 from engines.trainer.batch import right_pad
 from engines.trainer.common import log, seed_everything
 from storage import weights
@@ -43,7 +44,10 @@ def sft_batch(mix: EnvMix, tok: Tokenizer, step: int, size: int) -> tuple[torch.
 
 
 def run_sft(cfg: SFTProcessConfig) -> None:
+    """The warm-up, in one process or on torchrun's ranks (`cfg.parallel`: FSDP2 over all of them, each
+    rank a slice of every batch; rank 0 publishes)."""
     seed_everything(cfg.seed, cfg.num_threads)
+    dist = parallel.init(cfg.parallel)
     fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
     loaded = modeldir.load(cfg.model, pretrained=True)
     tok, model = loaded.tokenizer, loaded.model
@@ -52,22 +56,39 @@ def run_sft(cfg: SFTProcessConfig) -> None:
     if lora.attach_to(model, adapters, train=True):
         trainable, total = lora.trainable_fraction(model)
         log.info(f"LoRA warm-up: {trainable} of {total} parameters train ({trainable / total:.2%})")
+    parallel.parallelize(model, dist, cfg.parallel, loaded.source.impl)
     mix = EnvMix(cfg.envs, cfg.seed, tok.prompt_style)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft.lr)
     for step in range(1, cfg.sft.steps + 1):
-        ids, mask = sft_batch(mix, tok, step, cfg.sft.batch_size)
-        logits = model(ids)[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (nll * mask).sum() / mask.sum()
+        ids, mask = sft_batch(mix, tok, step, cfg.sft.batch_size)  # the whole batch, the same on every rank
+        rows, weight = parallel.local_rows(ids.shape[0], dist)
+        loss = weight * sft_loss(model, ids[rows].to(dist.device), mask[rows].to(dist.device), mask.sum())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # gradients summed over the ranks: each loss is already over the whole batch's tokens
         opt.step()
         if step % 10 == 0 or step == cfg.sft.steps:
-            log.info(f"warm-up step {step}/{cfg.sft.steps} | loss {loss.item():.3f}")
+            total_loss = parallel.all_reduce([loss.item()], dist)[0]
+            log.info(f"warm-up step {step}/{cfg.sft.steps} | loss {total_loss:.3f}")
+    state = parallel.full_state_dict(model, dist) if adapters is None else {}  # a collective with ranks
+    if dist.is_main:
+        publish_version_0(model, loaded, adapters, state, fs, root)
+    parallel.barrier(dist)
+    parallel.shutdown(dist)
+
+
+def sft_loss(model, ids: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Summed next-token loss on the masked tokens of these rows, over `tokens` (the whole batch's count)."""
+    logits = model(ids)[:, :-1]
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    return (nll * mask).sum() / tokens
+
+
+def publish_version_0(model, loaded, adapters, state: dict, fs, root: str) -> None:
+    """Version 0 and the run's tokenizer (`state`: the full weights, gathered on rank 0 with ranks)."""
     files = loaded.publication_files()
     save_tokenizer(files, fs, join(root, "tokenizer"))
     if adapters is None:
-        weights.publish(fs, root, 0, model.eval().publishable_state_dict(), files)
+        weights.publish(fs, root, 0, state, files)
     else:  # version 0 is the merged model (the base of the RL adapters), with the raw warm-up adapter beside it
         raw = {
             f"adapter/{n}": b for n, b in lora.peft_files(model.eval(), adapters, str(loaded.source.directory)).items()

@@ -152,6 +152,43 @@ def test_two_torchrun_agents_meeting_over_c10d_match_one_process(runs):
     _assert_close(r1, r, 3)
 
 
+def test_the_warm_up_on_two_ranks_publishes_what_one_process_does(tmp_path):
+    """The warm-up (SFT) with trainer.parallel.world_size = 2: FSDP2 over 2 gloo ranks under torchrun, each
+    rank half of every batch; version 0 as rank 0 publishes it equals the one process's."""
+    from config.process import component_configs
+    from config.run import RunConfig
+    from storage import weights
+    from storage.fs import get_fs
+    from tasks.torchrun import torchrun_args
+
+    published = {}
+    for world in (1, 2):
+        out = tmp_path / f"w{world}"
+        cfg = RunConfig.model_validate(
+            {
+                "output_dir": str(out),
+                "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2},
+                "sft": {"steps": 4, "batch_size": 7},  # 4 + 3 rows over 2 ranks
+                "trainer": {"parallel": {"world_size": world}},
+            }
+        )
+        sft = component_configs(cfg, "warm-up", "http://127.0.0.1:9")["sft"]
+        assert sft.parallel.world_size == world  # type: ignore[attr-defined]
+        path = tmp_path / f"sft-{world}.json"
+        path.write_text(sft.model_dump_json())
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        argv = [sys.executable, *torchrun_args(world), "-m", "engines.trainer", "--config", str(path)]
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        fs, root = get_fs(str(out))
+        published[world] = weights.load(fs, weights.version_dir(root, 0))
+    one, two = published[1], published[2]
+    assert one.keys() == two.keys()
+    worst = max(_rel(one[k], two[k]) for k in one)
+    print(f"warm-up 2 ranks vs 1: worst weight rel diff {worst:.2e}")
+    assert worst < TOL, worst
+
+
 def free_port() -> int:
     import socket
 
