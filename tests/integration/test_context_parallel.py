@@ -1,8 +1,9 @@
 """Context parallelism on 2 gloo ranks under torchrun (cp = 2: each rank trains on half of every row's
 tokens, keys and values all-gathered per layer) against 1 plain process: same weights, seed and batches
 of 5 to 15 token samples -> same losses, gradient norms and updated weights, with packed rows (several
-samples per row, block-diagonal mask across the ranks' chunks) and with one sample per row; and the
-cp = 2 run's DCP checkpoint resumes on 1 process where the uninterrupted run goes.
+samples per row, block-diagonal mask across the ranks' chunks) and with one sample per row; and DCP
+checkpoints resume across the layouts (cp = 2 -> 1 process, 1 process -> cp = 2) where the uninterrupted
+run goes.
 
 Tolerance as for FSDP2 (tests/integration/test_parallel_trainer.py): 1e-5 relative; measured ~2e-6 on
 the weights (docs/benchmarks.md). The split changes the order of the sums (attention over gathered keys,
@@ -46,7 +47,7 @@ def test_two_context_parallel_ranks_match_one_process(cp_runs, layout):
     print(f"  worst weight {worst:.1e}")
 
 
-def test_a_context_parallel_checkpoint_resumes_on_one_process(cp_runs):
+def test_a_context_parallel_checkpoint_resumes_on_one_process_and_back(cp_runs):
     base, runs = cp_runs
     manifest = json.loads((base / "cp-packed/checkpoints/step=000002/trainer/_manifest.json").read_text())
     assert {"optimizer/.metadata", "optimizer/__0_0.distcp", "optimizer/__1_0.distcp"} <= manifest["files"].keys()
@@ -55,6 +56,12 @@ def test_a_context_parallel_checkpoint_resumes_on_one_process(cp_runs):
     worst = _assert_close(runs["packed", 1], resumed, 1)
     loss = _rel(runs["packed", 1], resumed, "losses")
     print(f"cp=2 checkpoint -> 1 process, step 3: loss {loss}, weight {worst:.1e}")
+    # 1 -> 2: the one-process checkpoint, resumed by 2 cp ranks
+    config = _setup(base / "one-packed", 2, 2, source=base / "one-packed", packing=True, **CP)
+    resumed = _train(config, 2, 3, 0, base / "cp-from-one.pt", varied=True)
+    worst = _assert_close(runs["packed", 1], resumed, 1)
+    loss = _rel(runs["packed", 1], resumed, "losses")
+    print(f"1-process checkpoint -> cp=2, step 3: loss {loss}, weight {worst:.1e}")
 
 
 def _rel(a: dict, b: dict, key: str) -> str:
