@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from config.parallel import ParallelConfig
+from config.parallel import ParallelConfig, check_cp
 from engines.trainer.batch import Batch, PackedBatch
 
 PAD_ID = 0  # any valid token id: padded positions are never scored and attend only to themselves
@@ -55,16 +55,11 @@ class CPShard(PackedBatch):
 
 
 def refuse_unsupported(p: ParallelConfig, model: nn.Module) -> None:
-    """cp runs with FSDP2/HSDP on dense models; not with tensor parallelism or MoE (their routing records are
-    [rows, tokens, ...] and would need the same sharding; not built)."""
-    if p.cp == 1:
-        return
-    if p.tp > 1 or model.cfg.num_experts:  # type: ignore[union-attr]
-        raise SystemExit(
-            f"trainer.parallel cp={p.cp} runs with data parallelism (dp_shard, dp_replicate) on dense models; "
-            f"got tp={p.tp}, model.num_experts={model.cfg.num_experts}: set cp = 1, or tp = 1 "  # type: ignore[union-attr]
-            "on a dense model (docs/parallelism.md)"
-        )
+    """At trainer start too (a `model.path` model's shape is known only now): `check_cp`'s rule."""
+    try:
+        check_cp(p, model.cfg)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def to_packed_layout(mb: Batch | PackedBatch) -> PackedBatch:
@@ -73,14 +68,15 @@ def to_packed_layout(mb: Batch | PackedBatch) -> PackedBatch:
     if isinstance(mb, PackedBatch):
         return mb
     rows, length = mb.input_ids.shape
+    device = mb.input_ids.device
 
     def per_token(t: torch.Tensor) -> torch.Tensor:
         return t[:, None].expand(rows, length).contiguous()
 
     return PackedBatch(
         input_ids=mb.input_ids,
-        positions=torch.arange(length).expand(rows, length).contiguous(),
-        segments=torch.zeros(rows, length, dtype=torch.long),
+        positions=torch.arange(length, device=device).expand(rows, length).contiguous(),
+        segments=torch.zeros(rows, length, dtype=torch.long, device=device),
         targets=F.pad(mb.targets, (0, 1), value=PAD_ID),
         loss_mask=F.pad(mb.loss_mask, (0, 1)),
         sampler_logprobs=F.pad(mb.sampler_logprobs, (0, 1)),
