@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ from torch.overrides import TorchFunctionMode
 
 from config.parallel import ParallelConfig, check_cp
 from engines.trainer.batch import Batch, PackedBatch
+
+if TYPE_CHECKING:
+    from engines.trainer.parallel import Dist
 
 PAD_ID = 0  # any valid token id: padded positions are never scored and attend only to themselves
 
@@ -96,10 +99,10 @@ def _padded(mb: PackedBatch, multiple: int) -> PackedBatch:
     return PackedBatch(**{k: F.pad(v, (0, extra), value=fills.get(k, 0)) for k, v in fields.items()})
 
 
-def shard(mb: Batch | PackedBatch, d: Any) -> Batch | PackedBatch:
+def shard(mb: Batch | PackedBatch, d: Dist) -> Batch | PackedBatch:
     """This rank's part of every row of `mb` (torchtitan's `cp_shard`, head-tail load balanced); `mb`
     unchanged without context parallelism."""
-    if getattr(d, "cp", 1) == 1:
+    if d.cp == 1:
         return mb
     from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
@@ -168,9 +171,9 @@ class _GatherKV(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def gathered_kv(d: Any) -> Iterator[None]:
+def gathered_kv(d: Dist) -> Iterator[None]:
     """The forward of a `shard`ed micro-batch runs inside this; a no-op without context parallelism."""
-    if getattr(d, "cp", 1) == 1:
+    if d.cp == 1:
         yield
         return
     import torch.distributed as dist
