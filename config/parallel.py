@@ -94,9 +94,21 @@ def check_against_model(p: ParallelConfig, model: ModelConfig, impl: str) -> Non
         raise ValueError(f"trainer.parallel.ep={p.ep} needs a MoE model; model.num_experts = 0 (dense): set ep = 1")
     if p.ep > 1 and model.num_experts % p.ep:
         raise ValueError(f"trainer.parallel.ep={p.ep} must divide model.num_experts={model.num_experts}")
+    check_cp(p, model)
     divisor = 2 * p.cp * p.tp  # torchtitan's seq_len_divisor: load-balanced CP cuts 2 * cp chunks
     if p.cp > 1 and model.max_seq_len % divisor:
         raise ValueError(
             f"trainer.parallel.cp={p.cp} needs model.max_seq_len divisible by 2 * cp * tp = {divisor}; "
             f"model.max_seq_len={model.max_seq_len}"
+        )
+
+
+def check_cp(p: ParallelConfig, model: ModelConfig) -> None:
+    """Context parallelism runs with FSDP2/HSDP on dense models: not with tensor parallelism, and not on MoE
+    models, whose routing records ([rows, tokens, ...]) would need the same split (neither built)."""
+    if p.cp > 1 and (p.tp > 1 or model.num_experts):
+        raise ValueError(
+            f"trainer.parallel cp={p.cp} runs with data parallelism (dp_shard, dp_replicate) on dense models; "
+            f"got tp={p.tp}, model.num_experts={model.num_experts}: set cp = 1, or tp = 1 on a dense model "
+            "(docs/parallelism.md)"
         )

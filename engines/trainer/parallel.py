@@ -38,6 +38,7 @@ class Dist:
     dp_size: int = 1
     device: torch.device = torch.device("cpu")
     dims: Any = None  # torchtitan ParallelDims (mesh built) when world > 1
+    cp: int = 1  # context parallel ranks splitting each row's tokens (engines/trainer/context_parallel.py)
 
     @property
     def is_main(self) -> bool:
@@ -112,7 +113,7 @@ def init(p: ParallelConfig) -> Dist:
     )  # fmt: skip
     dims.build_mesh()
     # Ranks are laid out (batch, cp, tp) row-major: cp and tp neighbours share a data-parallel rank.
-    return Dist(rank, world, rank // (p.cp * p.tp), p.dp_size, device, dims)
+    return Dist(rank, world, rank // (p.cp * p.tp), p.dp_size, device, dims, p.cp)
 
 
 def parallelize(model: nn.Module, d: Dist, p: ParallelConfig, impl: str = "custom") -> None:
@@ -149,10 +150,13 @@ def parallelize(model: nn.Module, d: Dist, p: ParallelConfig, impl: str = "custo
 
 
 def _refuse_unsupported(p: ParallelConfig, model: nn.Module) -> None:
-    """What the mesh could express but this trainer does not run (yet): CP, EP, TP mixed with data
-    parallelism, TP on MoE layers."""
+    """What the mesh could express but this trainer does not run (yet): EP, TP mixed with data
+    parallelism, TP on MoE layers, CP with TP or MoE."""
+    from engines.trainer import context_parallel
+
+    context_parallel.refuse_unsupported(p, model)
     tp_alone = p.tp == 1 or (p.dp_size == 1 and not model.cfg.num_experts)  # type: ignore[union-attr]
-    if p.cp > 1 or p.ep > 1 or not tp_alone:
+    if p.ep > 1 or not tp_alone:
         raise SystemExit(
             f"trainer.parallel tp={p.tp} cp={p.cp} ep={p.ep} dp_shard={p.shard_size} dp_replicate={p.dp_replicate}: "
             "this trainer applies data parallelism (FSDP2/HSDP), or tensor parallelism alone (world_size = tp, "
@@ -234,8 +238,8 @@ def to_device(mb: Any, device: torch.device) -> Any:
 
 
 def all_reduce(values: list[float], d: Dist, op: str = "sum") -> list[float]:
-    """Sum (or max) plain numbers over the data-parallel ranks (tp/cp neighbours hold the same rows and
-    count once); identity for one process."""
+    """Sum (or max) plain numbers over the ranks; tp neighbours hold the same rows and count once, cp
+    neighbours hold different tokens of them and add up. Identity for one process."""
     if not d.enabled:
         return values
     import torch.distributed as dist
@@ -243,7 +247,7 @@ def all_reduce(values: list[float], d: Dist, op: str = "sum") -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     if op != "max":
-        t /= d.world // d.dp_size
+        t /= d.world // (d.dp_size * d.cp)
     return t.tolist()
 
 

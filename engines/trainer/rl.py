@@ -14,7 +14,7 @@ import torch
 
 from config.process import TrainerProcessConfig
 from engines import lora, modeldir
-from engines.trainer import checkpoint, parallel
+from engines.trainer import checkpoint, context_parallel, parallel
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
 from engines.trainer.common import log, routing_for, seed_everything, train_logprobs
 from engines.trainer.loss import policy_loss
@@ -126,12 +126,15 @@ class RLTrainer:
         n_tokens = n_tokens or float(batch.loss_mask.sum().clamp(min=1))
         loss_sum = masked = kl_sum = nonfinite = replayed = 0.0
         lc = self.tcfg.loss
-        for mb, w in parallel.even_micro_batches(self.train_micro_batches(batch), weight, self.dist):
+        for full, w in parallel.even_micro_batches(self.train_micro_batches(batch), weight, self.dist):
+            mb = context_parallel.shard(full, self.dist)  # with cp: this rank's tokens of every row
             routing = routing_for(mb, self.tcfg.enable_router_replay)
             if routing is not None and routing.replay is not None:
                 replayed += float(((routing.replay[..., 0, 0] >= 0) & (_scoring(mb) > 0)).sum())
+            with context_parallel.gathered_kv(self.dist):
+                logprobs = train_logprobs(self.model, mb, routing)
             out = policy_loss(
-                train_logprobs(self.model, mb, routing),
+                logprobs,
                 mb.sampler_logprobs,
                 mb.advantages,
                 mb.loss_mask,

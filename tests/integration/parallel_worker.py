@@ -1,7 +1,8 @@
 """One trainer process of the parallelism tests: `python [-m torch.distributed.run ...] parallel_worker.py
-trainer.json STEPS CHECKPOINT_AT OUT`. It builds the real `RLTrainer` from `trainer.json` (torchrun's ranks
+trainer.json STEPS CHECKPOINT_AT OUT [varied]`. It builds the real `RLTrainer` from `trainer.json` (torchrun's ranks
 join a gloo group and shard with FSDP2; one process stays plain), trains on seeded synthetic batches for
-the steps after its version (the resumed checkpoint's or 0), checkpoints at CHECKPOINT_AT (0: never), and
+the steps after its version (the resumed checkpoint's or 0; `varied`: samples of 5 to 15 tokens, which
+packing puts several to a row), checkpoints at CHECKPOINT_AT (0: never), and
 rank 0 saves the losses, gradient norms and final full weights to OUT.
 """
 
@@ -18,12 +19,18 @@ from engines.trainer.rl import RLTrainer
 from storage.fs import read_json
 
 
-def synthetic_batch(step: int, vocab: int, rows: int = 7, length: int = 16) -> Batch:
+def synthetic_batch(step: int, vocab: int, rows: int = 7, length: int = 16, varied: bool = False) -> Batch:
     """The same rows on every rank and process for a given step: ids, completion mask, advantages."""
     g = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(4, vocab, (rows, length), generator=g)
     mask = torch.zeros(rows, length - 1)
     mask[:, length // 2 :] = 1.0
+    if varied:  # sample i has lengths[i] tokens, the second half of its targets completion tokens
+        lengths = [15, *torch.randint(5, 15, (rows - 1,), generator=g).tolist()]
+        mask.zero_()
+        for i, n in enumerate(lengths):
+            mask[i, n // 2 : n - 1] = 1.0
+            ids[i, n:] = 0
     return Batch(
         input_ids=ids,
         targets=ids[:, 1:],
@@ -37,12 +44,12 @@ def synthetic_batch(step: int, vocab: int, rows: int = 7, length: int = 16) -> B
     )
 
 
-def main(config: str, steps: int, checkpoint_at: int, out: str) -> None:
+def main(config: str, steps: int, checkpoint_at: int, out: str, varied: bool = False) -> None:
     trainer = RLTrainer(TrainerProcessConfig.model_validate(read_json(config)))
     d = trainer.dist
     losses, norms = [], []
     for step in range(trainer.version + 1, steps + 1):
-        batch = synthetic_batch(step, trainer.model.vocab_size)
+        batch = synthetic_batch(step, trainer.model.vocab_size, varied=varied)
         share, weight = parallel.local_share(batch, d)
         stats = trainer.train_on(share, float(batch.loss_mask.sum()), weight)
         losses.append(stats["loss"])
@@ -56,4 +63,4 @@ def main(config: str, steps: int, checkpoint_at: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:] == ["varied"])

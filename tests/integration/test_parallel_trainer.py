@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,11 @@ TP_TOL = 1e-4
 pytestmark = pytest.mark.slow
 
 
-def _setup(out: Path, world: int, resume_step: int | None = None, source: Path | None = None, tp: int = 1) -> Path:
+def _setup(
+    out: Path, world: int, resume_step: int | None = None, source: Path | None = None, tp: int = 1, **extra: object
+) -> Path:
     """A run directory with version 0 published (seed 0) and the trainer's config for `world` ranks
-    (`tp` of them splitting each layer: tensor parallelism)."""
+    (`tp` of them splitting each layer: tensor parallelism); `extra`: more trainer keys (packing, parallel.cp)."""
     from config.process import component_configs
     from config.run import RunConfig
     from engines import modeldir
@@ -42,7 +45,12 @@ def _setup(out: Path, world: int, resume_step: int | None = None, source: Path |
             "output_dir": str(root),
             "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128},
             # 7 rows split 4 + 3 over 2 ranks: 2 vs 1 micro-batches of 3, so the even-up path runs too
-            "trainer": {"micro_batch_size": 3, "measure_mismatch": False, "parallel": {"world_size": world, "tp": tp}},
+            "trainer": {
+                "micro_batch_size": 3,
+                "measure_mismatch": False,
+                **extra,
+                "parallel": {"world_size": world, "tp": tp, **extra.get("parallel", {})},  # type: ignore[dict-item]
+            },
         }
     )
     if source is None:
@@ -52,15 +60,17 @@ def _setup(out: Path, world: int, resume_step: int | None = None, source: Path |
         weights.publish(fs, r, 0, loaded.model.publishable_state_dict(), loaded.publication_files())
     trainer = component_configs(cfg, "parity", "http://127.0.0.1:9", resume_step=resume_step)["trainer"]
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"trainer-{world}-{tp}-{resume_step}.json"
+    path = out / f"trainer-{world}-{tp}-{resume_step}-{zlib.crc32(json.dumps(extra, sort_keys=True).encode()):08x}.json"
     path.write_text(trainer.model_dump_json())
     return path
 
 
-def _train(config: Path, world: int, steps: int, checkpoint_at: int, result: Path) -> dict:
+def _train(config: Path, world: int, steps: int, checkpoint_at: int, result: Path, varied: bool = False) -> dict:
+    """`varied`: samples of different lengths (so packing puts several in a row)."""
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)] if world > 1 else []
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, *launcher, WORKER, str(config), str(steps), str(checkpoint_at), str(result)]
+    argv += ["varied"] if varied else []
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(result, weights_only=True)

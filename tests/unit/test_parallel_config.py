@@ -56,6 +56,12 @@ def test_cp_needs_a_sequence_length_it_divides():
     _run({"world_size": 2, "cp": 2})  # max_seq_len 64
 
 
+def test_cp_runs_on_dense_models_without_tensor_parallelism():
+    _refused({"world_size": 4, "cp": 2, "tp": 2}, "trainer.parallel cp=2", "got tp=2", "set cp = 1")
+    _refused({"world_size": 2, "cp": 2}, "model.num_experts=4", **MOE)
+    _run({"world_size": 4, "cp": 2})  # dp_shard 2 x cp 2
+
+
 def test_hf_impl_gets_data_parallelism_only():
     for sizes in ({"tp": 2}, {"cp": 2}, {"ep": 2}):
         with pytest.raises(ValidationError, match='model.impl = "hf" supports only data parallelism'):
