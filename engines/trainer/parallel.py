@@ -128,9 +128,13 @@ def parallelize(model: nn.Module, d: Dist, p: ParallelConfig, impl: str = "custo
     if d.device.type == "cuda":
         model.to(d.device)
     _refuse_unsupported(p, model)
-    if p.tp > 1:
+    if p.tp > 1:  # first: FSDP2 then shards the tensor-parallel DTensors over the data-parallel ranks (2-D)
         apply_tp(model.weights_module(), d.dims.get_mesh("tp"))  # type: ignore[operator]
-        return
+    if p.dp_size > 1:
+        _apply_fsdp(model, d, p)
+
+
+def _apply_fsdp(model: nn.Module, d: Dist, p: ParallelConfig) -> None:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
@@ -150,17 +154,16 @@ def parallelize(model: nn.Module, d: Dist, p: ParallelConfig, impl: str = "custo
 
 
 def _refuse_unsupported(p: ParallelConfig, model: nn.Module) -> None:
-    """What the mesh could express but this trainer does not run (yet): EP, TP mixed with data
-    parallelism, TP on MoE layers, CP with TP or MoE."""
+    """What the mesh could express but this trainer does not run (yet): EP, TP on MoE layers, CP with TP
+    or MoE."""
     from engines.trainer import context_parallel
 
     context_parallel.refuse_unsupported(p, model)
-    tp_alone = p.tp == 1 or (p.dp_size == 1 and not model.cfg.num_experts)  # type: ignore[union-attr]
-    if p.ep > 1 or not tp_alone:
+    if p.ep > 1 or (p.tp > 1 and model.cfg.num_experts):  # type: ignore[union-attr]
         raise SystemExit(
             f"trainer.parallel tp={p.tp} cp={p.cp} ep={p.ep} dp_shard={p.shard_size} dp_replicate={p.dp_replicate}: "
-            "this trainer applies data parallelism (FSDP2/HSDP), or tensor parallelism alone (world_size = tp, "
-            "dense model), so far; see docs/parallelism.md"
+            "this trainer applies data parallelism (FSDP2/HSDP), with tensor parallelism on dense models, and "
+            "context parallelism; see docs/parallelism.md"
         )
 
 
@@ -180,21 +183,22 @@ def apply_tp(root: nn.Module, tp_mesh: Any) -> None:
     plan |= {name: RowwiseParallel() for name in _TP_ROWWISE}
     for layer in decoder_layers(root):
         parallelize_module(layer, tp_mesh, plan)
-        attn: Any = layer.self_attn
-        for norm in (attn.q_norm, attn.k_norm):  # per-head norms see only the local heads: sum their grads
-            if norm is not None:
-                norm.weight.register_hook(_summed_over(tp_mesh.get_group()))
 
 
-def _summed_over(group: Any) -> Any:
+def sum_head_norm_grads(model: nn.Module, d: Dist) -> None:
+    """Qwen3's per-head q_norm/k_norm weights are replicated over the tp ranks but each rank's gradient
+    covers only its own heads: sum them over the tp group (after FSDP2's reduction over the data-parallel
+    ranks, on each rank's shard), so every tp rank steps with the whole gradient."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=group)
-        return grad
-
-    return hook
+    group = d.dims.get_mesh("tp").get_group()
+    for layer in decoder_layers(model.weights_module()):  # type: ignore[operator]
+        attn: Any = layer.self_attn
+        for norm in (attn.q_norm, attn.k_norm):
+            grad = None if norm is None else norm.weight.grad
+            if grad is not None:
+                dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
 
 
 def decoder_layers(root: nn.Module) -> list[nn.Module]:
@@ -270,6 +274,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, d: Dist) -> float:
     if not d.enabled:
         return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
     if d.dims.tp_enabled:
+        sum_head_norm_grads(model, d)  # the gradients are whole only after this
         return _clip_mixed(list(model.parameters()), max_norm)
     from torchtitan.distributed.utils import clip_grad_norm_
 
@@ -277,15 +282,16 @@ def clip_grad_norm(model: nn.Module, max_norm: float, d: Dist) -> float:
 
 
 def _clip_mixed(params: list[nn.Parameter], max_norm: float) -> float:
-    """Tensor parallelism alone: sharded (DTensor) and replicated (plain) parameters, whose norms torch's
-    foreach kernels will not take in one list; the total counts each replicated gradient once."""
+    """With tensor parallelism: parameters on the tp mesh, on the 2-D (data-parallel, tp) mesh, on the
+    data-parallel mesh alone, or plain, whose norms torch's foreach kernels will not take in one list: one
+    norm per mesh, made whole over it; the total counts each replicated gradient once."""
     from torch.distributed.tensor import DTensor
 
-    groups: dict[bool, list[nn.Parameter]] = {True: [], False: []}
+    groups: dict[Any, list[nn.Parameter]] = {}
     for p in params:
         if p.grad is not None:
-            groups[isinstance(p.grad, DTensor)].append(p)
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in g]) for g in groups.values() if g]  # type: ignore[misc]
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in g]) for g in groups.values()]  # type: ignore[misc]
     total = torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]).norm()
     for g in groups.values():
         if g:

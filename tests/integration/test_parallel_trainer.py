@@ -29,7 +29,13 @@ pytestmark = pytest.mark.slow
 
 
 def _setup(
-    out: Path, world: int, resume_step: int | None = None, source: Path | None = None, tp: int = 1, **extra: object
+    out: Path,
+    world: int,
+    resume_step: int | None = None,
+    source: Path | None = None,
+    tp: int = 1,
+    qk_norm: bool = False,
+    **extra: object,
 ) -> Path:
     """A run directory with version 0 published (seed 0) and the trainer's config for `world` ranks
     (`tp` of them splitting each layer: tensor parallelism); `extra`: more trainer keys (packing, parallel.cp)."""
@@ -43,7 +49,10 @@ def _setup(
     cfg = RunConfig.model_validate(
         {
             "output_dir": str(root),
-            "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128},
+            "model": {
+                **{"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128},
+                "qk_norm": qk_norm,  # Qwen3's per-head norms: their gradients need the tp group's sum
+            },
             # 7 rows split 4 + 3 over 2 ranks: 2 vs 1 micro-batches of 3, so the even-up path runs too
             "trainer": {
                 "micro_batch_size": 3,
@@ -205,6 +214,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_tensor_parallel_with_fsdp2_on_a_qwen3_model_matches_one_process(runs):
+    """2-D: tp = 2 inside each of 2 FSDP2 shards (4 ranks), on a model with Qwen3's per-head q/k norms, and tp
+    alone on the same model, against one process; the 2-D run's checkpoint resumes on one process."""
+    base = runs[0]
+    one = _train(_setup(base / "qk1", 1, qk_norm=True), 1, 3, 2, base / "qk1.pt")
+    tp = _train(_setup(base / "qktp", 2, tp=2, qk_norm=True), 2, 3, 0, base / "qktp.pt")
+    worst_tp = _assert_close(one, tp, 3, TP_TOL)
+    two_d = _train(_setup(base / "qk2d", 4, tp=2, qk_norm=True), 4, 3, 2, base / "qk2d.pt")
+    worst = _assert_close(one, two_d, 3, TP_TOL)
+    assert all(abs(a - b) <= TOL * a for a, b in zip(one["grad_norms"], two_d["grad_norms"], strict=True))
+    print(f"parity qk_norm, tp=2: {worst_tp:.2e}; dp_shard=2 x tp=2: {worst:.2e}, losses {two_d['losses']}")
+    resumed = _train(_setup(base / "qk2d", 1, 2, source=base / "qk2d", qk_norm=True), 1, 3, 0, base / "qk2d1.pt")
+    _assert_close(one, resumed, 1, TP_TOL)
 
 
 def test_a_corrupted_dcp_shard_is_refused(runs):

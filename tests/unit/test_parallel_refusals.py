@@ -14,8 +14,10 @@ DENSE = SimpleNamespace(cfg=ModelConfig(hidden_size=64, num_layers=2, num_heads=
 MOE = SimpleNamespace(cfg=ModelConfig(num_experts=4, num_experts_per_tok=2, qk_norm=True))
 
 
-def test_tensor_parallelism_alone_and_context_parallelism_with_fsdp_on_a_dense_model_run():
+def test_tensor_and_context_parallelism_alone_or_with_fsdp_on_a_dense_model_run():
     _refuse_unsupported(ParallelConfig(world_size=2, tp=2), DENSE)  # type: ignore[arg-type]
+    _refuse_unsupported(ParallelConfig(world_size=4, tp=2), DENSE)  # type: ignore[arg-type]
+    _refuse_unsupported(ParallelConfig(world_size=4, tp=2, dp_replicate=2), DENSE)  # type: ignore[arg-type]
     _refuse_unsupported(ParallelConfig(world_size=4), DENSE)  # type: ignore[arg-type]
     _refuse_unsupported(ParallelConfig(world_size=2, cp=2), DENSE)  # type: ignore[arg-type]
     _refuse_unsupported(ParallelConfig(world_size=4, cp=2), DENSE)  # type: ignore[arg-type]
@@ -33,9 +35,8 @@ def test_context_parallelism_with_tp_or_moe_is_refused(sizes, model):
 @pytest.mark.parametrize(
     ("sizes", "model"),
     [
-        ({"world_size": 4, "tp": 2}, DENSE),  # tp x dp_shard
-        ({"world_size": 4, "tp": 2, "dp_replicate": 2}, DENSE),
         ({"world_size": 2, "tp": 2}, MOE),
+        ({"world_size": 4, "tp": 2}, MOE),
         ({"world_size": 2, "ep": 2}, MOE),
     ],
 )
