@@ -265,11 +265,23 @@ class Decoder:
             values, ids = logp.topk(min(max(self.alternatives.values()), logp.shape[-1]), dim=-1)
             alts = list(zip(ids.tolist(), values.tolist(), strict=True))
         stepped = self._record(tokens.tolist(), chosen.tolist(), eos.tolist(), full.tolist(), version, alts)
-        ended = [o for o in stepped if self.out[o].finished]
         rows.steps += 1
-        if ended:
-            rows.live &= ~torch.isin(rows.origin, torch.tensor(ended, dtype=rows.origin.dtype))
         self.tokens = tokens
+        self._end([o for o in stepped if self.out[o].finished])
+        return stepped
+
+    def drop(self, origins: list[int]) -> None:
+        """End these running rows now (their request was aborted): finish reason "abort", tokens so far."""
+        for o in origins:
+            self.out[o].finished, self.out[o].finish_reason = True, "abort"
+        self._end(origins)
+
+    def _end(self, ended: list[int]) -> None:
+        """Take finished rows out of the batch (their slots stay until the next compaction)."""
+        rows = self.rows
+        if not ended or rows is None:
+            return
+        rows.live &= ~torch.isin(rows.origin, torch.tensor(ended, dtype=rows.origin.dtype))
         for o in ended:
             c = self.out.pop(o)
             self.stops.pop(o, None)
@@ -280,7 +292,6 @@ class Decoder:
             self.rows, self.cache, self._filters = None, None, False  # the batch is empty: free its cache
         elif (~rows.live).sum() >= max(1, COMPACT_FRACTION * len(rows.live)):
             self._compact()
-        return stepped
 
     def _record(self, tokens: list[int], logprobs: list[float], eos: list[bool], full: list[bool], version: int, alts):
         """Append this step's token to every live row's completion (plain Python lists: no tensor indexing);

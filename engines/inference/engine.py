@@ -99,9 +99,10 @@ class Engine:
         self._cv = threading.Condition()
         self._queue: list[Request] = []
         self._pending: list[_PendingUpdate] = []
+        self._aborted: list[Request] = []  # running requests to drop before the next step
         self._busy = False
         self._stopped = False
-        self.stats = {"batches": 0, "joins": 0, "steps": 0, "sequences": 0, "tokens": 0, "updates": 0}
+        self.stats = {"batches": 0, "joins": 0, "steps": 0, "sequences": 0, "tokens": 0, "updates": 0, "aborted": 0}
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -110,6 +111,18 @@ class Engine:
             self._queue.append(request)
             self._cv.notify()
         return request.future
+
+    def abort(self, request: Request) -> None:
+        """Stop working on `request` (its client went away): a queued one leaves the queue, a running one's
+        rows leave the batch before the next step; its future resolves with the tokens drawn so far
+        (finish reason "abort"). A request already resolved is left as it is."""
+        with self._cv:
+            if request in self._queue:
+                self._queue.remove(request)
+                self.stats["aborted"] += 1
+                request.future.set_result([Completion(finish_reason="abort", finished=True) for _ in range(request.n)])
+            elif not request.future.done():
+                self._aborted.append(request)
 
     def update_weights(self, state_dict: dict, version: int, timeout: float = 600.0) -> int:
         """Apply new weights before the next decode step (or now if idle); returns the serving version.
@@ -193,6 +206,7 @@ class Engine:
         while decoder.live and not self._stopped:
             self._deliver(decoder.sample(version), running)
             self.stats["steps"] += 1
+            self._drop_aborted(decoder, running)
             version = self._between_steps()
             if decoder.live:
                 decoder.forward()
@@ -222,6 +236,21 @@ class Engine:
             entry = _Running(req, [c for _, c in rows], req.n)
             running.update({origin: (entry, i) for i, (origin, _) in enumerate(rows)})
             start += req.n
+
+    def _drop_aborted(self, decoder: Decoder, running: dict[int, tuple[_Running, int]]) -> None:
+        """Take the aborted requests' rows out of the batch and resolve them with what they have."""
+        with self._cv:
+            aborted, self._aborted = {id(r) for r in self._aborted}, []
+        if not aborted:
+            return
+        rows = [o for o, (entry, _) in running.items() if id(entry.request) in aborted]
+        decoder.drop(rows)
+        for o in rows:
+            entry, _ = running.pop(o)
+            entry.left -= 1
+            if entry.left == 0:
+                self.stats["aborted"] += 1
+                entry.request.future.set_result(entry.outs)
 
     def _deliver(self, stepped: list[int], running: dict[int, tuple[_Running, int]]) -> None:
         """Hand each request its new tokens; resolve the requests whose rows have all ended."""

@@ -16,6 +16,8 @@ import os
 import secrets
 import time
 
+from starlette.requests import Request  # light; FastAPI resolves route annotations from module globals
+
 from engines.inference import api
 
 log = logging.getLogger("rollflow.inference")
@@ -106,22 +108,22 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
         return api.ModelList(data=[card])
 
     @app.post("/v1/completions", responses=_errors(400, 404))
-    async def completions(req: api.CompletionRequest) -> api.CompletionResponse:
+    async def completions(req: api.CompletionRequest, http: Request) -> api.CompletionResponse:
         """Token ids or text in; with `stream=true` the answer is `text/event-stream` chunks instead."""
         ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         prepared = serving.prepare(req, ids, chat=False)
         if req.stream:
             return sse(prepared)  # type: ignore[return-value]
-        return serving.completion(prepared, await serving.run(prepared))
+        return serving.completion(prepared, await serving.run(prepared, http.is_disconnected))
 
     @app.post("/v1/chat/completions", responses=_errors(400, 404))
-    async def chat(req: api.ChatRequest) -> api.ChatResponse:
+    async def chat(req: api.ChatRequest, http: Request) -> api.ChatResponse:
         """Messages in (the tokenizer's chat template); with `stream=true`, `text/event-stream` chunks."""
         ids = tokenizer.render_messages([m.model_dump() for m in req.messages])
         prepared = serving.prepare(req, ids, chat=True)
         if req.stream:
             return sse(prepared)  # type: ignore[return-value]
-        return serving.chat(prepared, await serving.run(prepared))
+        return serving.chat(prepared, await serving.run(prepared, http.is_disconnected))
 
     @app.post("/update_weights", dependencies=[admin], responses=_errors(400, 401, 404, 409, 422))
     async def update_weights(req: api.UpdateWeightsRequest) -> api.UpdateWeightsResponse:

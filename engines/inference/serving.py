@@ -14,13 +14,15 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fastapi import HTTPException
 
 from engines.inference import api
 from engines.inference.engine import Completion, Engine, Request, TokenEvents
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 
 
 def cut(text: str, stops: list[str]) -> tuple[str, str | None]:
@@ -93,8 +95,20 @@ class Serving:
         )  # fmt: skip
         return Prepared(body, ids, request, chat)
 
-    async def run(self, p: Prepared) -> list[Completion]:
-        return await asyncio.wrap_future(self.engine.submit(p.request))
+    async def run(self, p: Prepared, gone: Callable[[], Awaitable[bool]] | None = None) -> list[Completion]:
+        """The request's completions. Cancelled (a streaming client went away), or `gone()` turning True
+        while it runs (a client that stopped waiting for its body), it is aborted in the engine."""
+        future = asyncio.wrap_future(self.engine.submit(p.request))
+        try:
+            while gone is not None and not future.done():
+                await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
+                if not future.done() and await gone():
+                    self.engine.abort(p.request)
+                    break
+            return await future
+        except asyncio.CancelledError:
+            self.engine.abort(p.request)
+            raise
 
     def _token(self, t: int) -> str:
         return self.tok.decode([t], skip_special=False)
@@ -184,6 +198,14 @@ class Serving:
 
         p.request.on_tokens = on_tokens
         done = asyncio.ensure_future(self.run(p))
+        try:
+            async for event in self._events(p, queue, done):
+                yield event
+        finally:  # the client went away (the server closes or cancels this generator): stop the work too
+            if not done.done():
+                self.engine.abort(p.request)
+
+    async def _events(self, p: Prepared, queue: asyncio.Queue, done: asyncio.Future) -> AsyncIterator[str]:
         texts = _Texts(self, p)
         if p.chat:
             yield texts.sse(texts.chat_first())

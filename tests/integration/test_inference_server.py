@@ -24,7 +24,8 @@ from storage import weights
 from storage.fs import get_fs
 
 TOKEN = "test-admin-token"
-MODEL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+# max_seq_len leaves room for requests long enough to be aborted half-way (test_a_client_that_goes_away_*)
+MODEL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_seq_len=1024)
 
 
 def _publish(root: str, version: int, seed: int) -> CausalLM:
@@ -314,3 +315,35 @@ def test_openai_errors_are_explicit(oai, server):
     paths = server[0].get("/openapi.json").json()["paths"]
     assert {"400", "404"} <= set(paths["/v1/completions"]["post"]["responses"])
     assert {"401", "409", "422"} <= set(paths["/update_weights"]["post"]["responses"])
+
+
+def _aborted_and_idle(client: httpx.Client, aborted: int) -> dict:
+    """Wait (bounded) until the engine has aborted `aborted` requests and stopped producing tokens."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = client.get("/health").json()["stats"]
+        if stats["aborted"] >= aborted:
+            time.sleep(0.5)
+            later = client.get("/health").json()["stats"]
+            if later["tokens"] == stats["tokens"]:
+                return later
+        time.sleep(0.1)
+    raise AssertionError(f"the engine did not abort {aborted} request(s): {client.get('/health').json()}")
+
+
+def test_a_client_that_goes_away_stops_its_request(server):
+    """A streaming client that closes after the first chunk, and a client that stops waiting for a
+    non-streamed body: their requests (64 rows x 1000 tokens each) leave the batch instead of running on."""
+    client, _, _ = server
+    before = client.get("/health").json()["stats"]
+    body = {"prompt": [1, 5], "n": 64, "max_tokens": 1000, "ignore_eos": True}
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first token's chunk, then the client hangs up
+    stats = _aborted_and_idle(client, before["aborted"] + 1)
+    assert stats["tokens"] - before["tokens"] < 64 * 1000 / 2
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=client.base_url, timeout=1.0) as impatient:
+        impatient.post("/v1/completions", json=body)
+    after = _aborted_and_idle(client, before["aborted"] + 2)
+    assert after["tokens"] - stats["tokens"] < 64 * 1000 / 2
+    assert client.post("/v1/completions", json={"prompt": [1, 5], "max_tokens": 2}).status_code == 200

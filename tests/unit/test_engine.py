@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -196,3 +197,38 @@ def test_an_update_mid_request_is_applied_between_steps_and_recorded(engine):
     served = torch.tensor(c.logprobs)
     assert torch.allclose(served[:3], old_lp[:3], atol=1e-5)
     assert not torch.allclose(served[-5:], old_lp[-5:], atol=1e-3)
+
+
+def test_an_aborted_request_leaves_the_batch_and_the_others_draw_what_they_draw_alone(engine):
+    """Abort (its client went away) after its first token: its rows end with finish reason "abort" and the
+    tokens drawn so far; the request beside it runs to its end with the tokens it draws alone."""
+    prompt = TOK.encode("rev:abc=")
+    reference = engine.submit(Request(prompt, n=2, max_tokens=20, temperature=1.0, seed=7, ignore_eos=True))
+    expected = [c.token_ids for c in reference.result(timeout=30)]
+    doomed = Request(prompt, n=3, max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
+    doomed.on_tokens = lambda events: engine.abort(doomed)  # called on the engine thread after each step
+    kept = Request(prompt, n=2, max_tokens=20, temperature=1.0, seed=7, ignore_eos=True)
+    futures = [engine.submit(doomed), engine.submit(kept)]
+    cut, whole = (f.result(timeout=30) for f in futures)
+    assert [c.finish_reason for c in cut] == ["abort"] * 3
+    assert all(1 <= len(c.token_ids) < 40 for c in cut)
+    assert [c.token_ids for c in whole] == expected and all(c.finish_reason == "length" for c in whole)
+    assert engine.stats["aborted"] == 1
+
+
+def test_a_queued_request_that_is_aborted_never_runs():
+    e = Engine(_model(0), 0, TOK.eos_id, TOK.pad_id, max_batch_size=2, seed=0)
+    try:
+        running = Request(TOK.encode("rev:ab="), n=2, max_tokens=30, temperature=1.0, ignore_eos=True)
+        waiting = Request(TOK.encode("rev:ab="), n=2, max_tokens=30, temperature=1.0, ignore_eos=True)
+        submitted = threading.Event()
+        # the batch is full, so `waiting` is still queued when `running`'s next tokens arrive
+        running.on_tokens = lambda events: e.abort(waiting) if submitted.is_set() else None
+        e.submit(running)
+        e.submit(waiting)
+        submitted.set()
+        outs = waiting.future.result(timeout=30)
+        assert [c.finish_reason for c in outs] == ["abort", "abort"] and all(not c.token_ids for c in outs)
+        assert len(running.future.result(timeout=30)[0].token_ids) == 30
+    finally:
+        e.stop()
