@@ -19,6 +19,12 @@ def test_tensor_parallelism_alone_on_a_dense_model_runs():
     _refuse_unsupported(ParallelConfig(world_size=4), DENSE)  # type: ignore[arg-type]
 
 
+def test_expert_parallelism_with_data_parallelism_runs():
+    _refuse_unsupported(ParallelConfig(world_size=2, ep=2), MOE)  # type: ignore[arg-type]
+    _refuse_unsupported(ParallelConfig(world_size=4, ep=2), MOE)  # type: ignore[arg-type]  # efsdp = 2
+    _refuse_unsupported(ParallelConfig(world_size=4, ep=2, dp_replicate=2), MOE)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("sizes", "model"),
     [
@@ -26,7 +32,8 @@ def test_tensor_parallelism_alone_on_a_dense_model_runs():
         ({"world_size": 4, "tp": 2, "dp_replicate": 2}, DENSE),
         ({"world_size": 2, "tp": 2}, MOE),
         ({"world_size": 2, "cp": 2}, DENSE),
-        ({"world_size": 2, "ep": 2}, MOE),
+        ({"world_size": 4, "tp": 2, "ep": 2}, MOE),  # EP with TP
+        ({"world_size": 4, "cp": 2, "ep": 2}, MOE),  # EP with CP
     ],
 )
 def test_other_combinations_are_refused_with_their_sizes(sizes, model):
