@@ -36,7 +36,8 @@ class Elsewhere(nn.Module):
 
 class Exchange:
     """The expert half of one `SparseMoeBlock` forward under EP: `(block, x [N, H], ids [N, k], weights [N, k])
-    -> [N, H]`, through torchtitan's all-to-all dispatcher over the `ep` mesh."""
+    -> [N, H]`, through torchtitan's all-to-all dispatcher over the `ep` mesh. `routed` counts the tokens
+    each local expert received since the last `drop_unrouted_grads`."""
 
     def __init__(self, num_experts: int, top_k: int, ep_mesh: Any, local: range):
         from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
@@ -44,16 +45,21 @@ class Exchange:
         self.num_experts, self.local = num_experts, local
         self.dispatcher = AllToAllTokenDispatcher(AllToAllTokenDispatcher.Config(num_experts=num_experts, top_k=top_k))
         self.dispatcher.wire_meshes(ep_mesh=ep_mesh)
+        self.routed = torch.zeros(len(local), dtype=torch.int64)
 
-    def __call__(self, block: SparseMoeBlock, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Any:
+    def __call__(
+        self, block: SparseMoeBlock, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
         routed, per_local, meta = self.dispatcher.dispatch(x, weights, ids, counts)
-        outs = []
-        for e, chunk in zip(self.local, routed.split(per_local.tolist()), strict=True):
-            # An expert without tokens is not called (its gradient stays None, as on one process); its empty
-            # chunk keeps the output tied to `routed`, so every rank runs the backward all-to-alls.
-            outs.append(block.experts[e](chunk) if len(chunk) else chunk)
-        return self.dispatcher.combine(torch.cat(outs), meta, x)
+        self.routed += per_local.cpu()
+        # Every local expert runs, on an empty chunk too: each rank then builds the same autograd graph, so
+        # FSDP's hooks (and their collectives) fire in the same order on every rank. A skipped expert made
+        # one rank prefetch the previous layer (an all-gather) while its peer waited in the backward
+        # all-to-all: a deadlock, seen in a real run.
+        chunks = routed.split(per_local.tolist())
+        out = torch.cat([block.experts[e](c) for e, c in zip(self.local, chunks, strict=True)])
+        return self.dispatcher.combine(out, meta, x)
 
 
 def moe_blocks(root: nn.Module) -> list[SparseMoeBlock]:
@@ -109,12 +115,33 @@ def gather_experts(root: nn.Module, d: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def drop_unrouted_grads(root: nn.Module, d: Any) -> None:
+    """No gradient for an expert no token reached in the step (over every rank sharing it): on one process such
+    an expert is never called, so AdamW leaves it alone (no weight decay, no step count); here it ran on an
+    empty chunk and holds a zero gradient. Resets the token counts for the next step."""
+    import torch.distributed as dist
+
+    efsdp = d.dims.get_mesh("efsdp")
+    for block in moe_blocks(root):
+        exchange: Exchange = block.exchange  # type: ignore[assignment]
+        routed = exchange.routed.to(d.device)
+        if efsdp.size() > 1:
+            dist.all_reduce(routed, group=efsdp.get_group())
+        for e, n in zip(exchange.local, routed.tolist(), strict=True):
+            if n == 0:
+                for p in block.experts[e].parameters():
+                    p.grad = None
+        exchange.routed.zero_()
+
+
 def clip_grad_norm(model: nn.Module, max_norm: float, d: Any) -> float:
     """Global gradient norm with EP: the dense gradients' norm over `fsdp`, the experts' over `efsdp` and then
-    summed over the `ep` group (each rank holds different experts, so each expert counts once)."""
+    summed over the `ep` group (each rank holds different experts, so each expert counts once). Runs after
+    the step's backward passes, so it first drops the gradients of experts no token reached."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    drop_unrouted_grads(model.weights_module(), d)  # type: ignore[operator]
     groups: dict[bool, list[nn.Parameter]] = {True: [], False: []}
     for name, p in model.weights_module().named_parameters():  # type: ignore[operator]
         if p.grad is not None:

@@ -40,7 +40,14 @@ def _setup(out: Path, world: int, ep: int, resume_step: int | None = None, sourc
             "output_dir": str(root),
             "model": MODEL,
             # 7 rows split 4 + 3 over 2 ranks: 2 vs 1 micro-batches of 3 (a zero-weight stand-in dispatches too)
-            "trainer": {"micro_batch_size": 3, "measure_mismatch": False, "parallel": parallel},
+            # router replay sends every token of layer 0 to experts 0, 1 from step 2 on (parallel_worker.py):
+            # experts 2, 3 there get no gradient, as on one process
+            "trainer": {
+                "micro_batch_size": 3,
+                "measure_mismatch": False,
+                "parallel": parallel,
+                "enable_router_replay": True,
+            },
         }
     )
     if source is None:
