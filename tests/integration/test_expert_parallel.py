@@ -1,7 +1,8 @@
 """Expert parallelism on 2 gloo ranks under torchrun (ep = 2: each rank holds half of every layer's experts,
 torchtitan's all-to-all token dispatcher moves the routed tokens) against 1 plain process: same weights, seed
 and batches -> same losses, gradient norms and updated weights (every expert, gathered to rank 0 under its
-Hugging Face name); and the DCP checkpoints resume 2 -> 1 and 1 -> 2 ranks where the straight run goes.
+Hugging Face name); the DCP checkpoints resume 2 -> 1 and 1 -> 2 ranks where the straight run goes; and the
+short tiny-moe-cpu run goes through the real `rollflow rl` flow with its trainer as 2 expert-parallel ranks.
 
 Tolerance as for FSDP2 (test_parallel_trainer.py): 1e-5 relative on losses and on each tensor's norm of
 difference; the measured figures are in docs/benchmarks.md.
@@ -14,8 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tests.integration.test_parallel_trainer import TOL, _assert_close, _train
+from conftest import start_cli
+from safetensors.torch import load_file
+from test_moe_run import ARGS, _assert_replay_in_effect, _assert_routing_payloads
+from test_parallel_trainer import TOL, _assert_close, _train
 
 pytestmark = pytest.mark.slow
 
@@ -98,3 +101,17 @@ def test_an_expert_parallel_checkpoint_resumes_on_one_process_and_back(runs):
     _assert_close(r1, r21, 1)
     r12 = _train(_setup(base / "one", 2, 2, 2, source=base / "one"), 2, 3, 0, base / "r12.pt")
     _assert_close(r1, r12, 1)
+
+
+def test_the_moe_flow_runs_with_an_expert_parallel_trainer(tmp_path, prefect_api):
+    """tiny-moe-cpu (shortened) through the real CLI with `--trainer.parallel.world-size 2 --trainer.parallel.ep 2`:
+    routing payloads committed, router replay in effect, every expert published."""
+    out, log = tmp_path / "run", tmp_path / "cli.log"
+    parallel = ("--trainer.parallel.world-size", "2", "--trainer.parallel.ep", "2")
+    cli = start_cli(tmp_path, log, prefect_api, *ARGS, *parallel, "--output-dir", str(out))
+    assert cli.wait(300) == 0, log.read_text()[-3000:]
+    assert "engines.trainer.torchrun --standalone --nproc-per-node 2" in log.read_text()
+    _assert_routing_payloads(out)
+    _assert_replay_in_effect(out)
+    published = load_file(out / "weights" / "step=000004" / "model.safetensors")
+    assert sum(".mlp.experts." in k for k in published) == 3 * 4 * 3  # layers x experts x projections
