@@ -172,8 +172,8 @@ def _refuse_unsupported(p: ParallelConfig, model: nn.Module) -> None:
     if p.cp > 1 or not tp_alone:
         raise SystemExit(
             f"trainer.parallel tp={p.tp} cp={p.cp} ep={p.ep} dp_shard={p.shard_size} dp_replicate={p.dp_replicate}: "
-            "this trainer applies data parallelism (FSDP2/HSDP), or tensor parallelism alone (world_size = tp, "
-            "dense model), so far; see docs/parallelism.md"
+            "this trainer applies data parallelism (FSDP2/HSDP, with expert parallelism on MoE models), or tensor "
+            "parallelism alone (world_size = tp, dense model), so far; see docs/parallelism.md"
         )
 
 
