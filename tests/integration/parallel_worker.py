@@ -19,11 +19,13 @@ from storage.fs import read_json
 
 
 def synthetic_routes(step: int, rows: int, length: int, layers: int, k: int) -> torch.Tensor:
-    """Router replay from step 2 on: every token of the first MoE layer to experts 0..k-1 (the first expert-
-    parallel rank's), the other layers routed afresh (-1); so some experts get no token in a step."""
+    """Router replay sending every token to experts 0..k-1 (the first expert-parallel rank's): in the first MoE
+    layer always (its other experts never get a gradient, so AdamW holds no state for them), in the second
+    from step 2 on (its other experts keep AdamW state but get no gradient); -1 (route afresh) elsewhere."""
     routes = torch.full((rows, length, layers, k), -1, dtype=torch.long)
-    if step >= 2:
-        routes[:, :, 0] = torch.arange(k)
+    routes[:, :, 0] = torch.arange(k)
+    if step >= 2 and layers > 1:
+        routes[:, :, 1] = torch.arange(k)
     return routes
 
 
