@@ -19,6 +19,7 @@ A `Routing` passed through the model's forward carries the per-layer traffic:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,9 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.norm_topk_prob, self.index = top_k, norm_topk_prob, index
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts = nn.ModuleList([Expert(hidden, intermediate) for _ in range(num_experts)])
+        # Under expert parallelism: the all-to-all that runs the chosen experts on the ranks holding them
+        # (engines/trainer/expert_parallel.py); None runs them all here.
+        self.exchange: Callable[[SparseMoeBlock, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def route(self, x: torch.Tensor, replay: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(expert ids used [N, k], their gate weights [N, k] in x's dtype, this router's own top-k ids [N, k])
@@ -81,6 +85,8 @@ class SparseMoeBlock(nn.Module):
         ids, weights, own = self.route(flat, replay)
         if routing is not None:
             routing.fresh.append(own.view(b, t, self.top_k))
+        if self.exchange is not None:
+            return self.exchange(self, flat, ids, weights).view(b, t, h)
         out = torch.zeros_like(flat)
         for e in torch.unique(ids).tolist():
             token, slot = torch.where(ids == e)

@@ -129,23 +129,7 @@ def shard(mb: Batch | PackedBatch, d: Dist) -> Batch | PackedBatch:
 
 def _torchtitan_cp_shard() -> Any:
     """torchtitan's `cp_shard`. Its module imports torchtitan's attention modules, which import its GPU EP
-    kernels by name: on a CPU without triton the kernels module is a stub (parallel._torchtitan_on_cpu),
-    so names asked of it resolve to functions that refuse to run."""
-    import sys
-
-    stub = sys.modules.get("torchtitan.distributed.minimal_async_ep.kernels")
-    if stub is not None and not hasattr(stub, "__file__") and not hasattr(stub, "__getattr__"):
-
-        def missing(name: str) -> Any:
-            if name.startswith("__"):  # module introspection (__file__, __path__) sees a plain stub
-                raise AttributeError(name)
-
-            def kernel(*_: Any, **__: Any) -> None:
-                raise RuntimeError(f"torchtitan GPU kernel {name} needs triton (not installed)")
-
-            return kernel
-
-        stub.__getattr__ = missing  # type: ignore[method-assign]
+    kernels by name: on a CPU without triton they come from the stub `parallel.init` installed."""
     from torchtitan.distributed.context_parallel.api import cp_shard
 
     return cp_shard

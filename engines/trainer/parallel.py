@@ -57,12 +57,25 @@ def _torchtitan_on_cpu() -> None:
         try:
             import triton  # noqa: F401
         except ImportError:
-            sys.modules[name] = types.ModuleType(name)
+            sys.modules[name] = stub = types.ModuleType(name)
+            stub.__getattr__ = _no_kernel  # type: ignore[method-assign]  # names imported by its EP dispatchers
     # torchtitan's mesh gives size-1 axes the "fake" backend, which only this torch module registers.
     import torch.testing._internal.distributed.fake_pg  # noqa: F401
     import torchtitan.tools.utils as tt_utils
 
     tt_utils.device_type, tt_utils.device_module = "cpu", torch.cpu
+
+
+def _no_kernel(attr: str) -> Any:
+    """A name of the stubbed triton kernels module: importable (the all-to-all dispatcher's module imports the
+    symmetric-memory dispatcher's kernels), failing only if a GPU-only dispatcher calls it."""
+    if attr.startswith("__"):
+        raise AttributeError(attr)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"torchtitan's triton kernel {attr} needs triton (a GPU); not available here")
+
+    return kernel
 
 
 def _die_with_launcher() -> None:
@@ -143,6 +156,10 @@ def _apply_fsdp(model: nn.Module, d: Dist, p: ParallelConfig) -> None:
     if d.device.type == "cuda":  # bf16 compute, fp32 master weights and gradient reduction
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     root = model.weights_module()  # type: ignore[operator]
+    if p.ep > 1:  # the local experts first: their own FSDP units, excluded from their layer's
+        from engines.trainer import expert_parallel
+
+        expert_parallel.apply_ep(root, d, kwargs)
     for layer in decoder_layers(root):
         fully_shard(layer, **kwargs)
     fully_shard(root, **kwargs)
@@ -154,16 +171,16 @@ def _apply_fsdp(model: nn.Module, d: Dist, p: ParallelConfig) -> None:
 
 
 def _refuse_unsupported(p: ParallelConfig, model: nn.Module) -> None:
-    """What the mesh could express but this trainer does not run (yet): EP, TP on MoE layers, CP with TP
-    or MoE."""
+    """What the mesh could express but this trainer does not run (yet): TP on MoE layers (so also TP with
+    EP), CP with TP or on MoE models (so also CP with EP)."""
     from engines.trainer import context_parallel
 
     context_parallel.refuse_unsupported(p, model)
-    if p.ep > 1 or (p.tp > 1 and model.cfg.num_experts):  # type: ignore[union-attr]
+    if p.tp > 1 and model.cfg.num_experts:  # type: ignore[union-attr]
         raise SystemExit(
             f"trainer.parallel tp={p.tp} cp={p.cp} ep={p.ep} dp_shard={p.shard_size} dp_replicate={p.dp_replicate}: "
-            "this trainer applies data parallelism (FSDP2/HSDP), with tensor parallelism on dense models, and "
-            "context parallelism; see docs/parallelism.md"
+            "this trainer applies data parallelism (FSDP2/HSDP) to every model, with expert parallelism on MoE "
+            "models, and tensor or context parallelism on dense models; see docs/parallelism.md"
         )
 
 
@@ -264,6 +281,10 @@ def full_state_dict(model: nn.Module, d: Dist) -> dict[str, torch.Tensor]:
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     sd = get_model_state_dict(model.weights_module(), options=opts)  # type: ignore[operator]
+    if d.dims.ep_enabled:  # each rank holds its share of the experts: gather them all to rank 0
+        from engines.trainer import expert_parallel
+
+        sd |= expert_parallel.gather_experts(model.weights_module(), d)  # type: ignore[operator]
     if model.cfg.tie_word_embeddings:  # type: ignore[union-attr]
         sd.pop("lm_head.weight", None)
     return sd  # type: ignore[return-value]
@@ -276,9 +297,13 @@ def clip_grad_norm(model: nn.Module, max_norm: float, d: Dist) -> float:
     if d.dims.tp_enabled:
         sum_head_norm_grads(model, d)  # the gradients are whole only after this
         return _clip_mixed(list(model.parameters()), max_norm)
+    if d.dims.ep_enabled:  # torchtitan's EP variant expects its own DTensor experts on an `ep` mesh
+        from engines.trainer import expert_parallel
+
+        return expert_parallel.clip_grad_norm(model, max_norm, d)
     from torchtitan.distributed.utils import clip_grad_norm_
 
-    return float(clip_grad_norm_(list(model.parameters()), max_norm, ep_enabled=d.dims.ep_enabled))
+    return float(clip_grad_norm_(list(model.parameters()), max_norm))
 
 
 def _clip_mixed(params: list[nn.Parameter], max_norm: float) -> float:

@@ -19,8 +19,22 @@ from engines.trainer.rl import RLTrainer
 from storage.fs import read_json
 
 
-def synthetic_batch(step: int, vocab: int, rows: int = 7, length: int = 16, varied: bool = False) -> Batch:
-    """The same rows on every rank and process for a given step: ids, completion mask, advantages."""
+def synthetic_routes(step: int, rows: int, length: int, layers: int, k: int) -> torch.Tensor:
+    """Router replay sending every token to experts 0..k-1 (the first expert-parallel rank's): in the first MoE
+    layer always (its other experts never get a gradient, so AdamW holds no state for them), in the second
+    from step 2 on (its other experts keep AdamW state but get no gradient); -1 (route afresh) elsewhere."""
+    routes = torch.full((rows, length, layers, k), -1, dtype=torch.long)
+    routes[:, :, 0] = torch.arange(k)
+    if step >= 2 and layers > 1:
+        routes[:, :, 1] = torch.arange(k)
+    return routes
+
+
+def synthetic_batch(
+    step: int, vocab: int, rows: int = 7, length: int = 16, varied: bool = False, routes: tuple | None = None
+) -> Batch:
+    """The same rows on every rank and process for a given step: ids, completion mask, advantages; with
+    `routes` = (MoE layers, k) also the sampler's expert ids to replay."""
     g = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(4, vocab, (rows, length), generator=g)
     mask = torch.zeros(rows, length - 1)
@@ -41,6 +55,7 @@ def synthetic_batch(step: int, vocab: int, rows: int = 7, length: int = 16, vari
         temperatures=torch.ones(rows),
         versions=torch.full((rows,), step - 1),
         versions_end=torch.full((rows,), step - 1),
+        routes=None if routes is None else synthetic_routes(step, rows, length, *routes),
     )
 
 
@@ -48,8 +63,10 @@ def main(config: str, steps: int, checkpoint_at: int, out: str, varied: bool = F
     trainer = RLTrainer(TrainerProcessConfig.model_validate(read_json(config)))
     d = trainer.dist
     losses, norms = [], []
+    m = trainer.model.cfg
+    routes = (m.num_layers, m.num_experts_per_tok) if trainer.tcfg.enable_router_replay else None
     for step in range(trainer.version + 1, steps + 1):
-        batch = synthetic_batch(step, trainer.model.vocab_size, varied=varied)
+        batch = synthetic_batch(step, trainer.model.vocab_size, varied=varied, routes=routes)
         share, weight = parallel.local_share(batch, d)
         stats = trainer.train_on(share, float(batch.loss_mask.sum()), weight)
         losses.append(stats["loss"])

@@ -25,11 +25,21 @@ def test_tensor_and_context_parallelism_alone_or_with_fsdp_on_a_dense_model_run(
 
 @pytest.mark.parametrize(
     ("sizes", "model"),
-    [({"world_size": 4, "cp": 2, "tp": 2}, DENSE), ({"world_size": 2, "cp": 2}, MOE)],
+    [
+        ({"world_size": 4, "cp": 2, "tp": 2}, DENSE),
+        ({"world_size": 2, "cp": 2}, MOE),
+        ({"world_size": 4, "cp": 2, "ep": 2}, MOE),  # EP with CP
+    ],
 )
 def test_context_parallelism_with_tp_or_moe_is_refused(sizes, model):
     with pytest.raises(SystemExit, match=r"trainer.parallel cp=2 runs with data parallelism .* got tp=\d"):
         _refuse_unsupported(ParallelConfig(**sizes), model)
+
+
+def test_expert_parallelism_with_data_parallelism_runs():
+    _refuse_unsupported(ParallelConfig(world_size=2, ep=2), MOE)  # type: ignore[arg-type]
+    _refuse_unsupported(ParallelConfig(world_size=4, ep=2), MOE)  # type: ignore[arg-type]  # efsdp = 2
+    _refuse_unsupported(ParallelConfig(world_size=4, ep=2, dp_replicate=2), MOE)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -37,7 +47,7 @@ def test_context_parallelism_with_tp_or_moe_is_refused(sizes, model):
     [
         ({"world_size": 2, "tp": 2}, MOE),
         ({"world_size": 4, "tp": 2}, MOE),
-        ({"world_size": 2, "ep": 2}, MOE),
+        ({"world_size": 4, "tp": 2, "ep": 2}, MOE),  # EP with TP
     ],
 )
 def test_other_combinations_are_refused_with_their_sizes(sizes, model):
