@@ -61,6 +61,11 @@ class SparseMoeBlock(nn.Module):
         # Under expert parallelism: the all-to-all that runs the chosen experts on the ranks holding them
         # (engines/trainer/expert_parallel.py); None runs them all here.
         self.exchange: Callable[[SparseMoeBlock, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # Data-parallel (FSDP2) ranks: every expert runs, on no token too, so every rank reduces the same
+        # gradients; `routed` counts each expert's tokens until the trainer drops the gradients of those
+        # no rank routed to (engines/trainer/parallel.py), as one process would never have made them.
+        self.every_expert = False
+        self.routed = torch.zeros(num_experts, dtype=torch.int64)
 
     def route(self, x: torch.Tensor, replay: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(expert ids used [N, k], their gate weights [N, k] in x's dtype, this router's own top-k ids [N, k])
@@ -88,7 +93,11 @@ class SparseMoeBlock(nn.Module):
         if self.exchange is not None:
             return self.exchange(self, flat, ids, weights).view(b, t, h)
         out = torch.zeros_like(flat)
-        for e in torch.unique(ids).tolist():
+        experts = torch.unique(ids).tolist()
+        if self.every_expert and torch.is_grad_enabled():  # (a forward without backward needs neither)
+            self.routed += torch.bincount(ids.reshape(-1).cpu(), minlength=len(self.experts))
+            experts = list(range(len(self.experts)))
+        for e in experts:
             token, slot = torch.where(ids == e)
             y = self.experts[e](flat[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))

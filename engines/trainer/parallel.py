@@ -143,7 +143,7 @@ def parallelize(model: nn.Module, d: Dist, p: ParallelConfig, impl: str = "custo
     _refuse_unsupported(p, model)
     if p.tp > 1:  # first: FSDP2 then shards the tensor-parallel DTensors over the data-parallel ranks (2-D)
         apply_tp(model.weights_module(), d.dims.get_mesh("tp"))  # type: ignore[operator]
-    if p.dp_size > 1:
+    if p.world_size > p.tp:  # data-parallel or cp ranks (FSDP2's `fsdp` axis is dp_shard x cp)
         _apply_fsdp(model, d, p)
 
 
@@ -156,10 +156,12 @@ def _apply_fsdp(model: nn.Module, d: Dist, p: ParallelConfig) -> None:
     if d.device.type == "cuda":  # bf16 compute, fp32 master weights and gradient reduction
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     root = model.weights_module()  # type: ignore[operator]
-    if p.ep > 1:  # the local experts first: their own FSDP units, excluded from their layer's
-        from engines.trainer import expert_parallel
+    from engines.trainer import expert_parallel
 
+    if p.ep > 1:  # the local experts first: their own FSDP units, excluded from their layer's
         expert_parallel.apply_ep(root, d, kwargs)
+    for block in expert_parallel.moe_blocks(root):
+        block.every_expert = p.ep == 1  # (EP's exchange runs every local expert itself)
     for layer in decoder_layers(root):
         fully_shard(layer, **kwargs)
     fully_shard(root, **kwargs)
@@ -303,7 +305,28 @@ def clip_grad_norm(model: nn.Module, max_norm: float, d: Dist) -> float:
         return expert_parallel.clip_grad_norm(model, max_norm, d)
     from torchtitan.distributed.utils import clip_grad_norm_
 
+    drop_unrouted_expert_grads(model, d)
     return float(clip_grad_norm_(list(model.parameters()), max_norm))
+
+
+def drop_unrouted_expert_grads(model: nn.Module, d: Dist) -> None:
+    """After the step's backward passes on data-parallel ranks: no gradient for an expert that no rank routed
+    a token to (it ran on no tokens and holds zeros; on one process it was never called, so AdamW leaves it
+    alone: no decay, no momentum step). Resets the counts. EP has its own (expert_parallel)."""
+    if not d.enabled or d.dims.ep_enabled:
+        return
+    import torch.distributed as dist
+
+    from engines.trainer import expert_parallel
+
+    for block in expert_parallel.moe_blocks(model.weights_module()):  # type: ignore[operator]
+        routed = block.routed.to(d.device)
+        dist.all_reduce(routed)  # every rank is a data-parallel rank of a MoE model (no tp, no cp)
+        for expert, n in zip(block.experts, routed.tolist(), strict=True):
+            if n == 0:
+                for param in expert.parameters():
+                    param.grad = None
+        block.routed.zero_()
 
 
 def _clip_mixed(params: list[nn.Parameter], max_norm: float) -> float:

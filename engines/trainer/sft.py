@@ -65,6 +65,7 @@ def run_sft(cfg: SFTProcessConfig) -> None:
         loss = weight * sft_loss(model, ids[rows].to(dist.device), mask[rows].to(dist.device), mask.sum())
         opt.zero_grad(set_to_none=True)
         loss.backward()  # gradients summed over the ranks: each loss is already over the whole batch's tokens
+        parallel.drop_unrouted_expert_grads(model, dist)
         opt.step()
         if step % 10 == 0 or step == cfg.sft.steps:
             total_loss = parallel.all_reduce([loss.item()], dist)[0]

@@ -98,6 +98,16 @@ def test_two_expert_parallel_ranks_match_one_process(runs):
     assert still == {k for k in experts if k.split(".mlp.experts.")[1][0] in "23" and ".layers.0." in k}
 
 
+def test_fsdp2_without_expert_parallelism_matches_one_process(runs):
+    """ep = 1 on 2 FSDP2 ranks: every expert runs on each rank (on no tokens too, or the ranks' reduce-scatters
+    would differ in size and gloo aborts), and the experts no rank routed to get no gradient, as on one process."""
+    base, r1, _ = runs
+    dp = _train(_setup(base / "dp", 2, 1), 2, 3, 0, base / "rdp.pt")
+    worst = _assert_close(r1, dp, 3)
+    print(f"MoE, FSDP2 ep=1 vs 1: worst weight rel diff {worst:.2e}")
+    assert all(abs(a - b) <= TOL * a for a, b in zip(r1["grad_norms"], dp["grad_norms"], strict=True))
+
+
 def test_an_expert_parallel_checkpoint_resumes_on_one_process_and_back(runs):
     base, r1, _ = runs
     manifest = json.loads((base / "two/checkpoints/step=000002/trainer/_manifest.json").read_text())
