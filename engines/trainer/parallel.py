@@ -1,11 +1,14 @@
 """The trainer under torchrun: process group, torchtitan's device mesh, FSDP2 sharding, each rank's data.
 
 Data flow: `trainer.parallel` + torchrun's env (RANK, WORLD_SIZE) -> `init` (gloo on CPU, NCCL on GPU;
-torchtitan's `ParallelDims` builds the mesh) -> `parallelize` (torch's FSDP2 `fully_shard` per decoder
-layer and at the root, over the mesh's `fsdp` (+ `dp_replicate` for HSDP) axes; torchtitan's
+torchtitan's `ParallelDims` builds the mesh) -> `parallelize` (tensor parallelism first, over `tp`; MoE
+experts spread over `ep` (engines/trainer/expert_parallel.py); then torch's FSDP2 `fully_shard` per decoder
+layer and at the root, over the mesh's `fsdp` (dp_shard x cp, + `dp_replicate` for HSDP) axes; torchtitan's
 `disable_fsdp_gradient_division`, so gradients are summed: every rank's loss is already divided by the
-step's global token count) -> `local_share` (the rows of the step's batch this rank trains on) ->
-`full_state_dict` (all ranks gather, rank 0 keeps the weights to publish).
+step's global token count) -> `local_share` (the rows of the step's batch this rank trains on; with cp,
+engines/trainer/context_parallel.py splits each row's tokens) -> `clip_grad_norm` (first completes the
+gradients that need it: q/k norms over tp, unrouted experts dropped) -> `full_state_dict` (all ranks
+gather, rank 0 keeps the weights to publish).
 
 With `world_size = 1` nothing here touches torch.distributed: the trainer is the plain process it was.
 """
@@ -130,8 +133,8 @@ def init(p: ParallelConfig) -> Dist:
 
 
 def parallelize(model: nn.Module, d: Dist, p: ParallelConfig, impl: str = "custom") -> None:
-    """FSDP2 (HSDP with dp_replicate > 1) over `model`'s decoder layers and root, in place. Checks the sizes
-    against the loaded model first (a `model.path` model's shape is known only now)."""
+    """Tensor parallelism, expert parallelism and FSDP2 (HSDP with dp_replicate > 1) over `model`, in place.
+    Checks the sizes against the loaded model first (a `model.path` model's shape is known only now)."""
     if not d.enabled:
         return
     try:
