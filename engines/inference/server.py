@@ -95,8 +95,8 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
     serving = Serving(engine, tokenizer, model_name)
     started = int(time.time())
 
-    def sse(prepared):
-        return StreamingResponse(serving.stream(prepared), media_type="text/event-stream")
+    def sse(prepared, http: Request):
+        return StreamingResponse(serving.stream(prepared, http.is_disconnected), media_type="text/event-stream")
 
     @app.get("/health")
     def health() -> api.HealthResponse:
@@ -113,7 +113,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
         ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         prepared = serving.prepare(req, ids, chat=False)
         if req.stream:
-            return sse(prepared)  # type: ignore[return-value]
+            return sse(prepared, http)  # type: ignore[return-value]
         return serving.completion(prepared, await serving.run(prepared, http.is_disconnected))
 
     @app.post("/v1/chat/completions", responses=_errors(400, 404))
@@ -122,7 +122,7 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
         ids = tokenizer.render_messages([m.model_dump() for m in req.messages])
         prepared = serving.prepare(req, ids, chat=True)
         if req.stream:
-            return sse(prepared)  # type: ignore[return-value]
+            return sse(prepared, http)  # type: ignore[return-value]
         return serving.chat(prepared, await serving.run(prepared, http.is_disconnected))
 
     @app.post("/update_weights", dependencies=[admin], responses=_errors(400, 401, 404, 409, 422))

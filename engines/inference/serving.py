@@ -22,7 +22,7 @@ from fastapi import HTTPException
 from engines.inference import api
 from engines.inference.engine import Completion, Engine, Request, TokenEvents
 
-DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 
 def cut(text: str, stops: list[str]) -> tuple[str, str | None]:
@@ -188,8 +188,9 @@ class Serving:
     def _top_dict(self, alts: list[tuple[int, float]]) -> dict[str, float]:
         return {self._token(a): v for a, v in alts}
 
-    async def stream(self, p: Prepared) -> AsyncIterator[str]:
-        """The server-sent events of one request (see the module docstring)."""
+    async def stream(self, p: Prepared, gone: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[str]:
+        """The server-sent events of one request (see the module docstring). The request is aborted when the
+        server closes this generator early or `gone()` turns True (whichever notices the client leave first)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvents] = asyncio.Queue()
 
@@ -197,7 +198,7 @@ class Serving:
             loop.call_soon_threadsafe(queue.put_nowait, events)
 
         p.request.on_tokens = on_tokens
-        done = asyncio.ensure_future(self.run(p))
+        done = asyncio.ensure_future(self.run(p, gone))
         try:
             async for event in self._events(p, queue, done):
                 yield event
