@@ -343,7 +343,7 @@ def test_a_client_that_goes_away_stops_its_request(server):
         next(r.iter_lines())  # the first token's chunk, then the client hangs up
     stats = _aborted_and_idle(client, before["aborted"] + 1)
     assert stats["tokens"] - before["tokens"] < 256 * 1000 / 2
-    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=client.base_url, timeout=1.0) as impatient:
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=client.base_url, timeout=0.5) as impatient:
         impatient.post("/v1/completions", json=body)
     after = _aborted_and_idle(client, before["aborted"] + 2)
     assert after["tokens"] - stats["tokens"] < 256 * 1000 / 2

@@ -205,12 +205,14 @@ def test_a_cancellation_in_prefect_leaves_no_job_step_or_process(tmp_path, slurm
 
 def test_walltime_stops_the_job_and_resume_unfinished_carries_the_run_to_the_end(tmp_path, slurm_worker):
     runs = tmp_path / "runs"
-    # Longer than the job even on an idle machine (~1.4 s a step: ~110 s of work against a warning at 45-75 s);
-    # under load the first job does less and the resumed one the rest.
-    out, steps = runs / "a", 80
+    # Longer than the job's first minute even on an idle machine: a clean-clone CI run finished 80 steps (about
+    # 1 s each) before a warning at 75-105 s. 120 steps of >= 0.7 s plus start-up and warm-up (~15 s) outlast a
+    # warning at 45-75 s; under load the first job does less and the resumed one the rest.
+    out, steps = runs / "a", 120
     params = {"profiles": PROFILES, "output_dir": str(out), "overrides": {"max_steps": steps}}
-    # Slurm checks time limits about every 30 s: the warning comes 45-75 s after the start.
-    fr = _start("rl/rl-slurm", params, {"time_limit": "2", "signal_before_s": 45})
+    # Slurm checks time limits about every 30 s: with a 2-minute job the warning comes 45-75 s after the start,
+    # leaving the flow 45 s or more to checkpoint and stop before Slurm's kill.
+    fr = _start("rl/rl-slurm", params, {"time_limit": "2", "signal_before_s": 75})
     job_id = _job_id(fr.id)
     run, seen = _follow(fr.id, job_id, timeout_s=180)
     assert "rollflow-trainer" in seen
