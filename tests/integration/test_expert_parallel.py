@@ -18,7 +18,7 @@ import torch
 from conftest import start_cli
 from safetensors.torch import load_file
 from test_moe_run import ARGS, _assert_replay_in_effect, _assert_routing_payloads
-from test_parallel_trainer import TOL, _assert_close, _train
+from test_parallel_trainer import TOL, _assert_close, _train, write_trainer_config
 from torch.distributed.checkpoint import FileSystemReader
 
 pytestmark = pytest.mark.slow
@@ -34,11 +34,7 @@ MODEL = {
 
 def _setup(out: Path, world: int, ep: int, resume_step: int | None = None, source: Path | None = None) -> Path:
     """A run directory with the tiny MoE's version 0 published (seed 0) and the trainer's config."""
-    from config.process import component_configs
     from config.run import RunConfig
-    from engines import modeldir
-    from storage import weights
-    from storage.fs import Storage
 
     root = source or out
     parallel = {"world_size": world, "ep": ep}
@@ -57,16 +53,7 @@ def _setup(out: Path, world: int, ep: int, resume_step: int | None = None, sourc
             },
         }
     )
-    if source is None:
-        torch.manual_seed(0)
-        loaded = modeldir.load(cfg.model, pretrained=False)
-        fs, r = Storage(cfg.storage).open(str(root))
-        weights.publish(fs, r, 0, loaded.model.publishable_state_dict(), loaded.publication_files())
-    trainer = component_configs(cfg, "ep-parity", "http://127.0.0.1:9", resume_step=resume_step)["trainer"]
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"trainer-{world}-{ep}-{resume_step}.json"
-    path.write_text(trainer.model_dump_json())
-    return path
+    return write_trainer_config(cfg, out / f"trainer-{world}-{ep}-{resume_step}.json", resume_step, source is None)
 
 
 @pytest.fixture(scope="module")

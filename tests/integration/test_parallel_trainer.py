@@ -39,11 +39,7 @@ def _setup(
 ) -> Path:
     """A run directory with version 0 published (seed 0) and the trainer's config for `world` ranks
     (`tp` of them splitting each layer: tensor parallelism); `extra`: more trainer keys (packing, parallel.cp)."""
-    from config.process import component_configs
     from config.run import RunConfig
-    from engines import modeldir
-    from storage import weights
-    from storage.fs import Storage
 
     root = source or out
     cfg = RunConfig.model_validate(
@@ -62,14 +58,24 @@ def _setup(
             },
         }
     )
-    if source is None:
+    name = f"trainer-{world}-{tp}-{resume_step}-{zlib.crc32(json.dumps(extra, sort_keys=True).encode()):08x}.json"
+    return write_trainer_config(cfg, out / name, resume_step, publish=source is None)
+
+
+def write_trainer_config(cfg, path: Path, resume_step: int | None, publish: bool) -> Path:
+    """The trainer's config of `cfg` at `path`; with `publish`, first version 0 of `cfg.model` (seed 0)."""
+    from config.process import component_configs
+    from engines import modeldir
+    from storage import weights
+    from storage.fs import Storage
+
+    if publish:
         torch.manual_seed(0)
         loaded = modeldir.load(cfg.model, pretrained=False)
-        fs, r = Storage(cfg.storage).open(str(root))
+        fs, r = Storage(cfg.storage).open(cfg.output_dir)
         weights.publish(fs, r, 0, loaded.model.publishable_state_dict(), loaded.publication_files())
     trainer = component_configs(cfg, "parity", "http://127.0.0.1:9", resume_step=resume_step)["trainer"]
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"trainer-{world}-{tp}-{resume_step}-{zlib.crc32(json.dumps(extra, sort_keys=True).encode()):08x}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(trainer.model_dump_json())
     return path
 
