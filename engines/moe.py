@@ -62,8 +62,9 @@ class SparseMoeBlock(nn.Module):
         # (engines/trainer/expert_parallel.py); None runs them all here.
         self.exchange: Callable[[SparseMoeBlock, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         # Data-parallel (FSDP2) ranks: every expert runs, on no token too, so every rank reduces the same
-        # gradients; `routed` counts each expert's tokens until the trainer drops the gradients of those
-        # no rank routed to (engines/trainer/parallel.py), as one process would never have made them.
+        # gradients; `routed` counts each expert's tokens (here, or in EP's exchange) until the trainer drops
+        # the gradients of those no rank routed to (engines/trainer/expert_parallel.py `drop_unrouted_grads`),
+        # as one process would never have made them.
         self.every_expert = False
         self.routed = torch.zeros(num_experts, dtype=torch.int64)
 

@@ -36,8 +36,8 @@ class Elsewhere(nn.Module):
 
 class Exchange:
     """The expert half of one `SparseMoeBlock` forward under EP: `(block, x [N, H], ids [N, k], weights [N, k])
-    -> [N, H]`, through torchtitan's all-to-all dispatcher over the `ep` mesh. `routed` counts the tokens
-    each local expert received since the last `drop_unrouted_grads`."""
+    -> [N, H]`, through torchtitan's all-to-all dispatcher over the `ep` mesh. The tokens each local expert
+    received are added to the block's `routed` counts (see `drop_unrouted_grads`)."""
 
     def __init__(self, num_experts: int, top_k: int, ep_mesh: Any, local: range):
         from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
@@ -45,14 +45,14 @@ class Exchange:
         self.num_experts, self.local = num_experts, local
         self.dispatcher = AllToAllTokenDispatcher(AllToAllTokenDispatcher.Config(num_experts=num_experts, top_k=top_k))
         self.dispatcher.wire_meshes(ep_mesh=ep_mesh)
-        self.routed = torch.zeros(len(local), dtype=torch.int64)
 
     def __call__(
         self, block: SparseMoeBlock, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
         routed, per_local, meta = self.dispatcher.dispatch(x, weights, ids, counts)
-        self.routed += per_local.cpu()
+        if torch.is_grad_enabled():  # (a forward without backward makes no gradient to drop)
+            block.routed[self.local.start : self.local.stop] += per_local.cpu()
         # Every local expert runs, on an empty chunk too: each rank then builds the same autograd graph, so
         # FSDP's hooks (and their collectives) fire in the same order on every rank. A skipped expert made
         # one rank prefetch the previous layer (an all-gather) while its peer waited in the backward
@@ -74,8 +74,7 @@ def apply_ep(root: nn.Module, d: Any, fsdp_kwargs: dict[str, Any]) -> None:
 
     tt_dist.set_spmd_backend(d.dims.spmd_backend)  # the dispatcher then uses torch's all_to_all_single
     ep_mesh = d.dims.get_mesh("ep")
-    names = ["dp_replicate", "efsdp"] if d.dims.dp_replicate > 1 else "efsdp"
-    efsdp_mesh = d.dims.get_mesh(names)
+    efsdp_mesh = expert_mesh(d)
     ep_rank, ep = ep_mesh.get_local_rank(), ep_mesh.size()
     for block in moe_blocks(root):
         n = len(block.experts) // ep
@@ -115,23 +114,33 @@ def gather_experts(root: nn.Module, d: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def expert_mesh(d: Any) -> Any:
+    """The ranks an expert's gradient is reduced over: with EP, the expert data-parallel axis `efsdp` (x
+    `dp_replicate` for HSDP); without, FSDP2's data-parallel axes (MoE models run no tp or cp)."""
+    shard = "efsdp" if d.dims.ep_enabled else "fsdp"
+    return d.dims.get_mesh(["dp_replicate", shard] if d.dims.dp_replicate > 1 else shard)
+
+
 def drop_unrouted_grads(root: nn.Module, d: Any) -> None:
-    """No gradient for an expert no token reached in the step (over every rank sharing it): on one process such
-    an expert is never called, so AdamW leaves it alone (no weight decay, no step count); here it ran on an
-    empty chunk and holds a zero gradient. Resets the token counts for the next step."""
+    """After the step's backward passes: no gradient for an expert no token reached in the step on any rank
+    sharing its gradient. On one process such an expert is never called, so AdamW leaves it alone (no weight
+    decay, no step count); here it ran on no tokens (to keep the ranks' collectives in step) and holds a
+    zero gradient. Resets the blocks' token counts for the next step."""
+    if not d.enabled:
+        return
     import torch.distributed as dist
 
-    efsdp = d.dims.get_mesh("efsdp")
+    mesh = expert_mesh(d)
     for block in moe_blocks(root):
-        exchange: Exchange = block.exchange  # type: ignore[assignment]
-        routed = exchange.routed.to(d.device)
-        if efsdp.size() > 1:
-            dist.all_reduce(routed, group=efsdp.get_group())
-        for e, n in zip(exchange.local, routed.tolist(), strict=True):
-            if n == 0:
-                for p in block.experts[e].parameters():
+        routed = block.routed.to(d.device)
+        for dim in range(mesh.ndim):  # summed over every axis of the mesh
+            if mesh.size(dim) > 1:
+                dist.all_reduce(routed, group=mesh.get_group(dim))
+        for expert, n in zip(block.experts, routed.tolist(), strict=True):
+            if n == 0:  # (an EP placeholder for another rank's expert has no parameters)
+                for p in expert.parameters():
                     p.grad = None
-        exchange.routed.zero_()
+        block.routed.zero_()
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, d: Any) -> float:

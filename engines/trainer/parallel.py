@@ -302,34 +302,14 @@ def clip_grad_norm(model: nn.Module, max_norm: float, d: Dist) -> float:
     if d.dims.tp_enabled:
         sum_head_norm_grads(model, d)  # the gradients are whole only after this
         return _clip_mixed(list(model.parameters()), max_norm)
-    if d.dims.ep_enabled:  # torchtitan's EP variant expects its own DTensor experts on an `ep` mesh
-        from engines.trainer import expert_parallel
-
-        return expert_parallel.clip_grad_norm(model, max_norm, d)
     from torchtitan.distributed.utils import clip_grad_norm_
-
-    drop_unrouted_expert_grads(model, d)
-    return float(clip_grad_norm_(list(model.parameters()), max_norm))
-
-
-def drop_unrouted_expert_grads(model: nn.Module, d: Dist) -> None:
-    """After the step's backward passes on data-parallel ranks: no gradient for an expert that no rank routed
-    a token to (it ran on no tokens and holds zeros; on one process it was never called, so AdamW leaves it
-    alone: no decay, no momentum step). Resets the counts. EP has its own (expert_parallel)."""
-    if not d.enabled or d.dims.ep_enabled:
-        return
-    import torch.distributed as dist
 
     from engines.trainer import expert_parallel
 
-    for block in expert_parallel.moe_blocks(model.weights_module()):  # type: ignore[operator]
-        routed = block.routed.to(d.device)
-        dist.all_reduce(routed)  # every rank is a data-parallel rank of a MoE model (no tp, no cp)
-        for expert, n in zip(block.experts, routed.tolist(), strict=True):
-            if n == 0:
-                for param in expert.parameters():
-                    param.grad = None
-        block.routed.zero_()
+    if d.dims.ep_enabled:  # torchtitan's EP variant expects its own DTensor experts on an `ep` mesh
+        return expert_parallel.clip_grad_norm(model, max_norm, d)
+    expert_parallel.drop_unrouted_grads(model.weights_module(), d)  # type: ignore[operator]
+    return float(clip_grad_norm_(list(model.parameters()), max_norm))
 
 
 def _clip_mixed(params: list[nn.Parameter], max_norm: float) -> float:

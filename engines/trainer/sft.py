@@ -14,7 +14,7 @@ from engines import lora, modeldir
 from engines.envs import EnvMix
 from engines.episodes import demonstration_ids, is_multi_turn
 from engines.tokenizer import Tokenizer
-from engines.trainer import parallel
+from engines.trainer import expert_parallel, parallel
 from engines.trainer.batch import right_pad
 from engines.trainer.common import log, seed_everything
 from storage import weights
@@ -65,7 +65,7 @@ def run_sft(cfg: SFTProcessConfig) -> None:
         loss = weight * sft_loss(model, ids[rows].to(dist.device), mask[rows].to(dist.device), mask.sum())
         opt.zero_grad(set_to_none=True)
         loss.backward()  # gradients summed over the ranks: each loss is already over the whole batch's tokens
-        parallel.drop_unrouted_expert_grads(model, dist)
+        expert_parallel.drop_unrouted_grads(model.weights_module(), dist)
         opt.step()
         if step % 10 == 0 or step == cfg.sft.steps:
             total_loss = parallel.all_reduce([loss.item()], dist)[0]
