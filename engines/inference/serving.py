@@ -117,17 +117,25 @@ class Serving:
         done = sum(len(c.token_ids) for c in outs)
         return api.Usage(prompt_tokens=len(p.prompt_ids), completion_tokens=done, total_tokens=len(p.prompt_ids) + done)
 
-    def _finish(self, c: Completion, stops: list[str]) -> tuple[str, str, str | None]:
-        """(text, finish_reason, stop_reason) of a finished completion."""
-        text, stop = cut(self.tok.decode(c.token_ids), stops)
-        return text, ("stop" if stop else c.finish_reason), stop
+    def _finish(self, i: int, c: Completion, body: api.CompletionRequest | api.ChatRequest) -> tuple[str, dict]:
+        """The text of a finished completion, and the fields its choice has on both routes."""
+        text, stop = cut(self.tok.decode(c.token_ids), body.stops())
+        return text, {
+            "index": i,
+            "finish_reason": "stop" if stop else c.finish_reason,
+            "stop_reason": stop,
+            "token_ids": c.token_ids if body.return_token_ids else None,
+            "policy_version": c.policy_version,
+            "policy_version_end": c.policy_version_end,
+            "routed_experts": None if c.routed_experts is None else c.routed_experts.tolist(),
+        }
 
     def completion(self, p: Prepared, outs: list[Completion]) -> api.CompletionResponse:
         body = p.body
         assert isinstance(body, api.CompletionRequest)
         choices = []
         for i, c in enumerate(outs):
-            text, reason, stop = self._finish(c, body.stops())
+            text, common = self._finish(i, c, body)
             logprobs = None
             if body.logprobs is not None:
                 tokens = [self._token(t) for t in c.token_ids]
@@ -138,17 +146,11 @@ class Serving:
                 )
             choices.append(
                 api.CompletionChoice(
-                    index=i,
                     text=text,
-                    finish_reason=reason,
-                    stop_reason=stop,
                     logprobs=logprobs,
-                    token_ids=c.token_ids if body.return_token_ids else None,
                     prompt_token_ids=p.prompt_ids if body.return_token_ids else None,
-                    policy_version=c.policy_version,
-                    policy_version_end=c.policy_version_end,
-                    routed_experts=None if c.routed_experts is None else c.routed_experts.tolist(),
-                )  # fmt: skip
+                    **common,
+                )
             )
         return api.CompletionResponse(
             id=f"cmpl-{p.id}", created=p.created, model=self.model_name, choices=choices, usage=self.usage(p, outs)
@@ -159,21 +161,15 @@ class Serving:
         assert isinstance(body, api.ChatRequest)
         choices = []
         for i, c in enumerate(outs):
-            text, reason, stop = self._finish(c, body.stops())
+            text, common = self._finish(i, c, body)
             tops: list[list[tuple[int, float]] | None] = list(c.top_logprobs) or [None] * len(c.token_ids)
             lps = [self._chat_logprob(t, lp, a) for t, lp, a in zip(c.token_ids, c.logprobs, tops, strict=True)]
             choices.append(
                 api.ChatChoice(
-                    index=i,
                     message=api.ChatMessage(role="assistant", content=text),
-                    finish_reason=reason,
-                    stop_reason=stop,
                     logprobs=api.ChatChoiceLogprobs(content=lps) if body.logprobs else None,
-                    token_ids=c.token_ids if body.return_token_ids else None,
-                    policy_version=c.policy_version,
-                    policy_version_end=c.policy_version_end,
-                    routed_experts=None if c.routed_experts is None else c.routed_experts.tolist(),
-                )  # fmt: skip
+                    **common,
+                )
             )
         return api.ChatResponse(
             id=f"chatcmpl-{p.id}", created=p.created, model=self.model_name, choices=choices,
