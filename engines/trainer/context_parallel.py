@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -106,7 +106,9 @@ def shard(mb: Batch | PackedBatch, d: Dist) -> Batch | PackedBatch:
         return mb
     from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
-    cp_shard = _torchtitan_cp_shard()
+    # (its module imports torchtitan's GPU EP kernels by name: on a CPU they come from parallel.init's stub)
+    from torchtitan.distributed.context_parallel.api import cp_shard
+
     if mb.routes is not None:
         raise SystemExit("trainer.parallel.cp > 1 with MoE routing records is not supported; set cp = 1")
     full = _padded(to_packed_layout(mb), 2 * d.cp)
@@ -125,14 +127,6 @@ def shard(mb: Batch | PackedBatch, d: Dist) -> Batch | PackedBatch:
         key_index=order,
         key_segments=full.segments[:, order],
     )
-
-
-def _torchtitan_cp_shard() -> Any:
-    """torchtitan's `cp_shard`. Its module imports torchtitan's attention modules, which import its GPU EP
-    kernels by name: on a CPU without triton they come from the stub `parallel.init` installed."""
-    from torchtitan.distributed.context_parallel.api import cp_shard
-
-    return cp_shard
 
 
 class _GatherKV(TorchFunctionMode):
