@@ -113,6 +113,13 @@ class RunConfig(Strict):
                 f"trainer.parallel.world_size={world} must be a multiple of deployment.trainer_nodes={nodes} "
                 f"(each trainer node runs world_size / trainer_nodes ranks): e.g. {nodes * max(1, world // nodes)}"
             )
+        remote = "://" in self.output_dir and not self.output_dir.startswith("file://")
+        if nodes > 1 and remote:
+            # engines/trainer/dcp.py stages an object store's optimizer shards on rank 0's node only
+            raise ValueError(
+                f"deployment.trainer_nodes={nodes} with output_dir={self.output_dir!r}: a trainer on several nodes "
+                "writes its checkpoints to a filesystem every node mounts; use a shared path for output_dir"
+            )
         return self
 
     @model_validator(mode="after")

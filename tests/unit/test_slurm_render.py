@@ -63,6 +63,13 @@ def test_a_trainer_on_two_nodes_runs_one_torchrun_agent_per_node_meeting_on_the_
     assert render_placement(one.deployment, one.trainer.parallel)["trainer"]["launcher"] == []
 
 
+def test_a_trainer_on_several_nodes_needs_a_shared_filesystem_for_its_checkpoints() -> None:
+    overrides = [("deployment.nodes", "3"), ("deployment.trainer_nodes", "2"), ("trainer.parallel.world_size", "2")]
+    with pytest.raises(ConfigError, match=r"trainer_nodes=2 with output_dir='s3://b/run'.*shared path"):
+        load_run_config([ROOT / "profiles/tiny-cpu.toml"], [*overrides, ("output_dir", "'s3://b/run'")])
+    load_run_config([ROOT / "profiles/tiny-cpu.toml"], [*overrides, ("output_dir", "'/shared/runs/a'")])
+
+
 def test_trainer_ranks_must_fill_the_trainer_nodes() -> None:
     with pytest.raises(ConfigError, match=r"world_size=6 must be a multiple of deployment.trainer_nodes=4"):
         load_run_config(
