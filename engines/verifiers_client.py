@@ -25,6 +25,7 @@ from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.types import AssistantMessage, Response, ToolCall, TurnTokens, Usage
 
 from engines.episodes import Episode
+from storage import rollouts
 
 
 @dataclass
@@ -36,6 +37,10 @@ class _Session:
     header: str  # the episode's X-Session-ID toward rollflow's server (`run_id/sample_id`, as multiturn.py)
     episode: Episode | None = None
     seen: int = 0  # messages of the conversation already in `episode`: the prompt's and each reply
+
+    @property
+    def sample_id(self) -> str:
+        return rollouts.sample_id(self.group_id, self.k)
 
 
 @dataclass
@@ -62,12 +67,12 @@ class TokenClient(Client):
     def bind(self, session_id: str, k: int, group_id: str, step: int, group: int, run_id: str) -> None:
         """The trace `session_id` is episode `k` of a group (verifiers mints the trace, and calls this,
         before the rollout's first model call)."""
-        self.sessions[session_id] = _Session(k, group_id, step, group, f"{run_id}/{group_id}-{k:02d}")
+        self.sessions[session_id] = _Session(k, group_id, step, group, f"{run_id}/{rollouts.sample_id(group_id, k)}")
 
     def finish(self, session_id: str) -> Episode:
         s = self.sessions.pop(session_id)
         if s.episode is None:
-            raise RuntimeError(f"verifiers episode {s.group_id}-{s.k:02d} made no model call")
+            raise RuntimeError(f"verifiers episode {s.sample_id} made no model call")
         s.episode.text = self.tok.decode(s.episode.completion_ids, skip_special=False)
         return s.episode
 
@@ -79,7 +84,7 @@ class TokenClient(Client):
         last = messages[s.seen - 1] if 0 < s.seen < len(messages) else None
         if last is None or last.get("role") != "assistant":
             raise RuntimeError(
-                f"verifiers session {s.group_id}-{s.k:02d}: the conversation does not extend the last sampled "
+                f"verifiers session {s.sample_id}: the conversation does not extend the last sampled "
                 "reply (rewritten history cannot be trained on without re-tokenizing)"
             )
         s.episode.add_environment(self.tok.render_continuation(wire[s.seen :]))
@@ -105,13 +110,13 @@ class TokenClient(Client):
         before = list(e.context)
         room = self.group.max_seq_len - len(before)
         if room < 1:
-            raise RuntimeError(f"episode {s.group_id}-{s.k:02d}: no room in model.max_seq_len for turn {turn_no + 1}")
+            raise RuntimeError(f"episode {s.sample_id}: no room in model.max_seq_len for turn {turn_no + 1}")
         build = self.group._request(s.step, s.group, s.k)
         choice = await self.group._sample(build(before, room, turn_no), s.header)
         e.add_turn(choice)
         s.seen = len(messages) + 1
         if self.record:
-            self._record(self.record, f"{s.group_id}-{s.k:02d}", turn_no, before, choice)
+            self._record(self.record, s.sample_id, turn_no, before, choice)
         return self._response(choice, before, body.get("model", ""))
 
     def _record(self, path: str, sample_id: str, turn: int, prompt: list[int], choice: Any) -> None:

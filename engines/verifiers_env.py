@@ -27,6 +27,7 @@ from typing import Any
 from engines.envs import Task
 from engines.orchestrator.advantages import group_advantages
 from engines.plugins import PluginError, _import_path
+from storage import rollouts
 from storage.rollouts import RolloutRow
 
 Parser = Callable[[str], list[tuple[str, str]]]  # reply text -> [(tool name, JSON arguments)]
@@ -79,7 +80,7 @@ class VerifiersEnvironment:
                 await self._serving(TokenClient(group, self.tool_parser, self.record))
         client: TokenClient = self.ctx.client_object
         assert isinstance(task, VerifiersTask)
-        group_id = f"s{step:06d}-g{group_idx:04d}"
+        group_id = rollouts.group_id(step, group_idx)
         slots = self.env.slots(self.tasks[task.index], group.ocfg.group_size)
 
         def bind(k: int) -> Callable[[Any], None]:
@@ -98,11 +99,12 @@ class VerifiersEnvironment:
         return rows
 
     def _row(self, client: Any, run_id: str, step: int, group_id: str, k: int, task: Task, ep: Any) -> RolloutRow:
+        sample_id = rollouts.sample_id(group_id, k)
         if ep.errors or len(ep.traces) != 1:
-            raise RuntimeError(f"verifiers episode {group_id}-{k:02d} failed: {[str(e) for e in ep.errors]}")
+            raise RuntimeError(f"verifiers episode {sample_id} failed: {[str(e) for e in ep.errors]}")
         (trace,) = ep.traces
         if trace.errors:
-            raise RuntimeError(f"verifiers episode {group_id}-{k:02d} failed: {[str(x) for x in trace.errors]}")
+            raise RuntimeError(f"verifiers episode {sample_id} failed: {[str(x) for x in trace.errors]}")
         e = client.finish(trace.id)
         scores = {f"reward/{n}": r.value for n, r in trace.rewards.items() if r is not None}
         scores |= {f"metric/{n}": float(v) for n, v in trace.metrics.items() if v is not None}
@@ -110,7 +112,7 @@ class VerifiersEnvironment:
             task,
             run_id,
             step,
-            f"{group_id}-{k:02d}",
+            sample_id,
             group_id,
             reward=float(trace.reward),
             advantage=0.0,  # set per group by the caller

@@ -111,6 +111,17 @@ def staleness(consuming_step: int, policy_version: int) -> int:
     return (consuming_step - 1) - policy_version
 
 
+def group_id(step: int, group: int) -> str:
+    """A group's id: its samples' `group_id`, and the `X-Session-ID` that keeps its requests on one replica.
+    The same (step, group) gets the same id in every attempt, so a resumed step's groups keep theirs."""
+    return f"s{step:06d}-g{group:04d}"
+
+
+def sample_id(group: str, k: int) -> str:
+    """The k-th sample of group `group`: the lake's `sample_id` (unique within a run)."""
+    return f"{group}-{k:02d}"
+
+
 def rollouts_root(output_root: str) -> str:
     return join(output_root, "rollouts")
 

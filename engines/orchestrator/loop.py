@@ -149,7 +149,7 @@ class Orchestrator:
             # a pure function of (seed, step, group): a resumed run redraws exactly these samples
             seed=derive_seed(self.cfg.seed, step, group),
         )
-        group_id = f"s{step:06d}-g{group:04d}"
+        group_id = rollouts.group_id(step, group)
         response = await post_completion(self.client, self.limit, request, session_id=group_id)
         return self.score_group(group_id, step, task, prompt_ids, response.choices)
 
@@ -162,7 +162,7 @@ class Orchestrator:
             RolloutRow(
                 run_id=self.cfg.run.run_id,
                 step=step,
-                sample_id=f"{group_id}-{k:02d}",
+                sample_id=rollouts.sample_id(group_id, k),
                 group_id=group_id,
                 env=task.env,
                 policy_version=c.policy_version,

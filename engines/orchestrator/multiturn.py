@@ -16,6 +16,7 @@ from engines.inference.api import CompletionChoice, CompletionRequest, Completio
 from engines.orchestrator.advantages import group_advantages
 from engines.sampling import derive_seed
 from engines.tokenizer import Tokenizer
+from storage import rollouts
 from storage.rollouts import RolloutRow
 
 
@@ -69,7 +70,7 @@ class EpisodeGroup:
         return choice
 
     async def run(self, env: MultiTurnEnvironment, task: Task, run_id: str, step: int, group: int) -> list[RolloutRow]:
-        group_id = f"s{step:06d}-g{group:04d}"
+        group_id = rollouts.group_id(step, group)
         episodes = await asyncio.gather(
             *(
                 run_episode(
@@ -78,7 +79,7 @@ class EpisodeGroup:
                     self.tok,
                     self._sample,
                     self._request(step, group, k),
-                    f"{run_id}/{group_id}-{k:02d}",
+                    f"{run_id}/{rollouts.sample_id(group_id, k)}",
                     self.max_seq_len,
                 )
                 for k in range(self.ocfg.group_size)
@@ -98,7 +99,7 @@ class EpisodeGroup:
             task,
             run_id,
             step,
-            f"{group_id}-{k:02d}",
+            rollouts.sample_id(group_id, k),
             group_id,
             reward=reward,
             advantage=adv,
