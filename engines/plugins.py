@@ -35,7 +35,7 @@ def entry_points() -> dict[str, str]:
     return {**ENVIRONMENTS, **found}
 
 
-def _import_path(env_id: str) -> Any:
+def import_object(env_id: str) -> Any:
     module_name, _, attr = env_id.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
@@ -72,7 +72,7 @@ def resolve(env_id: str) -> Callable[..., Any]:
                 f"{', '.join(sorted(registered))}; or give an import path `module:attribute`"
             )
         target = registered[env_id]
-    factory = _import_path(target)
+    factory = import_object(target)
     if not callable(factory):
         raise PluginError(f"{target} is a {type(factory).__name__}, not a callable factory of an Environment")
     return factory

@@ -26,7 +26,7 @@ from typing import Any
 
 from engines.envs import Task
 from engines.orchestrator.advantages import group_advantages
-from engines.plugins import PluginError, _import_path
+from engines.plugins import PluginError, import_object
 from storage import rollouts
 from storage.rollouts import RolloutRow
 
@@ -131,11 +131,11 @@ def verifiers(
     gets each model turn's prompt ids and the server's choice as received (an audit trail; None: off)."""
     import verifiers.v1 as vf
 
-    factory = _import_path(env)
+    factory = import_object(env)
     made = factory(**(env_args or {}))
     if not isinstance(made, vf.Env):
         raise PluginError(f"{env} returned a {type(made).__name__}, not a verifiers.v1.Env")
-    parser = _import_path(tool_parser) if tool_parser else None
+    parser = import_object(tool_parser) if tool_parser else None
     if parser is not None and not callable(parser):
         raise PluginError(f"tool_parser {tool_parser} is not callable")
     name = f"verifiers:{env.partition(':')[0]}"
