@@ -36,6 +36,7 @@ def entry_points() -> dict[str, str]:
 
 
 def import_object(env_id: str) -> Any:
+    """The object a `module:attr.path` string names; PluginError saying what could not be imported or found."""
     module_name, _, attr = env_id.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
