@@ -1,7 +1,7 @@
 """Where a run's components go: the profile's `[deployment]` section (docs/slurm.md).
 
 Data flow: profile `[deployment]` -> `DeploymentConfig` (validated here: node counts add up, Slurm
-values well-formed) -> `tasks.slurm` renders the sbatch script (`rollflow submit`, the Slurm worker,
+values well-formed) -> `launch.slurm` renders the sbatch script (`rollflow submit`, the Slurm worker,
 `--dry-run`) and, inside an allocation, the `srun` placement of each component. A local run ignores
 this section. Imports only pydantic, like the rest of the config.
 """

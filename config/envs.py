@@ -2,7 +2,7 @@
 (`args`), its label in the lake (`name`) and its share of the prompts (`weight`).
 
 Only the syntax of `id` is checked here: resolving it imports the plugin's module, which the run-level
-load step does (engines/plugins.py, called by the CLI), so this module stays import-light.
+load step does (engines/environments/plugins.py, called by the CLI), so this module stays import-light.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ _ENTRY_POINT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 # The built-in string tasks' arguments that older profiles set at the top level of an `[[envs]]` entry.
 LEGACY_ARGS = ("min_chars", "max_chars", "lengths")
-# The built-in string tasks' defaults (engines/envs.py's reverse_text and sort_letters): the config's
+# The built-in string tasks' defaults (engines/environments/base.py's reverse_text and sort_letters): the config's
 # length check and the resume comparison use them.
 STRING_TASK_DEFAULTS = {"min_chars": 3, "max_chars": 8, "lengths": "uniform"}
 

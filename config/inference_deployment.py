@@ -1,9 +1,9 @@
 """How the vLLM backend is deployed: shape, parallelism, router, KV-cache offload, passthrough flags.
 
 Data flow: `[inference]` keys in a profile -> `ServingFields` (mixed into `InferenceConfig`, validated at
-load, every refusal naming its keys) -> `engines/inference/vllm_render.py` turns them into the exact
+load, every refusal naming its keys) -> `launch/vllm.py` turns them into the exact
 vLLM / vllm-router commands and environments (`--dry-run` writes them to OUTPUT_DIR/config/) ->
-`engines/inference/vllm.py` launches them for a local run. The embedded backend ignores none of this
+`engines/inference/vllm/server.py` launches them for a local run. The embedded backend ignores none of this
 silently: any non-default deployment key with `backend = "embedded"` is refused.
 
 The shapes follow the seed's inference deployment page: single_node (one vLLM server, tp x dp),

@@ -13,27 +13,27 @@ from __future__ import annotations
 # install from an older checkout), and tests/unit/test_env_plugins.py keeps the two equal.
 ENV_ENTRY_POINT_GROUP = "rollflow.envs"
 ENVIRONMENTS: dict[str, str] = {
-    "reverse-text": "engines.envs:reverse_text",
-    "sort-letters": "engines.envs:sort_letters",
-    "reasoning-gym": "engines.rgym:load",
-    "tool-lookup": "engines.envs_tools:tool_lookup",  # multi-turn (engines/episodes.py)
-    "verifiers": "engines.verifiers_env:verifiers",  # verifiers (v1) environments (docs/environments.md)
+    "reverse-text": "engines.environments.base:reverse_text",
+    "sort-letters": "engines.environments.base:sort_letters",
+    "reasoning-gym": "engines.environments.rgym:load",
+    "tool-lookup": "engines.environments.tools:tool_lookup",  # multi-turn (engines/environments/episodes.py)
+    "verifiers": "engines.environments.verifiers_env:verifiers",  # verifiers (v1) environments (docs/environments.md)
 }
 # The built-in string tasks: their `args.max_chars` bounds the prompt length the config checks.
 STRING_TASKS = ("reverse-text", "sort-letters")
 
-# `model.family` and config.json `model_type` -> the Family (engines/families.py) that maps its config.json
-# fields to ModelConfig; rollflow's own model code (engines/model.py) implements these.
+# `model.family` and config.json `model_type` -> the Family (engines/models/families.py) that maps its config.json
+# fields to ModelConfig; rollflow's own model code (engines/models/decoder.py) implements these.
 MODEL_FAMILIES: dict[str, str] = {
-    "llama": "engines.families:LLAMA",
-    "qwen3": "engines.families:QWEN3",
-    "qwen3_moe": "engines.families:QWEN3_MOE",
+    "llama": "engines.models.families:LLAMA",
+    "qwen3": "engines.models.families:QWEN3",
+    "qwen3_moe": "engines.models.families:QWEN3_MOE",
 }
 
 # `inference.backend` -> the entry module the flow launches as `python -m MODULE --config inference.json`.
 INFERENCE_BACKENDS: dict[str, str] = {
     "embedded": "engines.inference",
-    "vllm": "engines.inference.vllm",
+    "vllm": "engines.inference.vllm.server",
 }
 
 # The other components have one implementation each.

@@ -12,8 +12,8 @@ from prefect import flow, get_run_logger
 
 from config.loader import load_stored_config
 from flows.rl import rl
+from runtime.rundir import stored_config
 from storage.runstate import LeaseHeld, find_resumable
-from tasks.prepare import stored_config
 
 
 @flow(name="resume-unfinished", log_prints=True)

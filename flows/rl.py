@@ -26,18 +26,19 @@ from prefect.artifacts import create_markdown_artifact
 
 from config.process import warmup_parallel
 from config.run import RunConfig
-from flows.lease import hold_lease
-from flows.lifecycle import RunHandle, close_run, reopen_run, start_new_run
-from flows.summary import summarize, to_markdown
-from flows.walltime import WalltimeReached, WalltimeWatch
+from launch.slurm import srun_prefix
+from launch.torchrun import torchrun_args
+from runtime.lease import hold_lease
+from runtime.lifecycle import RunHandle, close_run, reopen_run, start_new_run
+from runtime.process import ComponentFailed
+from runtime.slurm import allocation_nodes
+from runtime.summary import summarize, to_markdown
+from runtime.walltime import WalltimeReached, WalltimeWatch
 from storage.checkpoints import checkpoint_steps
 from storage.fs import CONFIG_STORAGE_ENV, Storage, is_local, join
 from storage.runstate import write_state
 from tasks.components import run_component
-from tasks.process import ComponentFailed
 from tasks.resume import Attempt, prepare_attempt
-from tasks.slurm import allocation_nodes, srun_prefix
-from tasks.torchrun import torchrun_args
 
 
 class RestartsExhausted(RuntimeError):

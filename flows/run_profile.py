@@ -16,7 +16,7 @@ from config.loader import load_run_config
 from flows.rl import rl
 
 
-@flow(name="rl", log_prints=True)
+@flow(name="rl-from-profile", log_prints=True)
 def rl_profile(
     profiles: list[str],
     overrides: dict[str, Any] | None = None,

@@ -4,7 +4,7 @@
     prefect worker start --pool NAME        (on a login node: sbatch, squeue, scontrol, scancel on PATH)
 
 Per flow run: the base job template's variables (partition, nodes, time limit, ...) resolve into a
-`SlurmJobConfiguration`; `run` renders one batch script (tasks/slurm.py) that runs the flow with
+`SlurmJobConfiguration`; `run` renders one batch script (launch/slurm.py) that runs the flow with
 `python -m prefect.engine`, submits it with `sbatch` and logs the job id to the flow run. It then follows
 the job (squeue, then scontrol / sacct) until it ends; on the way a Prefect cancellation becomes
 `scancel`, and a job that ends while its flow run is not final (killed, node failure, out of memory,
@@ -30,7 +30,8 @@ from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker
 from pydantic import Field
 
 from config.deployment import SlurmJobConfig
-from tasks import slurm
+from launch.slurm import render_sbatch
+from runtime import slurm
 
 WORKER_TYPE = "rollflow-slurm"
 _DEFAULTS = SlurmJobConfig()
@@ -96,7 +97,7 @@ def _write_script(configuration: SlurmJobConfiguration, flow_run: FlowRun) -> Pa
     script_dir = (workdir / configuration.script_dir).resolve()
     script_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in configuration.env.items() if v is not None}
-    text = slurm.render_sbatch(
+    text = render_sbatch(
         configuration.slurm_config(),
         configuration.nodes,
         f"prefect-{flow_run.name}",

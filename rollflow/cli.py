@@ -94,7 +94,7 @@ def check_envs(cfg: RunConfig, env_sources: list[str]) -> None:
     """Build every `[[envs]]` plugin once (importing its module) so a bad one fails here, exit code 2,
     instead of in the orchestrator after the warm-up. `auto` prompts get the style the run's tokenizer
     will pick: tag for the built-in character tokenizer, instruct for a model directory's."""
-    from engines.plugins import PluginError, check
+    from engines.environments.plugins import PluginError, check
 
     try:
         check(cfg.envs, env_sources, "tag" if cfg.model.path is None else "instruct")
@@ -105,7 +105,7 @@ def check_envs(cfg: RunConfig, env_sources: list[str]) -> None:
 def _precheck(cfg: RunConfig, flags: set[str]) -> None:
     """Refuse early (before Prefect starts) what the flow would refuse: a live run, an existing run
     without --overwrite or --resume, a resume with incompatible settings."""
-    from tasks.prepare import RunDirError, check_resumable, refuse_if_running, run_exists
+    from runtime.rundir import RunDirError, check_resumable, refuse_if_running, run_exists
 
     try:
         if {"overwrite", "resume"} <= flags:
@@ -142,7 +142,7 @@ def _launch(cfg: RunConfig, flags: set[str]) -> int:
     if os.environ.get("PREFECT_API_URL"):
         summary = _run_flow(cfg, flags)
     else:
-        from flows.local_api import local_prefect_api
+        from runtime.local_api import local_prefect_api
 
         with local_prefect_api() as url:
             os.environ["PREFECT_API_URL"] = url
@@ -164,7 +164,7 @@ def cmd_rl(tokens: list[str]) -> int:
     _precheck(cfg, flags)
     if "dry-run" in flags:
         from rollflow.submit import job_command, write_preview
-        from tasks.prepare import new_run_id, write_configs
+        from runtime.rundir import new_run_id, write_configs
 
         urls = write_configs(cfg, new_run_id(cfg), f"http://{cfg.inference.host}:{cfg.inference.port}")
         urls.update(write_preview(cfg, job_command(profiles, overrides, flags)))
@@ -180,7 +180,7 @@ def cmd_submit(tokens: list[str]) -> int:
     cfg = _load(profiles, overrides)
     _precheck(cfg, flags)
     from rollflow.submit import job_command, submit
-    from tasks.slurm import SbatchRejected, SlurmNotFound
+    from runtime.slurm import SbatchRejected, SlurmNotFound
 
     try:
         job_id = submit(cfg, job_command(profiles, overrides, flags))
@@ -197,7 +197,7 @@ def cmd_resume(tokens: list[str]) -> int:
     output_dir, (profiles, overrides, flags) = tokens[0], split_args(tokens[1:])
     if profiles or flags:
         raise ConfigError("rollflow resume takes OUTPUT_DIR and --KEY VALUE overrides only (no profiles or flags)")
-    from tasks.prepare import RunDirError, stored_config
+    from runtime.rundir import RunDirError, stored_config
 
     try:
         stored = stored_config(output_dir)
@@ -224,8 +224,8 @@ MODELS_USAGE = """rollflow models fetch NAME [--force]
 
 def cmd_models(tokens: list[str]) -> int:
     if tokens[:1] == ["list"] and len(tokens) == 1:
-        from engines.fetch import KNOWN
-        from engines.modeldir import cache_dir
+        from engines.models.fetch import KNOWN
+        from engines.models.modeldir import cache_dir
 
         for name, entry in sorted(KNOWN.items()):
             where = cache_dir() / name
@@ -233,7 +233,7 @@ def cmd_models(tokens: list[str]) -> int:
         return 0
     if len(tokens) < 2 or tokens[0] not in ("fetch", "check") or any(t != "--force" for t in tokens[2:]):
         raise ConfigError("usage: " + MODELS_USAGE)
-    from engines.fetch import FetchError, check, fetch
+    from engines.models.fetch import FetchError, check, fetch
 
     try:
         if tokens[0] == "check":

@@ -4,7 +4,7 @@ of it.
     rollflow submit @ profile.toml [--KEY VALUE ...] [--overwrite | --resume]
 
 The job runs `rollflow rl` with the same profiles (absolute paths) and overrides inside the allocation,
-where the flow places its components as srun steps (tasks/slurm.py); it reports to PREFECT_API_URL if
+where the flow places its components as srun steps (launch/slurm.py); it reports to PREFECT_API_URL if
 that is set in the job's environment (sbatch exports the submitting shell's environment), otherwise to
 a temporary local API as a local run does. The Slurm job id is printed on the last line.
 """
@@ -42,7 +42,7 @@ def _job_output(cfg: RunConfig) -> str:
 
 
 def render_job(cfg: RunConfig, command: str) -> str:
-    from tasks.slurm import render_sbatch
+    from launch.slurm import render_sbatch
 
     return render_sbatch(
         cfg.deployment.slurm, cfg.deployment.nodes, f"rollflow-{cfg.run_name}", command, {}, _job_output(cfg)
@@ -51,7 +51,7 @@ def render_job(cfg: RunConfig, command: str) -> str:
 
 def write_preview(cfg: RunConfig, command: str) -> dict[str, str]:
     """--dry-run: the batch script `rollflow submit` would submit and the srun placement, in config/."""
-    from tasks.slurm import render_placement
+    from launch.slurm import render_placement
 
     fs, root = get_fs(cfg.output_dir, cfg.storage)
     script = join(root, "config", SCRIPT_NAME)
@@ -63,7 +63,7 @@ def write_preview(cfg: RunConfig, command: str) -> dict[str, str]:
 
 def submit(cfg: RunConfig, command: str) -> str:
     """Write the script next to the run's configs and sbatch it; returns the job id."""
-    from tasks.slurm import submit as sbatch
+    from runtime.slurm import submit as sbatch
 
     out = Path(_job_output(cfg)).parent
     out.mkdir(parents=True, exist_ok=True)  # Slurm does not create the output's directory

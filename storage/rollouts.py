@@ -63,7 +63,7 @@ class RolloutRow(BaseModel):
     completion_text: str
     # [seq, layers, top_k] expert ids per token for MoE router replay; null for dense models.
     routed_experts: list[list[list[Int16]]] | None = None
-    # Multi-turn episodes (engines/episodes.py): `completion_ids` holds every token after the first prompt,
+    # Multi-turn episodes (engines/environments/episodes.py): `completion_ids` holds every token after the first prompt,
     # model turns and environment/tool responses interleaved; 1 marks a model token (trained, with its
     # sampler logprob), 0 an environment token (logprob 0, never trained). Null: all model tokens.
     completion_mask: list[Int8] | None = None

@@ -11,7 +11,7 @@ and the loader checks a rebuilt delta against it, so reconstruction is exact or 
 `full_bytes` and `payload_bytes` in the manifest give the payload ratio.
 
 Next to the weights, a publication carries the files that make it a Hugging Face model directory
-(config.json, generation_config.json, tokenizer files: engines/modeldir.py builds them), committed
+(config.json, generation_config.json, tokenizer files: engines/models/modeldir.py builds them), committed
 in the same manifest, so a full publication loads with `AutoModelForCausalLM.from_pretrained`. A delta
 publication holds no model.safetensors: `export_hf` writes a loadable copy of any publication.
 

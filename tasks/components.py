@@ -8,7 +8,7 @@ import threading
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from tasks.process import supervise
+from runtime.process import supervise
 
 
 @task(cache_policy=NONE, task_run_name="{name}")
@@ -24,7 +24,7 @@ def run_component(
     launcher: list[str] | None = None,
 ) -> int:
     """Launch `python -m <module> --config <config_url>` and supervise it until it exits or `stop` is set.
-    Inside a Slurm job `srun` is the job-step prefix that places it (tasks/slurm.py); locally None.
+    Inside a Slurm job `srun` is the job-step prefix that places it (launch/slurm.py); locally None.
     `nudge` set: the component gets SIGUSR1 (the trainer checkpoints after its current step).
     `launcher`: arguments between the interpreter and `-m <module>`, e.g. torchrun's (`torchrun_args`)."""
     logger = get_run_logger()

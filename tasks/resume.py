@@ -11,10 +11,10 @@ from prefect.cache_policies import NONE
 
 from config.registry import entry_modules
 from config.run import RunConfig
+from runtime.rundir import free_port, write_configs
 from storage import weights
 from storage.fs import get_fs, is_committed
 from storage.resume import repair, resume_point, rollback
-from tasks.prepare import free_port, write_configs
 
 
 @dataclass

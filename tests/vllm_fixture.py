@@ -1,6 +1,6 @@
 """Publications for the vLLM backend's tests: rollflow's built-in model (random weights, Llama naming,
 character tokenizer in HF format) committed the way the trainer commits them, as Hugging Face directories
-(engines/modeldir.py's publication files next to model.safetensors).
+(engines/models/modeldir.py's publication files next to model.safetensors).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def tiny_model(seed: int = 0):
     """(LoadedModel, its ModelConfig): the built-in decoder of the default shape."""
     import torch
 
-    from engines import modeldir
+    from engines.models import modeldir
 
     torch.manual_seed(seed)
     mc = ModelConfig()

@@ -18,7 +18,7 @@ import time
 
 from starlette.requests import Request  # light; FastAPI resolves route annotations from module globals
 
-from engines.inference import api
+from engines import protocol as api
 
 log = logging.getLogger("rollflow.inference")
 
@@ -158,11 +158,11 @@ def build_app(engine, tokenizer, output_root_url: str, model_name: str, admin_to
 
 
 def load_engine(cfg, output_root_url: str, storage):
-    """Build the model (engines/modeldir.py), load the newest committed weights, wrap them in an `Engine`."""
+    """Build the model (engines/models/modeldir.py), load the newest committed weights, wrap them in an `Engine`."""
     import torch
 
-    from engines import lora, modeldir
-    from engines.inference.engine import Engine
+    from engines.inference.embedded.engine import Engine
+    from engines.models import lora, modeldir
     from storage import weights
 
     torch.set_num_threads(cfg.inference.num_threads)

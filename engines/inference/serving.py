@@ -1,6 +1,6 @@
 """The embedded server's generation routes: an OpenAI request in, the engine's completions out.
 
-A request (engines/inference/api.py) is checked and turned into an engine `Request` (its token limit, its
+A request (engines/protocol.py) is checked and turned into an engine `Request` (its token limit, its
 stop strings as a check the engine runs after each token); the completions come back as one response body,
 or, with `stream=true`, as server-sent events: one `data: {chunk}` per new piece of a choice's text, each
 choice's last chunk with its finish_reason and policy versions, an optional usage chunk, then
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from fastapi import HTTPException
 
-from engines.inference import api
-from engines.inference.engine import Completion, Engine, Request, TokenEvents
+from engines import protocol as api
+from engines.inference.embedded.engine import Completion, Engine, Request, TokenEvents
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 

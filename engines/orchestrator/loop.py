@@ -5,7 +5,7 @@ prompts (a pure function of seed and step), request `group_size` samples each ov
 compute group advantages, drop samples older than `max_off_policy_steps`, and commit
 `rollouts/step=N/`. A background task follows `weights/` and pushes each new publication to the engine
 while generation runs, so one rollout may span two policy versions. Requests and responses are the
-inference API's own types (engines/inference/api.py); each sample becomes a typed `RolloutRow`, carrying
+inference API's own types (engines/protocol.py); each sample becomes a typed `RolloutRow`, carrying
 the engine's `routed_experts` when it returns them (MoE with inference.enable_return_routed_experts).
 Multi-turn environments run `group_size` episodes per prompt instead (engines/orchestrator/multiturn.py);
 a step's episodes are committed together with its other samples, so an episode is in the lake whole or not
@@ -27,19 +27,19 @@ from collections import Counter
 import httpx
 
 from config.process import OrchestratorProcessConfig
-from engines import modeldir
-from engines.envs import EnvMix, Task
-from engines.episodes import MultiTurnEnvironment, is_multi_turn
-from engines.inference.api import (
+from engines.environments.base import EnvMix, Task
+from engines.environments.episodes import MultiTurnEnvironment, is_multi_turn
+from engines.models import modeldir
+from engines.orchestrator.advantages import group_advantages
+from engines.orchestrator.multiturn import EpisodeGroup, post_completion
+from engines.protocol import (
     CompletionChoice,
     CompletionRequest,
     HealthResponse,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
 )
-from engines.orchestrator.advantages import group_advantages
-from engines.orchestrator.multiturn import EpisodeGroup, post_completion
-from engines.sampling import derive_seed
+from engines.seeds import derive_seed
 from storage import rollouts, weights
 from storage.fs import Storage, read_json
 from storage.rollouts import RolloutRow, staleness
@@ -133,7 +133,9 @@ class Orchestrator:
     async def sample_group(self, step: int, group: int) -> list[RolloutRow]:
         task = self.mix.task(f"step={step}/group={group}")
         env = self.mix.envs[task.env]
-        if hasattr(env, "run_group"):  # it runs its own episodes (verifiers environments, engines/verifiers_env.py)
+        if hasattr(
+            env, "run_group"
+        ):  # it runs its own episodes (verifiers environments, engines/environments/verifiers_env.py)
             return await env.run_group(self.episodes, task, self.cfg.run.run_id, step, group)
         if is_multi_turn(env):
             assert isinstance(env, MultiTurnEnvironment)

@@ -1,6 +1,6 @@
 """A group of multi-turn episodes for one task: `group_size` episodes run concurrently, each a sequence
 of single-sample requests to the inference server under its own `X-Session-ID`, scored by the
-environment and turned into one `RolloutRow` per episode (engines/episodes.py describes the columns).
+environment and turned into one `RolloutRow` per episode (engines/environments/episodes.py describes the columns).
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import asyncio
 import httpx
 
 from config.orchestrator import OrchestratorConfig
-from engines.envs import Task
-from engines.episodes import SESSION_HEADER, Episode, MultiTurnEnvironment, run_episode
-from engines.inference.api import CompletionChoice, CompletionRequest, CompletionResponse
+from engines.environments.base import Task
+from engines.environments.episodes import SESSION_HEADER, Episode, MultiTurnEnvironment, run_episode
+from engines.models.tokenizer import Tokenizer
 from engines.orchestrator.advantages import group_advantages
-from engines.sampling import derive_seed
-from engines.tokenizer import Tokenizer
+from engines.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from engines.seeds import derive_seed
 from storage import rollouts
 from storage.rollouts import RolloutRow
 

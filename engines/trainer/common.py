@@ -7,8 +7,8 @@ import random
 
 import torch
 
-from engines.model import CausalLM, token_logprobs
-from engines.moe import Routing
+from engines.models.decoder import CausalLM, token_logprobs
+from engines.models.moe import Routing
 from engines.trainer.batch import Batch, PackedBatch
 
 log = logging.getLogger("rollflow.trainer")

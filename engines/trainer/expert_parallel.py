@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.moe import SparseMoeBlock
+from engines.models.moe import SparseMoeBlock
 
 
 class Elsewhere(nn.Module):

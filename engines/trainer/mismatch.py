@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from engines.model import CausalLM
+from engines.models.decoder import CausalLM
 from engines.trainer.batch import Batch, PackedBatch, micro_batches, pack_batch
 from engines.trainer.common import expert_disagreement, routing_for, train_logprobs
 from engines.trainer.loss import k3_kl

@@ -198,7 +198,7 @@ _TP_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 def apply_tp(root: nn.Module, tp_mesh: Any) -> None:
     """Tensor parallelism over `tp_mesh` in place: each rank keeps 1/tp of the heads and MLP width, and the
-    attention sees its local heads (engines/model.py infers the head count from the projection's width)."""
+    attention sees its local heads (engines/models/decoder.py infers the head count from the projection's width)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     plan: dict[str, Any] = {name: ColwiseParallel() for name in _TP_COLWISE}

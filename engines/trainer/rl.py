@@ -13,7 +13,7 @@ import time
 import torch
 
 from config.process import TrainerProcessConfig
-from engines import lora, modeldir
+from engines.models import lora, modeldir
 from engines.trainer import checkpoint, context_parallel, parallel
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
 from engines.trainer.common import log, routing_for, seed_everything, train_logprobs

@@ -1,7 +1,7 @@
 """Supervised warm-up: teach the format (the rendered prompt -> answer + end-of-sequence) briefly, so RL
 starts from a reward that is neither ~0 nor saturated; the result is published as policy version 0.
 
-The model comes from `model` (engines/modeldir.py): the built-in one is trained from scratch; a
+The model comes from `model` (engines/models/modeldir.py): the built-in one is trained from scratch; a
 pretrained directory is loaded with its weights, and with `sft.steps = 0` published as it is.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from config.process import SFTProcessConfig
-from engines import lora, modeldir
-from engines.envs import EnvMix
-from engines.episodes import demonstration_ids, is_multi_turn
-from engines.tokenizer import Tokenizer
+from engines.environments.base import EnvMix
+from engines.environments.episodes import demonstration_ids, is_multi_turn
+from engines.models import lora, modeldir
+from engines.models.tokenizer import Tokenizer
 from engines.trainer import expert_parallel, parallel
 from engines.trainer.batch import right_pad
 from engines.trainer.common import log, seed_everything

@@ -59,7 +59,8 @@ class VLLMServer:
 
     def __init__(self, model_dir: Path, max_model_len: int, log: Path):
         from config.inference import InferenceConfig
-        from engines.inference import vllm, vllm_render
+        from engines.inference.vllm import server as vllm
+        from launch import vllm as vllm_render
 
         port = free_port()
         shape = {"type": "single_node", "backend_port": port}
@@ -75,7 +76,7 @@ class VLLMServer:
         self.start_s = vllm.wait_ready([self.url], [self.proc], 900)
 
     def stop(self) -> None:
-        from engines.inference.vllm import stop
+        from engines.inference.vllm.server import stop
 
         stop([self.proc])
         self.log.close()
@@ -107,8 +108,8 @@ def vllm_update(server: VLLMServer, out: Path, version: int, cache: Path) -> tup
     """(materialize s, pause + load on the worker + resume s): what the proxy's /update_weights does."""
     import httpx
 
-    from engines.inference.vllm import materialize
-    from engines.inference.vllm_proxy import Upstream, apply_update
+    from engines.inference.vllm.proxy import Upstream, apply_update
+    from engines.inference.vllm.server import materialize
     from storage.fs import get_fs
 
     fs, root = get_fs(str(out))
@@ -140,7 +141,7 @@ def engine_update(pair: Pair, out: Path, version: int) -> float:
 def measure_shape(ws: Workspace, name: str, model: dict, prompts: int, group: int, natural: bool, n: int) -> dict:
     import torch
 
-    from engines import modeldir
+    from engines.models import modeldir
     from tests.bench.harness import bench_config
 
     pair = Pair(ws, Case(name, prompts, group, workload=natural, model=model))
@@ -148,7 +149,7 @@ def measure_shape(ws: Workspace, name: str, model: dict, prompts: int, group: in
     files = modeldir.load(mc, pretrained=False).publication_files()
     out = ws.root / "backends" / name
     publish(pair, files, out, 0)
-    from engines.inference.vllm import materialize
+    from engines.inference.vllm.server import materialize
     from storage.fs import get_fs
 
     cache = out / "vllm-cache"
@@ -237,7 +238,7 @@ def report(results: list[dict]) -> str:
 
 
 DEFINITIONS = f"""\
-Engine: `engines.generate.generate` in this process (the function the engine's worker runs; no HTTP).
+Engine: `engines.inference.embedded.generate.generate` in this process (the function the engine's worker runs; no HTTP).
 vLLM: one server (`python -m vllm.entrypoints.openai.api_server`, the backend's rendered command with
 `--enforce-eager`), timed from this process over HTTP (requests, detokenization and the HTTP layer are
 inside its figure), one OMP thread bound to core 0 (`VLLM_CPU_OMP_THREADS_BIND=0`). HF:
@@ -251,7 +252,7 @@ the proxy's `apply_update` (pause keep, `collective_rpc` rollflow_load, resume) 
 
 
 def run(ws: Workspace) -> str:
-    from engines.inference.vllm import ROOT
+    from engines.inference.vllm.server import ROOT
 
     if not (ROOT / ".venv-vllm" / "bin" / "python").exists():
         return "Skipped: no vLLM environment (`make vllm`)."

@@ -61,7 +61,7 @@ def rank_main(tokens: int) -> None:
 
     from config.model import ModelConfig
     from config.parallel import ParallelConfig
-    from engines.model import CausalLM
+    from engines.models.decoder import CausalLM
     from engines.trainer import parallel
 
     torch.set_num_threads(1)

@@ -5,7 +5,7 @@ same minutes, because the 2-core machines here are shared and noisy; repeats int
 (A, B, A, B, ...) so a noisy neighbour hurts both alike.
 
 Runs (benchmarks 1 and 5) use the real components: `python -m engines.{inference,orchestrator,trainer}`
-started and stopped by the same supervisor the Prefect flow uses (`tasks.process.supervise`), on a copy of
+started and stopped by the same supervisor the Prefect flow uses (`runtime.process.supervise`), on a copy of
 one warm-up's output, so a run's cost is its RL steps only.
 """
 
@@ -173,7 +173,7 @@ def _supervise_all(names: Sequence[str], urls: dict[str, str], env: dict[str, st
     """Start components like the flow does (own process groups, output to logs/); return when the trainer
     exits, then stop the rest. Raises if any component fails."""
     from config.registry import entry_modules
-    from tasks.process import supervise
+    from runtime.process import supervise
 
     modules = entry_modules("embedded")
 
@@ -201,7 +201,7 @@ def _supervise_all(names: Sequence[str], urls: dict[str, str], env: dict[str, st
 
 def warm_up(cfg: RunConfig) -> Path:
     """Run the warm-up once into cfg.output_dir; later runs copy its version-0 weights and tokenizer."""
-    from tasks.prepare import free_port, new_run_id, write_configs
+    from runtime.rundir import free_port, new_run_id, write_configs
 
     out = Path(cfg.output_dir)
     shutil.rmtree(out, ignore_errors=True)
@@ -213,7 +213,7 @@ def warm_up(cfg: RunConfig) -> Path:
 
 def direct_run(cfg: RunConfig, template: Path) -> Path:
     """One RL run of cfg's steps from the template's version 0, components supervised without Prefect."""
-    from tasks.prepare import free_port, new_run_id, write_configs
+    from runtime.rundir import free_port, new_run_id, write_configs
 
     out = Path(cfg.output_dir)
     shutil.rmtree(out, ignore_errors=True)

@@ -44,9 +44,9 @@ class Pair:
         import torch
         import transformers
 
-        from engines.envs import EnvMix
-        from engines.model import CausalLM
-        from engines.tokenizer import CharTokenizer
+        from engines.environments.base import EnvMix
+        from engines.models.decoder import CausalLM
+        from engines.models.tokenizer import CharTokenizer
         from storage import weights
         from storage.fs import get_fs
 
@@ -73,7 +73,7 @@ class Pair:
 
     def ours_generate(self, new_tokens: int) -> tuple[float, int]:
         """(seconds, tokens generated)."""
-        from engines.generate import generate
+        from engines.inference.embedded.generate import generate
 
         n = len(self.prompts)
         t0 = time.perf_counter()
@@ -87,7 +87,7 @@ class Pair:
         """(seconds, tokens generated: each row's up to and including its first eos)."""
         import torch
 
-        from engines.generate import _left_pad
+        from engines.inference.embedded.generate import _left_pad
 
         ids, valid = _left_pad(self.prompts, self.tok.pad_id)
         fixed = self.eos < 0
@@ -178,8 +178,8 @@ def report(results: list[dict]) -> str:
 
 
 DEFINITIONS = f"""\
-Engine: `engines.generate.generate`, which drives the same `Decoder` (prefill, sample, forward) as the
-engine's worker, on one fixed batch; the HTTP layer, the queue and mid-batch joins are not included. HF:
+Engine: `engines.inference.embedded.generate.generate`, which drives the same `Decoder` (prefill, sample, forward) as
+the engine's worker, on one fixed batch; the HTTP layer, the queue and mid-batch joins are not included. HF:
 `LlamaForCausalLM.generate(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)` with its dynamic KV
 cache and SDPA attention. tokens/s = tokens generated / time, where a row's tokens end at its first
 end-of-sequence. Workload row: the benchmark warm-up's weights and prompts (long-tailed lengths),
@@ -202,9 +202,9 @@ def arrival_once(ws: Workspace, continuous: bool) -> dict[str, float]:
 
     import torch
 
-    from engines.inference.engine import Engine, Request
-    from engines.model import CausalLM
-    from engines.tokenizer import CharTokenizer
+    from engines.inference.embedded.engine import Engine, Request
+    from engines.models.decoder import CausalLM
+    from engines.models.tokenizer import CharTokenizer
 
     torch.set_num_threads(1)
     tok = CharTokenizer()
@@ -262,9 +262,9 @@ def arrival(ws: Workspace, n: int) -> str:
     a = ARRIVAL
     intro = (
         f"\n\n### A request that arrives mid-batch (continuous batching vs the static batcher)\n\n"
-        f"`engines.inference.engine.Engine` with `continuous=True` (the server's engine) and `False` (requests "
-        f"wait for the running batch to end, the engine before continuous batching), same model (the workload's, "
-        f"random weights, no end-of-sequence), one thread: {a['background']} requests x n={a['group']} of "
+        f"`engines.inference.embedded.engine.Engine` with `continuous=True` (the server's engine) and `False` "
+        f"(requests wait for the running batch to end, the engine before continuous batching), same model "
+        f"(the workload's, random weights, no end-of-sequence), one thread: {a['background']} requests x n={a['group']} of "
         f"{a['background_tokens']} tokens are decoding; after {a['after_steps']} of their steps one request "
         f"(n={a['group']}, {a['probe_tokens']} tokens) arrives. Its latency from submit to its first token and to "
         f"its completion; the running batch's tokens/s (all its tokens / its wall time) shows what admitting "

@@ -2,7 +2,7 @@
 
 Prefect: the same workload through the real CLI (`rollflow rl`: Prefect flow, warm-up, three supervised
 subprocesses whose every output line goes to the Prefect logger) against the same components supervised
-directly by `tasks.process.supervise` (no Prefect), interleaved per repeat. During the Prefect run, the
+directly by `runtime.process.supervise` (no Prefect), interleaved per repeat. During the Prefect run, the
 CPU time of every process in the CLI's tree is read from /proc at the first and the last step's metrics
 row, split into the components (`python -m engines.*`) and the rest (the flow and Prefect's API server).
 

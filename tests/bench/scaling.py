@@ -1,6 +1,6 @@
 """Benchmark 6: how one RL step's compute grows with group size, completion length and model width.
 
-One step in-process, with the same code the processes run: `engines.generate.generate` samples the
+One step in-process, with the same code the processes run: `engines.inference.embedded.generate.generate` samples the
 completions (fixed lengths: no end-of-sequence, so length is the controlled variable), then the trainer's
 loss loop (`batch_logprobs`, `policy_loss`, backward over micro-batches of 64, AdamW step) trains on
 them. One factor changes at a time from the baseline; each point is compared with the baseline measured
@@ -41,9 +41,9 @@ class Step:
         import torch
 
         from config.envs import EnvSpec
-        from engines.envs import EnvMix
-        from engines.model import CausalLM
-        from engines.tokenizer import CharTokenizer
+        from engines.environments.base import EnvMix
+        from engines.models.decoder import CausalLM
+        from engines.models.tokenizer import CharTokenizer
 
         torch.set_num_threads(1)
         torch.manual_seed(0)
@@ -60,7 +60,7 @@ class Step:
         import pyarrow as pa
         import torch
 
-        from engines.generate import generate
+        from engines.inference.embedded.generate import generate
         from engines.trainer.batch import make_batch, micro_batches
         from engines.trainer.common import batch_logprobs
         from engines.trainer.loss import policy_loss

@@ -163,8 +163,8 @@ def throughput(name: str, tables: dict[str, pa.Table], repeats: int) -> list[str
 
 def tiny_model():
     from config.loader import load_run_config
-    from engines.model import CausalLM
-    from engines.tokenizer import CharTokenizer
+    from engines.models.decoder import CausalLM
+    from engines.models.tokenizer import CharTokenizer
 
     cfg = load_run_config(["profiles/tiny-cpu.toml"])
     return cfg, CausalLM(cfg.model, CharTokenizer().vocab_size)
@@ -213,8 +213,8 @@ def delta_ratio(steps: int) -> list[str]:
     """Payload ratio of delta publications over successive AdamW steps on the tiny profile."""
     import torch
 
-    from engines.envs import EnvMix
-    from engines.tokenizer import CharTokenizer
+    from engines.environments.base import EnvMix
+    from engines.models.tokenizer import CharTokenizer
     from engines.trainer.sft import sft_batch
 
     torch.manual_seed(0)

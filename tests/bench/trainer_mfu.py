@@ -1,7 +1,7 @@
 """Trainer tokens/s and MFU for a Qwen3-0.6B-shaped model at 16k tokens on one GPU (docs/parallelism.md).
 
 `python -m tests.bench.trainer_mfu --device cuda [--tokens 16384] [--peak-tflops 989]`: rollflow's model
-(engines/model.py) in the Qwen3-0.6B shape, fp32 master weights with bf16 autocast, and full trainer steps:
+(engines/models/decoder.py) in the Qwen3-0.6B shape, fp32 master weights with bf16 autocast, and full trainer steps:
 forward, the trainer's logprobs (log-softmax over the vocabulary) and policy loss, backward, fused AdamW.
 Prints one JSON line: tokens/s and MFU = (6 x params x tokens + causal attention FLOPs) / time / peak.
 prime-rl's published figure for this setup on one H100: 11.9k tokens/s, 11.1% MFU.
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from config.model import ModelConfig
-    from engines.model import CausalLM
+    from engines.models.decoder import CausalLM
     from engines.trainer.loss import policy_loss
 
     shape = QWEN3_0_6B if args.shape == "qwen3-0.6b" else TINY

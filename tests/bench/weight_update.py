@@ -44,7 +44,7 @@ class Server:
     """The inference server as the flow starts it, on `out`, stopped on exit."""
 
     def __init__(self, out: Path, cfg):
-        from tasks.prepare import free_port, new_run_id, write_configs
+        from runtime.rundir import free_port, new_run_id, write_configs
 
         cfg.inference.port = free_port(cfg.inference.host)
         if cfg.weight_broadcast.type == "collective":
@@ -58,7 +58,7 @@ class Server:
     def __enter__(self):
         import httpx
 
-        from tasks.process import supervise
+        from runtime.process import supervise
 
         argv = [sys.executable, "-m", "engines.inference", "--config", self.urls["inference"]]
         env = {"ROLLFLOW_ADMIN_TOKEN": self.token}
@@ -91,8 +91,8 @@ class Server:
 def measure_size(root: Path, model_overrides: dict, n: int, transport: str = "filesystem") -> dict:
     import torch
 
-    from engines.model import CausalLM
-    from engines.tokenizer import CharTokenizer
+    from engines.models.decoder import CausalLM
+    from engines.models.tokenizer import CharTokenizer
     from engines.weight_transport import Sender
     from storage import weights
     from storage.fs import get_fs

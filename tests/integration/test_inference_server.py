@@ -18,8 +18,8 @@ from config.inference import InferenceConfig
 from config.model import ModelConfig
 from config.process import ComponentPaths, InferenceProcessConfig
 from config.storage import StorageConfig
-from engines.model import CausalLM, token_logprobs
-from engines.tokenizer import CharTokenizer
+from engines.models.decoder import CausalLM, token_logprobs
+from engines.models.tokenizer import CharTokenizer
 from storage import weights
 from storage.fs import get_fs
 

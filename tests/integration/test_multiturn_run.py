@@ -18,7 +18,7 @@ import pytest
 from conftest import ROOT, cli_argv, cli_env, start_cli
 from test_resume import _assert_nothing_lost_or_duplicated, _committed_rollouts, _kill, _wait_for_step, _wait_gone
 
-from engines.tokenizer import CharTokenizer
+from engines.models.tokenizer import CharTokenizer
 
 pytestmark = pytest.mark.slow
 PROFILES = ("@", str(ROOT / "profiles/tiny-tools-cpu.toml"), "@", str(ROOT / "tests/profiles/tools-short.toml"))

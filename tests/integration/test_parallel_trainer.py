@@ -65,7 +65,7 @@ def _setup(
 def write_trainer_config(cfg, path: Path, resume_step: int | None, publish: bool) -> Path:
     """The trainer's config of `cfg` at `path`; with `publish`, first version 0 of `cfg.model` (seed 0)."""
     from config.process import component_configs
-    from engines import modeldir
+    from engines.models import modeldir
     from storage import weights
     from storage.fs import Storage
 
@@ -154,10 +154,10 @@ def test_two_tensor_parallel_ranks_match_one_process_and_resume_across_rank_coun
 
 
 def test_two_torchrun_agents_meeting_over_c10d_match_one_process(runs):
-    """The launcher a trainer step on 2 Slurm nodes runs on each node (tasks/torchrun.py), here as two agents
+    """The launcher a trainer step on 2 Slurm nodes runs on each node (launch/torchrun.py), here as two agents
     on this host, one rank each: they meet at the first "node"'s c10d store, form one 2-rank job, and train
     as the one process does."""
-    from tasks.torchrun import torchrun_args
+    from launch.torchrun import torchrun_args
 
     base, r1, _, _ = runs
     config, result = _setup(base / "nodes", 2), base / "rnodes.pt"
@@ -182,9 +182,9 @@ def test_the_warm_up_on_two_ranks_publishes_what_one_process_does(tmp_path):
     rank half of every batch; version 0 as rank 0 publishes it equals the one process's."""
     from config.process import component_configs
     from config.run import RunConfig
+    from launch.torchrun import torchrun_args
     from storage import weights
     from storage.fs import get_fs
-    from tasks.torchrun import torchrun_args
 
     published = {}
     for world in (1, 2):

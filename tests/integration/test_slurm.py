@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, cli_env, prefect_cli, processes_mentioning
 
-from tasks import slurm
+from runtime import slurm
 
 PROFILES = ["profiles/tiny-cpu.toml", "tests/profiles/slurm-short.toml"]
 POOL = "rollflow-slurm"
@@ -155,7 +155,9 @@ def _audit(out: Path, max_steps: int) -> None:
 
 def test_a_deployment_run_completes_as_one_job_with_srun_steps(tmp_path, slurm_worker):
     out = tmp_path / "run"
-    fr = _start("rl/rl-slurm", {"profiles": PROFILES, "output_dir": str(out), "overrides": {"max_steps": 2}})
+    fr = _start(
+        "rl-from-profile/rl-slurm", {"profiles": PROFILES, "output_dir": str(out), "overrides": {"max_steps": 2}}
+    )
     job_id = _job_id(fr.id)
     run, seen = _follow(fr.id, job_id)
     assert run.state.is_completed(), (run.state, (slurm_worker / "worker.log").read_text()[-3000:])
@@ -176,7 +178,7 @@ def test_a_deployment_run_completes_as_one_job_with_srun_steps(tmp_path, slurm_w
 )
 def test_an_sbatch_rejection_fails_the_run_with_slurms_message(tmp_path, slurm_worker, job_variables, slurm_says):
     out = tmp_path / "run"
-    fr = _start("rl/rl-slurm", {"profiles": PROFILES, "output_dir": str(out)}, job_variables)
+    fr = _start("rl-from-profile/rl-slurm", {"profiles": PROFILES, "output_dir": str(out)}, job_variables)
     run, _ = _follow(fr.id, "0", timeout_s=60)
     assert run.state.is_failed(), run.state
     assert slurm_says in run.state.message.lower(), run.state.message
@@ -188,7 +190,9 @@ def test_a_cancellation_in_prefect_leaves_no_job_step_or_process(tmp_path, slurm
     from prefect.states import Cancelling
 
     out = tmp_path / "run"
-    fr = _start("rl/rl-slurm", {"profiles": PROFILES, "output_dir": str(out), "overrides": {"max_steps": 50}})
+    fr = _start(
+        "rl-from-profile/rl-slurm", {"profiles": PROFILES, "output_dir": str(out), "overrides": {"max_steps": 50}}
+    )
     job_id = _job_id(fr.id)
     _follow(fr.id, job_id, until=lambda seen: "rollflow-trainer" in seen)
     with get_client(sync_client=True) as client:
@@ -212,7 +216,7 @@ def test_walltime_stops_the_job_and_resume_unfinished_carries_the_run_to_the_end
     params = {"profiles": PROFILES, "output_dir": str(out), "overrides": {"max_steps": steps}}
     # Slurm checks time limits about every 30 s: with a 2-minute job the warning comes 45-75 s after the start,
     # leaving the flow 45 s or more to checkpoint and stop before Slurm's kill.
-    fr = _start("rl/rl-slurm", params, {"time_limit": "2", "signal_before_s": 75})
+    fr = _start("rl-from-profile/rl-slurm", params, {"time_limit": "2", "signal_before_s": 75})
     job_id = _job_id(fr.id)
     run, seen = _follow(fr.id, job_id, timeout_s=180)
     assert "rollflow-trainer" in seen

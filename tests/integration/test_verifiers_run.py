@@ -1,6 +1,6 @@
 """verifiers environments end to end: the real CLI, inference server, orchestrator and trainer on the
 verifiers (v1) environments defined in tests/plugins/vf (a single-turn copy task and a multi-turn
-tool-calling lookup task), run by rollflow's adapter (engines/verifiers_env.py) through verifiers' own
+tool-calling lookup task), run by rollflow's adapter (engines/environments/verifiers_env.py) through verifiers' own
 interception server and harness. Each model turn's request ids and the server's choice are recorded as the
 orchestrator received them (`record`); the lake must hold exactly those tokens and logprobs, with the mask
 on exactly the model tokens and each turn's request being the stored context up to that turn."""
@@ -17,7 +17,7 @@ import pyarrow.dataset as ds
 import pytest
 from conftest import ROOT, cli_argv, cli_env
 
-from engines.tokenizer import CharTokenizer
+from engines.models.tokenizer import CharTokenizer
 
 pytestmark = pytest.mark.slow
 VF_ENVS = ROOT / "tests/plugins/vf"

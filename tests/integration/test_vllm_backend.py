@@ -1,4 +1,4 @@
-"""The vLLM backend end to end on CPU: `python -m engines.inference.vllm` serves a tiny Llama publication,
+"""The vLLM backend end to end on CPU: `python -m engines.inference.vllm.server` serves a tiny Llama publication,
 generates with token ids and logprobs, applies a weight update in flight, and reports the new version.
 
 Needs the vLLM environment (infra/vllm/setup.sh: ~10 min and 3.5 GB the first time, cached after);
@@ -57,7 +57,7 @@ def served(tmp_path_factory):
     (tmp / "inference.json").write_text(cfg.model_dump_json())
     env = {**os.environ, "ROLLFLOW_ADMIN_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
     log = open(tmp / "inference.log", "wb")  # noqa: SIM115 - closed at teardown
-    argv = [sys.executable, "-m", "engines.inference.vllm", "--config", str(tmp / "inference.json")]
+    argv = [sys.executable, "-m", "engines.inference.vllm.server", "--config", str(tmp / "inference.json")]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
@@ -83,7 +83,7 @@ def served(tmp_path_factory):
 
 
 def complete(url: str, seed: int = 1) -> dict:
-    from engines.tokenizer import CharTokenizer
+    from engines.models.tokenizer import CharTokenizer
 
     body = {"prompt": CharTokenizer().encode("abc:"), "n": 2, "max_tokens": 8, "temperature": 1.0}
     body |= {"logprobs": 1, "return_token_ids": True, "seed": seed, "model": None}
@@ -107,8 +107,8 @@ def logprob_gap(url: str, model, seed: int) -> tuple[float, dict]:
     """Largest |vLLM logprob - rollflow logprob| over a sampled completion's tokens, and the choice."""
     import torch
 
-    from engines.model import token_logprobs
-    from engines.tokenizer import CharTokenizer
+    from engines.models.decoder import token_logprobs
+    from engines.models.tokenizer import CharTokenizer
 
     prompt = CharTokenizer().encode("abc:")
     c = complete(url, seed=seed)["choices"][0]

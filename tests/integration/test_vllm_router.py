@@ -265,7 +265,7 @@ def test_two_replicas_split_the_sessions_between_them(tmp_path):
     cli, _ = start_run(out, "consistent_hash", steps=3, shape=REPLICAS)
     finish(cli, out)
     sessions = served_by(out)
-    # the proxy's rule (engines/inference/vllm_proxy.py): replica = crc32(session) mod replicas
+    # the proxy's rule (engines/inference/vllm/proxy.py): replica = crc32(session) mod replicas
     wrong = {k: v for k, v in sessions.items() if {s.replica for s in v} != {f"vllm-r{zlib.crc32(k.encode()) % 2}"}}
     assert not wrong, f"sessions not on their replica: {wrong}"
     counts: dict[str, int] = defaultdict(int)

@@ -12,7 +12,7 @@ import torch
 
 from config.transport import WeightBroadcastConfig
 from engines.weight_transport import Receiver, Sender
-from tasks.prepare import free_port
+from runtime.rundir import free_port
 
 pytestmark = pytest.mark.slow
 

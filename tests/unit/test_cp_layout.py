@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
 from config.model import ModelConfig
-from engines.model import CausalLM
+from engines.models.decoder import CausalLM
 from engines.trainer.batch import Batch, PackedBatch, pack_batch
 from engines.trainer.common import batch_logprobs, packed_logprobs
 from engines.trainer.context_parallel import CPShard, _padded, to_packed_layout

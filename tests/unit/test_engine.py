@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from config.model import ModelConfig
-from engines.generate import Completion, Decoder, Sampling
-from engines.inference.engine import Engine, Request
-from engines.model import CausalLM, token_logprobs
-from engines.tokenizer import CharTokenizer
+from engines.inference.embedded.engine import Engine, Request
+from engines.inference.embedded.generate import Completion, Decoder, Sampling
+from engines.models.decoder import CausalLM, token_logprobs
+from engines.models.tokenizer import CharTokenizer
 
 CFG = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
 TOK = CharTokenizer()
@@ -146,7 +146,7 @@ def test_hf_models_cache_joins_too():
     """`model.impl = "hf"`: transformers' DynamicCache is realigned and extended like rollflow's own cache."""
     import transformers
 
-    from engines.hf_model import HFCausalLM
+    from engines.models.hf import HFCausalLM
 
     cfg = CFG.model_copy(update={"num_layers": 2})
     hf_cfg = transformers.LlamaConfig(

@@ -19,8 +19,8 @@ import pytest
 from config.envs import EnvSpec
 from config.loader import ConfigError, load_run_config
 from config.registry import ENV_ENTRY_POINT_GROUP, ENVIRONMENTS
-from engines import plugins
-from engines.envs import EnvMix, build
+from engines.environments import plugins
+from engines.environments.base import EnvMix, build
 from rollflow.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,7 +179,7 @@ RG = {"id": "reasoning-gym", "name": "rg-spell", "args": {"dataset": "spell_back
 
 def test_reasoning_gym_samples_renders_and_scores(tmp_path):
     pytest.importorskip("reasoning_gym")
-    from engines.tokenizer import HFTokenizer
+    from engines.models.tokenizer import HFTokenizer
 
     mix = EnvMix([EnvSpec.model_validate(RG)], seed=7, default_style="instruct")
     keys = [f"step={s}/group={g}" for s in (1, 2) for g in range(6)]
@@ -218,7 +218,7 @@ def test_resume_compares_legacy_env_entries_by_meaning():
 
     from config.envs import STRING_TASK_DEFAULTS
     from config.resume import resume_changes
-    from engines.envs import reverse_text, sort_letters
+    from engines.environments.base import reverse_text, sort_letters
 
     for factory in (reverse_text, sort_letters):
         params = inspect.signature(factory).parameters

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from engines.moe import Routing, SparseMoeBlock
+from engines.models.moe import Routing, SparseMoeBlock
 from engines.trainer.expert_parallel import Elsewhere, Exchange, is_expert_param
 
 

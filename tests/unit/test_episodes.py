@@ -11,12 +11,12 @@ import torch
 
 from config.envs import EnvSpec
 from config.model import ModelConfig
-from engines.envs import EnvMix
-from engines.envs_tools import ToolLookup
-from engines.episodes import demonstration_ids, run_episode
-from engines.inference.api import CompletionChoice, CompletionLogprobs, CompletionRequest
-from engines.model import CausalLM
-from engines.tokenizer import CharTokenizer
+from engines.environments.base import EnvMix
+from engines.environments.episodes import demonstration_ids, run_episode
+from engines.environments.tools import ToolLookup
+from engines.models.decoder import CausalLM
+from engines.models.tokenizer import CharTokenizer
+from engines.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest
 from engines.trainer.batch import make_batch, pack_batch
 from engines.trainer.common import batch_logprobs, packed_logprobs
 from engines.trainer.loss import policy_loss
@@ -196,7 +196,7 @@ def test_hf_continuation_equals_the_template_rendering_of_the_whole_conversation
     """A ChatML-like template (text after the assistant's eos): sampled ids + continuation == full render."""
     import json
 
-    from engines.tokenizer import HFTokenizer
+    from engines.models.tokenizer import HFTokenizer
 
     TOK.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
@@ -217,8 +217,8 @@ def test_every_request_of_an_episode_carries_its_session_header_over_http():
     """post_completion over a real loopback socket: the server sees the episode's X-Session-ID."""
     import httpx
 
-    from engines.inference.api import CompletionResponse, Usage
     from engines.orchestrator.multiturn import post_completion
+    from engines.protocol import CompletionResponse, Usage
 
     body = CompletionResponse(
         id="c",

@@ -1,4 +1,5 @@
-"""engines/generate.py batching savings: shared prefill for repeated prompts and compaction of finished rows
+"""engines/inference/embedded/generate.py batching savings: shared prefill for repeated prompts and compaction of
+finished rows
 change no sample, logprob or policy version (each row equals the same row generated alone)."""
 
 from __future__ import annotations
@@ -6,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from config.model import ModelConfig
-from engines.generate import _unique_prompts, generate
-from engines.model import CausalLM
-from engines.tokenizer import CharTokenizer
+from engines.inference.embedded.generate import _unique_prompts, generate
+from engines.models.decoder import CausalLM
+from engines.models.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
 CFG = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)

@@ -10,8 +10,8 @@ import torch
 
 from config.model import LoRAConfig, ModelConfig
 from config.storage import StorageConfig
-from engines import lora
-from engines.model import CausalLM
+from engines.models import lora
+from engines.models.decoder import CausalLM
 from storage import weights
 from storage.fs import CorruptError, get_fs, read_manifest, read_verified
 from storage.lora import ADAPTER_CONFIG, ADAPTER_FILE
@@ -129,7 +129,7 @@ def test_hf_impl_adapters_publish_and_load_like_the_custom_model(tmp_path, kind)
     pytest.importorskip("transformers")
     from test_models_hf import make_dir
 
-    from engines import modeldir
+    from engines.models import modeldir
 
     make_dir(tmp_path / "m", kind)
     cfg = ModelConfig(path=str(tmp_path / "m"), impl="hf", lora=LoRAConfig(rank=2))

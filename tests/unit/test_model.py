@@ -1,4 +1,5 @@
-"""engines/model.py + engines/generate.py: cached sampling logprobs equal the trainer's full forward,
+"""engines/models/decoder.py + engines/inference/embedded/generate.py: cached sampling logprobs equal the trainer's
+full forward,
 in-flight weight swaps are recorded per sequence, and HF Llama/Qwen3 checkpoints load with equal logits."""
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import pytest
 import torch
 
 from config.model import ModelConfig
-from engines.generate import generate
-from engines.model import CausalLM, token_logprobs
-from engines.tokenizer import CharTokenizer
+from engines.inference.embedded.generate import generate
+from engines.models.decoder import CausalLM, token_logprobs
+from engines.models.tokenizer import CharTokenizer
 from engines.trainer.batch import make_batch
 from engines.trainer.common import batch_logprobs
 

@@ -17,10 +17,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from config.model import ModelConfig  # noqa: E402
-from engines import families, modeldir  # noqa: E402
-from engines.generate import generate  # noqa: E402
-from engines.model import token_logprobs  # noqa: E402
-from engines.tokenizer import CharTokenizer  # noqa: E402
+from engines.inference.embedded.generate import generate  # noqa: E402
+from engines.models import families, modeldir  # noqa: E402
+from engines.models.decoder import token_logprobs  # noqa: E402
+from engines.models.tokenizer import CharTokenizer  # noqa: E402
 from storage import weights  # noqa: E402
 from storage.fs import get_fs  # noqa: E402
 
@@ -95,7 +95,7 @@ def _custom_available(kind: str) -> bool:
 @pytest.mark.parametrize("impl", ["custom", "hf"])
 def test_logprobs_match_transformers(tmp_path, kind, impl):
     if impl == "custom" and not _custom_available(kind):
-        pytest.skip(f"{kind}: the custom sparse block is not in engines/model.py yet (impl=hf runs it)")
+        pytest.skip(f"{kind}: the custom sparse block is not in engines/models/decoder.py yet (impl=hf runs it)")
     hf = make_dir(tmp_path, kind)
     loaded = modeldir.load(ModelConfig(path=str(tmp_path), impl=impl), pretrained=True)
     assert loaded.source.impl == impl
@@ -264,7 +264,7 @@ def test_refuses_impl_hf_without_a_directory():
 
 
 def test_fetch_names_what_is_known(tmp_path, monkeypatch):
-    from engines import fetch
+    from engines.models import fetch
 
     with pytest.raises(fetch.FetchError, match=r"unknown model 'nope'; known: smollm2-135m"):
         fetch.fetch("nope")

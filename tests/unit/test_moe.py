@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from config.model import ModelConfig
-from engines.model import CausalLM, token_logprobs
-from engines.moe import Routing
+from engines.models.decoder import CausalLM, token_logprobs
+from engines.models.moe import Routing
 
 VOCAB = 61
 CFG = ModelConfig(
@@ -134,7 +134,7 @@ def test_replaying_other_choices_changes_logprobs_and_trains_the_gate():
 def test_generation_records_the_routes_a_full_forward_takes():
     """The payload covers prompt + completion - 1 positions and equals the trainer's own routing of the
     same sequence; replaying it reproduces the sampler's logprobs (fp32 both sides)."""
-    from engines.generate import generate
+    from engines.inference.embedded.generate import generate
 
     model = _model(3)
     prompts = [[1, 5, 7, 9], [1, 5, 7, 9], [1, 4, 2]]
@@ -164,7 +164,7 @@ def test_generation_records_the_routes_a_full_forward_takes():
 
 
 def test_dense_generation_records_nothing():
-    from engines.generate import generate
+    from engines.inference.embedded.generate import generate
 
     torch.manual_seed(0)
     model = CausalLM(CFG.model_copy(update={"num_experts": 0}), VOCAB).eval()
@@ -192,7 +192,7 @@ def test_router_replay_turns_on_routed_experts_and_refuses_an_explicit_off():
 def test_bf16_engine_model_samples_with_its_own_numbers():
     """inference.dtype = bfloat16: the engine's copy runs in bf16 end to end (KV cache included), and its
     logprobs differ from the fp32 trainer's by rounding only."""
-    from engines.generate import generate
+    from engines.inference.embedded.generate import generate
 
     model = _model(4)
     sampler = _model(4).to(torch.bfloat16)
@@ -209,7 +209,7 @@ def test_bf16_engine_model_samples_with_its_own_numbers():
 
 def _rollout_table(model: CausalLM, sampler: CausalLM):
     """A rollout step as the orchestrator writes it, sampled by `sampler` with routing recorded."""
-    from engines.generate import generate
+    from engines.inference.embedded.generate import generate
     from storage.rollouts import RolloutRow, to_table
 
     prompts = [[1, 5, 7, 9], [1, 5, 7, 9], [1, 4, 2], [1, 3, 3, 8, 2, 6]]

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from config.model import ModelConfig
-from engines.model import CausalLM
-from engines.tokenizer import CharTokenizer
+from engines.models.decoder import CausalLM
+from engines.models.tokenizer import CharTokenizer
 from engines.trainer.batch import make_batch, micro_batches, pack_batch, pack_rows, sample_lengths
 from engines.trainer.common import batch_logprobs, packed_logprobs
 from engines.trainer.loss import policy_loss

@@ -10,7 +10,7 @@ import pytest
 from config.redact import redact_url
 from config.run import RunConfig
 from rollflow.cli import main
-from tasks.prepare import RunDirError, claim_output_dir, public_config, write_configs
+from runtime.rundir import RunDirError, claim_output_dir, public_config, write_configs
 
 TINY = Path(__file__).resolve().parents[2] / "profiles" / "tiny-cpu.toml"
 

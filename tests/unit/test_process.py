@@ -1,4 +1,4 @@
-"""tasks/process.py supervising real (tiny) subprocesses."""
+"""runtime/process.py supervising real (tiny) subprocesses."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from runtime.process import ComponentFailed, supervise
 from storage.runstate import pid_alive
-from tasks.process import ComponentFailed, supervise
 
 
 def test_failure_raises_with_the_last_output_lines(tmp_path):

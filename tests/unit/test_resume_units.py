@@ -15,11 +15,11 @@ import torch
 from config.resume import resume_changes
 from config.run import RunConfig
 from rollflow.cli import main
+from runtime.rundir import RunDirError, check_resumable, write_run_config
 from storage import checkpoints, rollouts, runstate, weights
 from storage.fs import get_fs
 from storage.metrics import MetricsLog, read_metrics
 from storage.resume import repair, resume_point, rollback
-from tasks.prepare import RunDirError, check_resumable, write_run_config
 
 TINY = Path(__file__).resolve().parents[2] / "profiles" / "tiny-cpu.toml"
 

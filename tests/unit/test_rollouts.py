@@ -227,7 +227,7 @@ def test_weights_publish_latest_load_round_trip(tmp_path):
 
 def test_weights_publish_tied_model_state_dict(tmp_path):
     from config.model import ModelConfig
-    from engines.model import CausalLM
+    from engines.models.decoder import CausalLM
 
     cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=48)
     src, dst = CausalLM(cfg, 20), CausalLM(cfg, 20)

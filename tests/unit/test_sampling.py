@@ -1,10 +1,11 @@
 import torch
 
 from config.model import ModelConfig
-from engines.generate import generate
-from engines.model import CausalLM
-from engines.sampling import _mix, derive_seed, row_seeds, sample, splitmix64, uniform
-from engines.tokenizer import CharTokenizer
+from engines.inference.embedded.generate import generate
+from engines.inference.embedded.sampling import _mix, sample, uniform
+from engines.models.decoder import CausalLM
+from engines.models.tokenizer import CharTokenizer
+from engines.seeds import derive_seed, row_seeds, splitmix64
 
 TOK = CharTokenizer()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from config.loader import ConfigError, load_run_config
-from tasks.slurm import PlacementError, place, render_placement, render_sbatch
+from launch.slurm import PlacementError, place, render_placement, render_sbatch
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"

@@ -13,8 +13,8 @@ import pytest
 from config.envs import EnvSpec
 from config.registry import STRING_TASKS
 from config.run import PROMPT_OVERHEAD_TOKENS
-from engines.envs import EnvMix, build
-from engines.tokenizer import CHARS, SPECIAL, CharTokenizer
+from engines.environments.base import EnvMix, build
+from engines.models.tokenizer import CHARS, SPECIAL, CharTokenizer
 
 TOK = CharTokenizer()
 SAMPLE = "rev:hello world, 42! sort:a-b_c.d?="

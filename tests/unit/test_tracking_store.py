@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tasks.tracking import initialize_store
+from runtime.tracking import initialize_store
 
 
 def test_a_new_store_appears_only_migrated_and_a_killed_attempt_leaves_nothing(tmp_path):

@@ -1,4 +1,5 @@
-"""The verifiers adapter (engines/verifiers_env.py, engines/verifiers_client.py) without a server: loading
+"""The verifiers adapter (engines/environments/verifiers_env.py, engines/environments/verifiers_client.py) without a
+server: loading
 the test suite's verifiers environments through the plugin mechanism, its load-time errors, and the token
 client's refusal to train on a conversation whose history was rewritten."""
 
@@ -11,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from config.envs import EnvSpec
-from engines import plugins
-from engines.tokenizer import CharTokenizer
+from engines.environments import plugins
+from engines.models.tokenizer import CharTokenizer
 
 VF_ENVS = Path(__file__).resolve().parents[1] / "plugins/vf"
 
@@ -47,8 +48,8 @@ def test_bad_verifiers_env_is_refused_naming_it(vf_path, args, message):
 
 
 def test_token_client_extends_the_sampled_ids_and_refuses_rewritten_history():
-    from engines.episodes import Episode
-    from engines.verifiers_client import TokenClient, _Session
+    from engines.environments.episodes import Episode
+    from engines.environments.verifiers_client import TokenClient, _Session
 
     tok = CharTokenizer()
     group = SimpleNamespace(tok=tok, ocfg=SimpleNamespace(temperature=1.0))

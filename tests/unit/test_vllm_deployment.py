@@ -15,8 +15,8 @@ from pydantic import ValidationError
 
 from config.inference import InferenceConfig
 from config.run import RunConfig
-from engines.inference import vllm_render
-from engines.inference.vllm import check_local
+from engines.inference.vllm.server import check_local
+from launch import vllm as vllm_render
 
 GOLDEN = Path(__file__).parent / "golden" / "vllm"
 
@@ -120,7 +120,7 @@ def test_kv_transfer_config_is_valid_json_for_vllm():
 
 
 def test_dry_run_writes_the_commands(tmp_path):
-    from tasks.prepare import write_configs
+    from runtime.rundir import write_configs
 
     cfg = RunConfig.model_validate({"output_dir": str(tmp_path), "inference": {"backend": "vllm", **SHAPES["wide_ep"]}})
     write_configs(cfg, "run-1", "http://127.0.0.1:1")
@@ -208,7 +208,7 @@ def test_local_launch_refuses_what_needs_slurm(keys, match):
 
 
 def test_sessions_stick_to_a_replica_and_requests_name_their_session():
-    from engines.inference.vllm_proxy import Upstream, forward_headers
+    from engines.inference.vllm.proxy import Upstream, forward_headers
 
     up = Upstream(["http://r0", "http://r1", "http://r2"], [], 0)
     sessions = [f"s000001-g{g:04d}" for g in range(30)]
@@ -239,7 +239,7 @@ def test_vllms_routed_experts_become_the_rollout_column():
 
     import numpy as np
 
-    from engines.inference.vllm_proxy import decode_routes
+    from engines.inference.vllm.proxy import decode_routes
 
     routes = np.arange(7 * 3 * 2, dtype=np.int16).reshape(7, 3, 2)  # vLLM: [seq, layers, top_k]
     buf = io.BytesIO()
@@ -251,7 +251,7 @@ def test_vllms_routed_experts_become_the_rollout_column():
 
 
 def test_routed_experts_from_the_cpu_build_of_vllm_are_refused_at_launch():
-    from engines.inference.vllm import ROOT
+    from engines.inference.vllm.server import ROOT
 
     if not (ROOT / ".venv-vllm" / "bin" / "python").exists():
         pytest.skip("no vLLM environment")

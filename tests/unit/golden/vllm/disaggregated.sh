@@ -1,4 +1,4 @@
-# rendered by rollflow (engines/inference/vllm_render.py); one line per process
+# rendered by rollflow (launch/vllm.py); one line per process
 # replica 0: entry http://127.0.0.1:8000
 # vllm-r0-prefill0-node0 on {node0}
 PYTHONPATH='{worker_path}' VLLM_CPU_KVCACHE_SPACE=1 VLLM_DEEP_GEMM_WARMUP=skip VLLM_ENABLE_MOE_DP_CHUNK=0 VLLM_NIXL_SIDE_CHANNEL_HOST='{node0}' VLLM_NIXL_SIDE_CHANNEL_PORT=5600 VLLM_SERVER_DEV_MODE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model '{model}' --served-model-name rollflow --max-model-len 64 --dtype float32 --seed 0 --worker-extension-cls rollflow_vllm_worker.WeightLoader --tensor-parallel-size 2 --data-parallel-size 4 --enable-expert-parallel --all2all-backend deepep_high_throughput --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}' --data-parallel-size-local 2 --data-parallel-start-rank 0 --data-parallel-address '{node0}' --data-parallel-rpc-port 13345 --data-parallel-hybrid-lb --host '{node0}' --port 8100

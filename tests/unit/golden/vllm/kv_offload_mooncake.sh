@@ -1,4 +1,4 @@
-# rendered by rollflow (engines/inference/vllm_render.py); one line per process
+# rendered by rollflow (launch/vllm.py); one line per process
 # replica 0: entry http://127.0.0.1:8000
 # mooncake-master-r0 on {node0}
 cat > {config_dir}/mooncake-r0.json <<'EOF'

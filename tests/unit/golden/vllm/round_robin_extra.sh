@@ -1,4 +1,4 @@
-# rendered by rollflow (engines/inference/vllm_render.py); one line per process
+# rendered by rollflow (launch/vllm.py); one line per process
 # replica 0: entry http://127.0.0.1:8000
 # vllm-r0-node0 on {node0}
 PYTHONPATH='{worker_path}' VLLM_CPU_KVCACHE_SPACE=1 VLLM_SERVER_DEV_MODE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model '{model}' --served-model-name rollflow --max-model-len 64 --dtype float32 --seed 0 --worker-extension-cls rollflow_vllm_worker.WeightLoader --tensor-parallel-size 1 --data-parallel-size 1 --enable-dbo --gpu-memory-utilization 0.9 --compilation-config '{"level": 3}' --host '{node0}' --port 8100

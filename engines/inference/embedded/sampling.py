@@ -12,30 +12,7 @@ from __future__ import annotations
 
 import torch
 
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-
-
-def _signed(x: int) -> int:
-    x &= _MASK64
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def splitmix64(x: int) -> int:
-    """Reference splitmix64 finalizer on Python ints (unsigned 64-bit result)."""
-    x = (x + _GOLDEN) & _MASK64
-    x = ((x ^ (x >> 30)) * _C1) & _MASK64
-    x = ((x ^ (x >> 27)) * _C2) & _MASK64
-    return x ^ (x >> 31)
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (run seed, step, group, ...): stable across processes and Python runs."""
-    x = 0
-    for p in parts:
-        x = splitmix64(x ^ (p & _MASK64))
-    return x >> 1
+from engines.seeds import C1, C2, GOLDEN, to_signed
 
 
 def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -43,9 +20,9 @@ def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
-    x = x + _signed(_GOLDEN)
-    x = (x ^ _shr(x, 30)) * _signed(_C1)
-    x = (x ^ _shr(x, 27)) * _signed(_C2)
+    x = x + to_signed(GOLDEN)
+    x = (x ^ _shr(x, 30)) * to_signed(C1)
+    x = (x ^ _shr(x, 27)) * to_signed(C2)
     return x ^ _shr(x, 31)
 
 
@@ -81,8 +58,3 @@ def truncate(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> to
     masked = ordered.masked_fill(drop, float("-inf"))
     out = torch.empty_like(logp).scatter_(-1, order, masked)
     return torch.log_softmax(out, dim=-1)
-
-
-def row_seeds(seed: int, n: int) -> list[int]:
-    """Seeds for the n samples of one request (a group shares its prompt, not its noise)."""
-    return [derive_seed(seed, k) for k in range(n)]

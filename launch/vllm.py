@@ -3,7 +3,7 @@
 Data flow: `InferenceConfig` (shape, parallel, router, offload, vllm_extra; config/inference_deployment.py) + the
 model directory + the nodes it is placed on -> `render()` -> one `Replica` per `num_infer_replicas`, each a
 list of `Process`es and the URL requests enter by. `--dry-run` writes the result to OUTPUT_DIR/config/
-(`write_plan`) with placeholders ({model}, {node0}, ...); a local launch (engines/inference/vllm.py) renders
+(`write_plan`) with placeholders ({model}, {node0}, ...); a local launch (engines/inference/vllm/server.py) renders
 with the newest publication and 127.0.0.1 for every node and runs it; under Slurm the same processes
 become the srun placement, one node each.
 
@@ -295,7 +295,7 @@ def plan_json(replicas: list[Replica]) -> dict:
 
 def plan_script(replicas: list[Replica]) -> str:
     """The commands as shell lines, one per process, grouped by node (what `srun` runs on each)."""
-    lines = ["# rendered by rollflow (engines/inference/vllm_render.py); one line per process"]
+    lines = ["# rendered by rollflow (launch/vllm.py); one line per process"]
     for rep in replicas:
         lines.append(f"# replica {rep.index}: entry {rep.url}")
         for p in rep.processes:

@@ -33,7 +33,7 @@ import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
-from engines.inference.api import HealthResponse, UpdateWeightsRequest, admin_auth
+from engines.protocol import HealthResponse, UpdateWeightsRequest, admin_auth
 
 # The publication materialized for the workers: (version) -> local safetensors path.
 Materialize = Callable[[int], Awaitable[str]]

@@ -141,7 +141,7 @@ def write_configs(
 def write_vllm_plan(cfg: RunConfig, fs, root: str) -> None:
     """`config/vllm-plan.json` and `config/vllm-commands.sh`: every vLLM server and router the deployment
     runs, with placeholders for the publication ({model}) and the nodes ({node0}, ...)."""
-    from engines.inference import vllm_render
+    from launch import vllm as vllm_render
 
     replicas = vllm_render.render(cfg.inference, max_model_len=cfg.model.max_seq_len, under_slurm=True)
     write_json(fs, join(root, "config", "vllm-plan.json"), vllm_render.plan_json(replicas))

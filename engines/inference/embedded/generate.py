@@ -5,8 +5,8 @@ prompt once: a group's samples share it) and merges them into the running batch;
 token for every live row; `forward` feeds those tokens through the model for the next step. Rows leave
 when they end, so requests join and leave between decode steps (continuous batching, engines/inference/
 engine.py); `generate` runs one fixed set of prompts to the end. Each row samples with its own seed and
-counts its own tokens (engines/sampling.py), so its tokens do not depend on the rest of the batch or on
-when it joined. The caller passes the policy version at each `sample`, so every row records the version
+counts its own tokens (engines/inference/embedded/sampling.py), so its tokens do not depend on the rest of the batch or
+on when it joined. The caller passes the policy version at each `sample`, so every row records the version
 that produced its first and its last completion token (in-flight weight updates happen between steps).
 
 The cache is left-aligned per row: all rows share one cache length, a row's earlier slots are padding
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engines.model import CausalLM
-from engines.moe import Routing
-from engines.sampling import sample, truncate
+from engines.inference.embedded.sampling import sample, truncate
+from engines.models.decoder import CausalLM
+from engines.models.moe import Routing
 
 
 @dataclass

@@ -5,9 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from prefect import task
-from prefect.cache_policies import NONE
-
 
 def resolve_tracking_uri(configured: str | None, output_dir: str) -> str | None:
     """Config value, else MLFLOW_TRACKING_URI, else a sqlite store in a local run directory."""
@@ -49,7 +46,6 @@ def initialize_store(tracking_uri: str) -> None:
     os.replace(tmp, path)
 
 
-@task(cache_policy=NONE)
 def start_mlflow_run(tracking_uri: str, experiment: str, run_name: str, params: dict, tags: dict) -> str:
     from mlflow.tracking import MlflowClient
 
@@ -66,7 +62,6 @@ def start_mlflow_run(tracking_uri: str, experiment: str, run_name: str, params: 
     return run.info.run_id
 
 
-@task(cache_policy=NONE)
 def reopen_mlflow_run(tracking_uri: str, mlflow_run_id: str, tags: dict[str, str]) -> None:
     """Mark a resumed run's MLflow run active again; settings changed on resume become tags (params
     are immutable in MLflow)."""
@@ -78,7 +73,6 @@ def reopen_mlflow_run(tracking_uri: str, mlflow_run_id: str, tags: dict[str, str
     client.log_batch(mlflow_run_id, tags=[RunTag(k[:250], str(v)[:5000]) for k, v in tags.items()])
 
 
-@task(cache_policy=NONE)
 def end_mlflow_run(tracking_uri: str, mlflow_run_id: str, status: str) -> None:
     from mlflow.tracking import MlflowClient
 

@@ -1,7 +1,7 @@
-"""The verifiers model client rollflow installs for verifiers environments (engines/verifiers_env.py).
+"""The verifiers model client rollflow installs for verifiers environments (engines/environments/verifiers_env.py).
 
 verifiers' interception server hands every model call of a rollout to its `Client` with the rollout's
-trace id as `session_id`. `TokenClient` keeps one `engines.episodes.Episode` per session and extends it in
+trace id as `session_id`. `TokenClient` keeps one `engines.environments.episodes.Episode` per session and extends it in
 token ids only: turn 1 renders the request's messages with the chat template; later turns append the
 messages that followed the last reply (tool results, a user turn) through `Tokenizer.render_continuation`
 to the ids already sampled, never re-rendering the conversation. It samples through the orchestrator's
@@ -24,7 +24,7 @@ from verifiers.v1.dialects import ChatDialect
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.types import AssistantMessage, Response, ToolCall, TurnTokens, Usage
 
-from engines.episodes import Episode
+from engines.environments.episodes import Episode
 from storage import rollouts
 
 

@@ -4,7 +4,7 @@
 `render_prompt` (a user message through the chat template, with the generation prompt) and
 `save_pretrained`. `CharTokenizer` is built in-process: encoding is a dict lookup per character, and
 `save_pretrained` writes `tokenizer.json` + `tokenizer_config.json` that `transformers.AutoTokenizer` loads
-to the same ids. `HFTokenizer` wraps the tokenizer of a model directory (engines/modeldir.py).
+to the same ids. `HFTokenizer` wraps the tokenizer of a model directory (engines/models/modeldir.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Tokenizer(Protocol):
 
     @property
     def prompt_style(self) -> str:
-        """The environment prompt style it suits: "tag" or "instruct" (engines/envs.py)."""
+        """The environment prompt style it suits: "tag" or "instruct" (engines/environments/base.py)."""
         ...
 
     @property

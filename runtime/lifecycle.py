@@ -11,9 +11,7 @@ import time
 from dataclasses import dataclass
 
 from config.run import RunConfig
-from storage import runstate
-from storage.fs import get_fs
-from tasks.prepare import (
+from runtime.rundir import (
     check_resumable,
     claim_output_dir,
     new_run_id,
@@ -21,7 +19,9 @@ from tasks.prepare import (
     stored_config,
     write_run_config,
 )
-from tasks.tracking import end_mlflow_run, reopen_mlflow_run, resolve_tracking_uri, start_mlflow_run
+from runtime.tracking import end_mlflow_run, reopen_mlflow_run, resolve_tracking_uri, start_mlflow_run
+from storage import runstate
+from storage.fs import get_fs
 
 
 @dataclass

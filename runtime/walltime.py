@@ -2,7 +2,7 @@
 
 The batch script asks Slurm for USR1 before the time limit (`--signal=B:USR1@N`); its shell turns the
 signal into a file named by $ROLLFLOW_WALLTIME_FILE and exports $ROLLFLOW_WALLTIME_GRACE_S (N/2)
-(tasks/slurm.py). A thread here polls for that file. When it appears:
+(launch/slurm.py). A thread here polls for that file. When it appears:
   1. `checkpoint_request` is set: the flow relays SIGUSR1 to the trainer, which writes a checkpoint
      after its current step;
   2. it waits for that checkpoint, at most the grace period;
@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from tasks.slurm import WALLTIME_FILE_ENV, WALLTIME_GRACE_ENV
+from launch.slurm import WALLTIME_FILE_ENV, WALLTIME_GRACE_ENV
 
 
 class WalltimeReached(RuntimeError):

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engines.generate import Completion, Decoder, Sampling
-from engines.model import CausalLM
-from engines.sampling import row_seeds
+from engines.inference.embedded.generate import Completion, Decoder, Sampling
+from engines.models.decoder import CausalLM
+from engines.seeds import row_seeds
 
 # For each of a request's rows that drew a token this step: (choice index, token id, logprob, finished,
 # policy version that produced it, finish reason (meaningful once finished), its top logprobs or None)

@@ -2,7 +2,7 @@
 
 `HFCausalLM.forward(ids, positions, mask, cache) -> logits` is what the trainer (padded or packed
 batches: position ids and a 4-D boolean mask) and the embedded engine (left-padded prefill, cached
-decode) call on `engines.model.CausalLM`; here it goes to `AutoModelForCausalLM` with the same position
+decode) call on `engines.models.decoder.CausalLM`; here it goes to `AutoModelForCausalLM` with the same position
 ids and mask, and the cache is transformers' `DynamicCache`. Publications use the transformers module's
 own state dict, whose names are the family's Hugging Face names.
 """
@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from config.model import ModelConfig
-from engines.model import Publishable
-from engines.moe import Routing
+from engines.models.decoder import Publishable
+from engines.models.moe import Routing
 
 
 class HFCache:
-    """A `DynamicCache` with the two things `engines.generate` uses: `length` and `select_rows`."""
+    """A `DynamicCache` with the two things `engines.inference.embedded.generate` uses: `length` and `select_rows`."""
 
     def __init__(self, inner: Any):
         self.inner = inner

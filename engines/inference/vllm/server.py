@@ -1,11 +1,11 @@
-"""Entry module of `inference.backend = "vllm"`: `python -m engines.inference.vllm --config inference.json`.
+"""Entry module of `inference.backend = "vllm"`: `python -m engines.inference.vllm.server --config inference.json`.
 
 Runs in rollflow's environment and starts vLLM from its own (`inference.vllm.python`, built by
 infra/vllm/setup.sh). Data flow:
   newest committed publication --materialize--> a local Hugging Face directory (config.json, tokenizer,
   model.safetensors; verified, a delta rebuilt) --render--> vLLM servers (+ a vllm-router per replica) on
   this host, bound to 127.0.0.1 unless inference.host says otherwise --> the proxy
-  (engines/inference/vllm_proxy.py) on inference.host:inference.port, which the orchestrator talks to
+  (engines/inference/vllm/proxy.py) on inference.host:inference.port, which the orchestrator talks to
   exactly as to the embedded engine. Several replicas on one host: `inference.deployment.type =
   "multi_node"` with every node 127.0.0.1 (num_nodes servers behind one router) and/or
   `inference.num_infer_replicas` copies of the shape (the proxy spreads sessions over their routers).
@@ -34,11 +34,11 @@ from pathlib import Path
 
 from config.inference import InferenceConfig
 from config.inference_deployment import DisaggregatedDeployment, MultiNodeDeployment
-from engines.inference import vllm_render
+from launch import vllm as vllm_render
 
 log = logging.getLogger("rollflow.inference.vllm")
 ROOT = Path(__file__).resolve().parents[2]
-WORKER_DIR = Path(__file__).resolve().parent / "vllm_worker"
+WORKER_DIR = Path(__file__).resolve().parent / "worker"
 KEEP_MATERIALIZED = 2  # the served version and the one being loaded
 
 
@@ -171,7 +171,7 @@ async def _serve(cfg, replicas: list[vllm_render.Replica], procs, version: int, 
     import httpx
     import uvicorn
 
-    from engines.inference.vllm_proxy import Upstream, build_app
+    from engines.inference.vllm.proxy import Upstream, build_app
 
     servers = [p.url for r in replicas for p in r.processes if p.url and not p.name.startswith("router")]
     up = Upstream([r.url for r in replicas], servers, version)
@@ -206,7 +206,7 @@ def stop(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engines.inference.vllm", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m engines.inference.vllm.server", description=__doc__)
     parser.add_argument("--config", required=True, help="resolved inference config (JSON)")
     args = parser.parse_args(argv)
 

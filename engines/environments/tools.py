@@ -19,7 +19,7 @@ import random
 import string
 from dataclasses import dataclass
 
-from engines.envs import Task, similarity
+from engines.environments.base import Task, similarity
 
 CALL = "?"
 TOOL_PREFIX = "is:"

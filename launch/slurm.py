@@ -1,24 +1,20 @@
-"""Slurm from rollflow's side: render the sbatch script, place components on the allocated nodes as
-`srun` job steps, and talk to Slurm through its CLI (sbatch, squeue, scontrol, sacct, scancel).
+"""What runs where on Slurm, rendered: the sbatch script, the placement of components on the
+allocated nodes, and the `srun` prefix of each component's command. Pure functions of the config.
 
 Data flow: `DeploymentConfig` -> `render_sbatch` (one job per run; `rollflow submit`, the Slurm worker,
-`--dry-run`) -> inside the job the flow calls `allocation_placement` -> per-component node lists ->
-`srun_prefix` put in front of each component's command by `tasks.components`. No Prefect here: the
-worker (flows/slurm_worker.py) and the CLI share it. Slurm >= 22.05 through its CLI only.
+`--dry-run`) -> inside the job the flow expands the allocation (runtime/slurm.py `allocation_nodes`) ->
+`place` -> per-component node lists -> `srun_prefix` put in front of each component's command by
+`tasks.components`. Talking to Slurm itself (sbatch, squeue, ...) is runtime/slurm.py's.
 """
 
 from __future__ import annotations
 
-import os
-import re
 import shlex
-import shutil
-import subprocess
 from collections.abc import Mapping, Sequence
 
 from config.deployment import DeploymentConfig, SlurmJobConfig
 from config.parallel import ParallelConfig
-from tasks.torchrun import torchrun_args
+from launch.torchrun import torchrun_args
 
 COMPONENTS = ("warmup", "inference", "orchestrator", "trainer")
 # Slurm's walltime warning reaches the batch shell (sbatch --signal=B:USR1@N); the shell turns it into
@@ -27,26 +23,8 @@ WALLTIME_FILE_ENV = "ROLLFLOW_WALLTIME_FILE"
 WALLTIME_GRACE_ENV = "ROLLFLOW_WALLTIME_GRACE_S"  # how long the flow waits for a checkpoint after it
 
 
-class SlurmNotFound(RuntimeError):
-    """The Slurm commands are not on PATH."""
-
-
-class SbatchRejected(RuntimeError):
-    """sbatch refused the job; the message is Slurm's own."""
-
-
 class PlacementError(RuntimeError):
     """The allocation does not match the profile's deployment section."""
-
-
-def require(command: str) -> str:
-    path = shutil.which(command)
-    if path is None:
-        raise SlurmNotFound(
-            f"'{command}' is not on PATH: this machine has no Slurm client (install slurm-client, load the "
-            "cluster's Slurm module, or run on a login node)"
-        )
-    return path
 
 
 def place(dep: DeploymentConfig, hosts: Sequence[str]) -> dict[str, list[str]]:
@@ -80,21 +58,6 @@ def srun_prefix(name: str, nodes: Sequence[str], slurm: SlurmJobConfig) -> list[
         "--export=ALL",
         *slurm.srun_args,
     ]
-
-
-def hostnames(nodelist: str) -> list[str]:
-    """Expand a Slurm node list (`node[01-04],gpu7`) with `scontrol show hostnames`."""
-    out = subprocess.run(
-        [require("scontrol"), "show", "hostnames", nodelist], capture_output=True, text=True, check=True
-    )
-    return out.stdout.split()
-
-
-def allocation_nodes(dep: DeploymentConfig, env: Mapping[str, str] = os.environ) -> dict[str, list[str]] | None:
-    """Inside a Slurm job: component -> its nodes. Outside one (no SLURM_JOB_ID): None, run locally."""
-    if not env.get("SLURM_JOB_ID"):
-        return None
-    return place(dep, hostnames(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")))
 
 
 def sbatch_options(slurm: SlurmJobConfig, nodes: int, job_name: str, output: str) -> list[str]:
@@ -133,7 +96,7 @@ def render_sbatch(
 ) -> str:
     """The whole batch script: #SBATCH options, exported environment, setup lines, the flow command."""
     lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in sbatch_options(slurm, nodes, job_name, output))]
-    lines.append("# rendered by rollflow (tasks/slurm.py); one job per run, components are srun steps")
+    lines.append("# rendered by rollflow (launch/slurm.py); one job per run, components are srun steps")
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
     lines += slurm.setup
     run = _RUN.format(
@@ -151,46 +114,3 @@ def render_placement(dep: DeploymentConfig, parallel: ParallelConfig, hosts: Seq
     out = {name: {"nodes": nodes[name], "srun": srun_prefix(name, nodes[name], dep.slurm)} for name in COMPONENTS}
     out["trainer"]["launcher"] = torchrun_args(parallel.world_size, nodes["trainer"], parallel.rdzv_port)
     return out
-
-
-def submit(script_path: str, cwd: str | None = None) -> str:
-    """sbatch the script; returns the job id. Raises SbatchRejected with Slurm's message."""
-    proc = subprocess.run([require("sbatch"), "--parsable", script_path], capture_output=True, text=True, cwd=cwd)
-    if proc.returncode != 0:
-        raise SbatchRejected((proc.stderr or proc.stdout).strip() or f"sbatch exited with code {proc.returncode}")
-    return proc.stdout.strip().split(";")[0]
-
-
-def job_state(job_id: str) -> tuple[str | None, str | None]:
-    """(state, reason/exit code) of a job, from squeue while it is queued or running, then scontrol
-    (until MinJobAge), then sacct where accounting is on; (None, None) when Slurm has forgotten it."""
-    out = subprocess.run([require("squeue"), "-h", "-j", job_id, "-o", "%T|%r"], capture_output=True, text=True)
-    if out.returncode == 0 and out.stdout.strip():
-        state, _, reason = out.stdout.strip().partition("|")
-        return state, None if reason in ("None", "") else reason
-    out = subprocess.run([require("scontrol"), "show", "job", job_id], capture_output=True, text=True)
-    m = re.search(r"JobState=(\S+).*?ExitCode=(\S+)", out.stdout, re.S)
-    if out.returncode == 0 and m:
-        return m.group(1), f"exit code {m.group(2)}"
-    if shutil.which("sacct"):
-        argv = ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode"]
-        out = subprocess.run(argv, capture_output=True, text=True)
-        if out.returncode == 0 and out.stdout.strip():
-            state, _, code = out.stdout.strip().splitlines()[0].partition("|")
-            return state.split()[0], f"exit code {code}"
-    return None, None
-
-
-def steps(job_id: str) -> list[str]:
-    """Names of the job's running steps (squeue -s), e.g. ['batch', 'rollflow-inference', ...]."""
-    out = subprocess.run([require("squeue"), "-h", "-s", "-j", job_id, "-o", "%j"], capture_output=True, text=True)
-    return out.stdout.split() if out.returncode == 0 else []
-
-
-def cancel(job_id: str) -> None:
-    subprocess.run([require("scancel"), job_id], capture_output=True, text=True, check=False)
-
-
-ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING"}
-# Pending reasons that no amount of waiting resolves: the request exceeds what the partition allows.
-NEVER_STARTS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "InvalidQOS"}

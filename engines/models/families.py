@@ -1,4 +1,4 @@
-"""Model families rollflow's own model code (engines/model.py) implements: the one registry.
+"""Model families rollflow's own model code (engines/models/decoder.py) implements: the one registry.
 
 A family maps a Hugging Face `config.json` (its `model_type`) to `ModelConfig` fields, says which
 configs the custom code cannot run (then `impl = "auto"` falls back to transformers), and writes the

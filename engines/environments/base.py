@@ -1,7 +1,7 @@
 """Environments: seeded task generators with a reward, plus the weighted mix a run draws from.
 
 An environment is any object with `sample(rng) -> Task` and `reward(task, completion) -> float`, made
-by a factory that an `[[envs]]` entry names by import path or entry point (engines/plugins.py,
+by a factory that an `[[envs]]` entry names by import path or entry point (engines/environments/plugins.py,
 docs/environments.md). The two built-in toy tasks below are such plugins (`reverse_text`,
 `sort_letters`, registered as entry points in pyproject.toml).
 A task's `prompt` is the user message; the tokenizer renders it through its chat template
@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from config.envs import EnvSpec
-from engines import plugins
+from engines.environments import plugins
 
 
 @dataclass(frozen=True)

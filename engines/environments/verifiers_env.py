@@ -8,7 +8,7 @@ reaches `TokenClient`, a verifiers `Client` that never renders text: the first t
 template over the task's messages, each later turn's prompt is the episode's ids so far (every sampled token
 exactly as rollflow's server returned it) plus the new tool/user messages rendered by
 `Tokenizer.render_continuation`, and the server samples from those ids (`/v1/completions`, `return_token_ids`,
-logprobs). So each episode is an `engines.episodes.Episode` built turn by turn from the server's responses:
+logprobs). So each episode is an `engines.environments.episodes.Episode` built turn by turn from the server's responses:
 `completion_mask` 1 on sampled tokens, 0 on tool/user tokens, the server's logprobs, each turn's policy
 versions. The client also hands verifiers the turn's ids (`Response.tokens`) so its trace records them.
 Rewards are the rubric's (`Trace.reward`, its weighted `@reward`s); its rewards and `@metric`s by name go
@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engines.envs import Task
+from engines.environments.base import Task
+from engines.environments.plugins import PluginError, import_object
 from engines.orchestrator.advantages import group_advantages
-from engines.plugins import PluginError, import_object
 from storage import rollouts
 from storage.rollouts import RolloutRow
 
@@ -60,7 +60,7 @@ class VerifiersEnvironment:
     async def _serving(self, client: Any) -> None:
         """verifiers' serving resources (interception server, shared tools) for this process's lifetime,
         with `client` as the model client of every rollout."""
-        from engines.verifiers_client import install_client
+        from engines.environments.verifiers_client import install_client
 
         stack = contextlib.AsyncExitStack()
         await stack.enter_async_context(self.env.serving())
@@ -73,7 +73,7 @@ class VerifiersEnvironment:
             self._stack = None
 
     async def run_group(self, group: Any, task: Task, run_id: str, step: int, group_idx: int) -> list[RolloutRow]:
-        from engines.verifiers_client import TokenClient
+        from engines.environments.verifiers_client import TokenClient
 
         async with self._starting:  # a step's groups start together: one of them brings the env up
             if self._stack is None:

@@ -5,7 +5,7 @@ Keys match Hugging Face's `LlamaForCausalLM` / `Qwen3ForCausalLM` (`model.layers
 and left padding; a position's RoPE index counts only real tokens, so cached decoding and the trainer's
 full forward see identical positions and produce the same logprobs.
 
-With `model.num_experts > 0` every layer's MLP is a Qwen3-MoE sparse block (engines/moe.py); a `Routing`
+With `model.num_experts > 0` every layer's MLP is a Qwen3-MoE sparse block (engines/models/moe.py); a `Routing`
 passed to `forward` records the experts each token was routed to and can replay given ones.
 """
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from config.model import ModelConfig
-from engines.moe import Routing, SparseMoeBlock, build_sparse_mlp, is_sparse
+from engines.models.moe import Routing, SparseMoeBlock, build_sparse_mlp, is_sparse
 from storage.lora import is_adapter_key
 
 
@@ -75,7 +75,7 @@ class KVCache:
     def realign(self, front: int, capacity: int) -> None:
         """Shift the filled slots by `front` (> 0: that many empty slots before them, which the caller masks
         out; < 0: drop the first -front) into tensors of `capacity` slots: how rows that joined a running
-        batch at another length line up with it (engines/generate.py)."""
+        batch at another length line up with it (engines/inference/embedded/generate.py)."""
         length = self.length + front
         keep = slice(max(0, -front), self.length)
 
@@ -169,9 +169,9 @@ class Backbone(nn.Module):
 
 
 class Publishable:
-    """Publication I/O shared by rollflow's model and the transformers wrapper (engines/hf_model.py):
+    """Publication I/O shared by rollflow's model and the transformers wrapper (engines/models/hf.py):
     state dicts with the family's Hugging Face names, the tied `lm_head.weight` alias left out. LoRA adapter
-    keys (engines/lora.py) are never part of the base publication; a state dict may carry them on load."""
+    keys (engines/models/lora.py) are never part of the base publication; a state dict may carry them on load."""
 
     cfg: ModelConfig
 

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tasks.prepare import free_port
-from tasks.process import die_with_parent, terminate_group
+from runtime.process import die_with_parent, terminate_group
+from runtime.rundir import free_port
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:

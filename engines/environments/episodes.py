@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from engines.envs import Task
-from engines.inference.api import CompletionChoice, CompletionRequest
-from engines.tokenizer import Tokenizer
+from engines.environments.base import Task
+from engines.models.tokenizer import Tokenizer
+from engines.protocol import CompletionChoice, CompletionRequest
 from storage.rollouts import RolloutRow
 
 SESSION_HEADER = "X-Session-ID"

@@ -1,6 +1,6 @@
 """The trainer's launcher argv when it has several ranks: torchrun on one node, or one agent per node.
 
-No Prefect or torch here: `--dry-run` renders it (tasks/slurm.py `render_placement`), the `rl` flow puts it
+No Prefect or torch here: `--dry-run` renders it (launch/slurm.py `render_placement`), the `rl` flow puts it
 between the interpreter and `-m engines.trainer` (tasks/components.py `run_component`).
 """
 

@@ -3,9 +3,9 @@
 `resolve(ModelConfig) -> ModelSource`: without `model.path` the built-in model (its shape from the
 config, the character tokenizer); with it, a Hugging Face directory (a local path, a name fetched by
 `rollflow models fetch`, or `org/name` in the local Hugging Face cache, offline), checked file by file:
-config.json (its `model_type` picks the family, engines/families.py, whose fields fill the
+config.json (its `model_type` picks the family, engines/models/families.py, whose fields fill the
 ModelConfig), safetensors weights, tokenizer files with a chat template. `model.impl` picks the code:
-`custom` (engines/model.py, weights loaded by name), `hf` (transformers, engines/hf_model.py), or
+`custom` (engines/models/decoder.py, weights loaded by name), `hf` (transformers, engines/models/hf.py), or
 `auto` (custom where the family is registered and its config supported, else hf).
 
 `build_model`, `load_tokenizer` and `publication_files` (config.json, generation_config.json, tokenizer
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from config.model import ModelConfig
-from engines import families
-from engines.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+from engines.models import families
+from engines.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 
 log = logging.getLogger("rollflow.models")
 
@@ -131,8 +131,8 @@ def pick_impl(cfg: ModelConfig, hf: dict, config_path: Path) -> str:
 
 
 def sparse_block_available() -> bool:
-    """Whether engines/model.py's `build_mlp` builds something other than the dense MLP for an MoE layer."""
-    from engines import model
+    """Whether engines/models/decoder.py's `build_mlp` builds something other than the dense MLP for an MoE layer."""
+    from engines.models import decoder as model
 
     probe = ModelConfig(
         hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=8, num_experts=2,
@@ -144,7 +144,7 @@ def sparse_block_available() -> bool:
 def _moe_reason(hf: dict) -> str | None:
     family = families.registered().get(str(hf.get("model_type")))
     if family is not None and family.moe and not sparse_block_available():
-        return "the sparse (MoE) block is not available in engines/model.py"
+        return "the sparse (MoE) block is not available in engines/models/decoder.py"
     return None
 
 
@@ -159,7 +159,7 @@ def resolve(cfg: ModelConfig) -> ModelSource:
         if families.get(cfg.family_name).moe and not sparse_block_available():
             raise ModelDirError(
                 f"model.family={cfg.family_name!r} (model.num_experts={cfg.num_experts}) needs the sparse (MoE) "
-                "block, which engines/model.py does not build yet"
+                "block, which engines/models/decoder.py does not build yet"
             )
         return ModelSource(cfg, "custom")
     directory = resolve_dir(cfg.path)
@@ -199,11 +199,11 @@ def build_model(source: ModelSource, tok: Tokenizer, pretrained: bool) -> Any:
     """The policy model in float32: rollflow's `CausalLM` or transformers' (`HFCausalLM`). With
     `pretrained` the directory's weights are loaded (by name); else the caller loads a publication."""
     if source.impl == "hf":
-        from engines.hf_model import from_directory
+        from engines.models.hf import from_directory
 
         assert source.directory is not None
         return from_directory(str(source.directory), source.cfg, pretrained)
-    from engines.model import CausalLM
+    from engines.models.decoder import CausalLM
 
     model = CausalLM(source.cfg, source.cfg.vocab_size or tok.vocab_size)
     if pretrained and source.directory is not None:

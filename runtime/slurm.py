@@ -1,0 +1,93 @@
+"""Talk to Slurm through its CLI (sbatch, squeue, scontrol, sacct, scancel): submit a rendered batch
+script, follow a job, expand the allocation's node list into the placement launch/slurm.py computes.
+
+No Prefect here: the Slurm worker (flows/slurm_worker.py), the `rl` flow and `rollflow submit` share it.
+Slurm >= 22.05 through its CLI only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
+
+from config.deployment import DeploymentConfig
+from launch.slurm import place
+
+
+class SlurmNotFound(RuntimeError):
+    """The Slurm commands are not on PATH."""
+
+
+class SbatchRejected(RuntimeError):
+    """sbatch refused the job; the message is Slurm's own."""
+
+
+def require(command: str) -> str:
+    path = shutil.which(command)
+    if path is None:
+        raise SlurmNotFound(
+            f"'{command}' is not on PATH: this machine has no Slurm client (install slurm-client, load the "
+            "cluster's Slurm module, or run on a login node)"
+        )
+    return path
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """Expand a Slurm node list (`node[01-04],gpu7`) with `scontrol show hostnames`."""
+    out = subprocess.run(
+        [require("scontrol"), "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+    )
+    return out.stdout.split()
+
+
+def allocation_nodes(dep: DeploymentConfig, env: Mapping[str, str] = os.environ) -> dict[str, list[str]] | None:
+    """Inside a Slurm job: component -> its nodes. Outside one (no SLURM_JOB_ID): None, run locally."""
+    if not env.get("SLURM_JOB_ID"):
+        return None
+    return place(dep, hostnames(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")))
+
+
+def submit(script_path: str, cwd: str | None = None) -> str:
+    """sbatch the script; returns the job id. Raises SbatchRejected with Slurm's message."""
+    proc = subprocess.run([require("sbatch"), "--parsable", script_path], capture_output=True, text=True, cwd=cwd)
+    if proc.returncode != 0:
+        raise SbatchRejected((proc.stderr or proc.stdout).strip() or f"sbatch exited with code {proc.returncode}")
+    return proc.stdout.strip().split(";")[0]
+
+
+def job_state(job_id: str) -> tuple[str | None, str | None]:
+    """(state, reason/exit code) of a job, from squeue while it is queued or running, then scontrol
+    (until MinJobAge), then sacct where accounting is on; (None, None) when Slurm has forgotten it."""
+    out = subprocess.run([require("squeue"), "-h", "-j", job_id, "-o", "%T|%r"], capture_output=True, text=True)
+    if out.returncode == 0 and out.stdout.strip():
+        state, _, reason = out.stdout.strip().partition("|")
+        return state, None if reason in ("None", "") else reason
+    out = subprocess.run([require("scontrol"), "show", "job", job_id], capture_output=True, text=True)
+    m = re.search(r"JobState=(\S+).*?ExitCode=(\S+)", out.stdout, re.S)
+    if out.returncode == 0 and m:
+        return m.group(1), f"exit code {m.group(2)}"
+    if shutil.which("sacct"):
+        argv = ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode"]
+        out = subprocess.run(argv, capture_output=True, text=True)
+        if out.returncode == 0 and out.stdout.strip():
+            state, _, code = out.stdout.strip().splitlines()[0].partition("|")
+            return state.split()[0], f"exit code {code}"
+    return None, None
+
+
+def steps(job_id: str) -> list[str]:
+    """Names of the job's running steps (squeue -s), e.g. ['batch', 'rollflow-inference', ...]."""
+    out = subprocess.run([require("squeue"), "-h", "-s", "-j", job_id, "-o", "%j"], capture_output=True, text=True)
+    return out.stdout.split() if out.returncode == 0 else []
+
+
+def cancel(job_id: str) -> None:
+    subprocess.run([require("scancel"), job_id], capture_output=True, text=True, check=False)
+
+
+ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING"}
+# Pending reasons that no amount of waiting resolves: the request exceeds what the partition allows.
+NEVER_STARTS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "InvalidQOS"}
