@@ -262,13 +262,14 @@ def arrival(ws: Workspace, n: int) -> str:
     a = ARRIVAL
     intro = (
         f"\n\n### A request that arrives mid-batch (continuous batching vs the static batcher)\n\n"
-        f"`engines.inference.embedded.engine.Engine` with `continuous=True` (the server's engine) and `False` "
-        f"(requests wait for the running batch to end, the engine before continuous batching), same model "
+        "`engines.inference.embedded.engine.Engine` with `continuous=True` (the server's engine) and `False` "
+        "(requests wait for the running batch to end, the engine before continuous batching), same model "
         f"(the workload's, random weights, no end-of-sequence), one thread: {a['background']} requests "
-        f"x n={a['group']} of {a['background_tokens']} tokens are decoding; after {a['after_steps']} of their steps "
-        f"one request (n={a['group']}, {a['probe_tokens']} tokens) arrives. Its latency from submit to its first token and to "
-        f"its completion; the running batch's tokens/s (all its tokens / its wall time) shows what admitting "
-        f"the newcomer costs the others. Ratios: static / continuous for latencies, continuous / static "
+        f"x n={a['group']} of {a['background_tokens']} tokens are decoding; after {a['after_steps']} of "
+        f"their steps one request (n={a['group']}, {a['probe_tokens']} tokens) arrives. Its latency from "
+        "submit to its first token and to its completion; the running batch's tokens/s (all its tokens / its "
+        "wall time) shows what admitting the newcomer costs the others. Ratios: static / continuous for "
+        "latencies, continuous / static "
         f"for tokens/s.\n\n"
     )
     return intro + table(["", "static batcher (baseline)", "continuous", "ratio"], rows)
