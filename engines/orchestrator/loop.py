@@ -17,7 +17,6 @@ replica that holds its KV cache.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -27,6 +26,7 @@ from collections import Counter
 import httpx
 
 from config.process import OrchestratorProcessConfig
+from engines.entry import read_process_config
 from engines.environments.base import EnvMix, Task
 from engines.environments.episodes import MultiTurnEnvironment, is_multi_turn
 from engines.models import modeldir
@@ -41,7 +41,7 @@ from engines.protocol import (
 )
 from engines.seeds import derive_seed
 from storage import rollouts, weights
-from storage.fs import Storage, read_json
+from storage.fs import Storage
 from storage.rollouts import RolloutRow, staleness
 
 log = logging.getLogger("rollflow.orchestrator")
@@ -231,10 +231,5 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engines.orchestrator", description=__doc__)
-    parser.add_argument("--config", required=True, help="resolved orchestrator config (JSON)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    cfg = OrchestratorProcessConfig.model_validate(read_json(args.config))
+    cfg = OrchestratorProcessConfig.model_validate(read_process_config("engines.orchestrator", __doc__, argv))
     asyncio.run(run(cfg))
