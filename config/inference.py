@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from config.inference_deployment import ServingFields
-from config.registry import INFERENCE_BACKENDS, one_of
+from config.registry import INFERENCE_BACKEND_GROUP, INFERENCE_BACKENDS, one_of
 
 
 class InferenceConfig(ServingFields):
@@ -28,4 +28,4 @@ class InferenceConfig(ServingFields):
     @field_validator("backend")
     @classmethod
     def _registered(cls, name: str) -> str:
-        return one_of("inference backend", name, INFERENCE_BACKENDS)
+        return one_of("inference backend", name, INFERENCE_BACKENDS, INFERENCE_BACKEND_GROUP)

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from config.base import Strict
-from config.registry import MODEL_FAMILIES, one_of
+from config.registry import MODEL_FAMILIES, MODEL_FAMILY_GROUP, one_of
 
 # The seed's cross-family default: attention and MLP projections, MoE experts, and the latent projections of
 # multi-head latent attention; names a model does not have are ignored.
@@ -92,7 +92,7 @@ class ModelConfig(Strict):
     @field_validator("family")
     @classmethod
     def _registered(cls, family: str | None) -> str | None:
-        return family if family is None else one_of("model family", family, MODEL_FAMILIES)
+        return family if family is None else one_of("model family", family, MODEL_FAMILIES, MODEL_FAMILY_GROUP)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:

@@ -1,8 +1,10 @@
 """The extension points, each registered in one place: names a profile may use -> where the code lives.
 
 Values are import paths (`module:attribute`) or module names, never imports, so this stays in the
-ground layer and validation needs neither torch nor the engines. Adding an environment or an inference
-backend is one line here plus its code; nothing else names them.
+ground layer and validation needs neither torch nor the engines. Each extension point is also an
+entry-point group: another package adds an environment, a model family or an inference backend by
+registering it there (pyproject.toml `[project.entry-points."GROUP"]`), without editing rollflow.
+engines/registry.py resolves a name to its object.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 # in this group (docs/environments.md). rollflow's own are registered there too (pyproject.toml); this
 # table repeats them so they resolve where rollflow's installed metadata predates them (an editable
 # install from an older checkout), and tests/unit/test_env_plugins.py keeps the two equal.
-ENV_ENTRY_POINT_GROUP = "rollflow.envs"
+ENV_GROUP = "rollflow.envs"
 ENVIRONMENTS: dict[str, str] = {
     "reverse-text": "engines.environments.base:reverse_text",
     "sort-letters": "engines.environments.base:sort_letters",
@@ -24,6 +26,7 @@ STRING_TASKS = ("reverse-text", "sort-letters")
 
 # `model.family` and config.json `model_type` -> the Family (engines/models/families.py) that maps its config.json
 # fields to ModelConfig; rollflow's own model code (engines/models/decoder.py) implements these.
+MODEL_FAMILY_GROUP = "rollflow.model_families"
 MODEL_FAMILIES: dict[str, str] = {
     "llama": "engines.models.families:LLAMA",
     "qwen3": "engines.models.families:QWEN3",
@@ -31,6 +34,7 @@ MODEL_FAMILIES: dict[str, str] = {
 }
 
 # `inference.backend` -> the entry module the flow launches as `python -m MODULE --config inference.json`.
+INFERENCE_BACKEND_GROUP = "rollflow.inference_backends"
 INFERENCE_BACKENDS: dict[str, str] = {
     "embedded": "engines.inference",
     "vllm": "engines.inference.vllm.server",
@@ -44,10 +48,27 @@ COMPONENT_MODULES: dict[str, str] = {
 }
 
 
-def one_of(kind: str, name: str, registry: dict[str, str]) -> str:
-    """`name` if registered, else a ValueError naming what is valid (pydantic reports it with the key)."""
-    if name not in registry:
-        raise ValueError(f"unknown {kind} {name!r}; registered: {', '.join(sorted(registry))} (config/registry.py)")
+def registered(group: str, builtin: dict[str, str]) -> dict[str, str]:
+    """name -> `module:attribute` of every entry of one extension point: rollflow's own (`builtin`) and every
+    installed distribution's entry point in `group` (the first distribution wins where two register one name).
+    Reads installed metadata only: nothing is imported, so validation stays fast and torch-free."""
+    from importlib import metadata
+
+    found: dict[str, str] = {}
+    for ep in metadata.entry_points(group=group):
+        found.setdefault(ep.name, ep.value)
+    return {**builtin, **found}
+
+
+def one_of(kind: str, name: str, builtin: dict[str, str], group: str) -> str:
+    """`name` if registered (built in or by entry point), else a ValueError naming what is valid (pydantic
+    reports it with the key)."""
+    names = registered(group, builtin)
+    if name not in names:
+        raise ValueError(
+            f"unknown {kind} {name!r}; registered: {', '.join(sorted(names))} (config/registry.py, or the "
+            f"entry-point group {group!r} of an installed package)"
+        )
     return name
 
 

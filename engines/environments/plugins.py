@@ -11,69 +11,21 @@ and the warm-up then build the same environments with `build`.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import random
 from collections.abc import Callable, Sequence
-from importlib import metadata
 from typing import Any
 
 from config.envs import EnvSpec, is_import_path
-from config.registry import ENV_ENTRY_POINT_GROUP, ENVIRONMENTS
-
-
-class PluginError(ValueError):
-    """An environment that cannot be loaded or built; the message says why and what would be valid."""
-
-
-def entry_points() -> dict[str, str]:
-    """name -> `module:attribute` of every environment registered in the entry-point group, built-ins
-    included (the first distribution wins where two register one name)."""
-    found: dict[str, str] = {}
-    for ep in metadata.entry_points(group=ENV_ENTRY_POINT_GROUP):
-        found.setdefault(ep.name, ep.value)
-    return {**ENVIRONMENTS, **found}
-
-
-def import_object(env_id: str) -> Any:
-    """The object a `module:attr.path` string names; PluginError saying what could not be imported or found."""
-    module_name, _, attr = env_id.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is None or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise PluginError(f"importing module {module_name!r} failed: {type(exc).__name__}: {exc}") from None
-        raise PluginError(
-            f"cannot import module {module_name!r} ({exc}); install the package that provides it or put its "
-            "directory on PYTHONPATH"
-        ) from None
-    except Exception as exc:  # a plugin module that fails at import: show its own error
-        raise PluginError(f"importing module {module_name!r} failed: {type(exc).__name__}: {exc}") from None
-    parts = attr.split(".")
-    for i, part in enumerate(parts):
-        if not hasattr(obj, part):
-            where = f"{module_name}:{'.'.join(parts[:i])}" if i else f"module {module_name!r}"
-            public = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))
-            raise PluginError(
-                f"{where} has no attribute {part!r}; callables there: {', '.join(public) or '(none)'}"
-            ) from None
-        obj = getattr(obj, part)
-    return obj
+from config.registry import ENV_GROUP, ENVIRONMENTS
+from engines import registry
+from engines.registry import PluginError
 
 
 def resolve(env_id: str) -> Callable[..., Any]:
     """The factory an id names (imports its module)."""
-    if is_import_path(env_id):
-        target = env_id
-    else:
-        registered = entry_points()
-        if env_id not in registered:
-            raise PluginError(
-                f"no environment named {env_id!r} in entry-point group {ENV_ENTRY_POINT_GROUP!r}; registered: "
-                f"{', '.join(sorted(registered))}; or give an import path `module:attribute`"
-            )
-        target = registered[env_id]
-    factory = import_object(target)
+    target = env_id if is_import_path(env_id) else registry.path_of("environment", env_id, ENV_GROUP, ENVIRONMENTS)
+    factory = registry.import_object(target)
     if not callable(factory):
         raise PluginError(f"{target} is a {type(factory).__name__}, not a callable factory of an Environment")
     return factory

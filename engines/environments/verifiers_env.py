@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.environments.base import Task
-from engines.environments.plugins import PluginError, import_object
 from engines.orchestrator.advantages import group_advantages
+from engines.registry import PluginError, import_object
 from storage import rollouts
 from storage.rollouts import RolloutRow
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from config import registry as config_registry
 from config.model import ModelConfig
-from config.registry import MODEL_FAMILIES
+from config.registry import MODEL_FAMILIES, MODEL_FAMILY_GROUP
 from engines import registry
 
 
@@ -34,8 +35,10 @@ class Family:
 
 
 def registered() -> dict[str, Family]:
-    """model_type -> Family, from config/registry.py's MODEL_FAMILIES."""
-    return {name: registry.load(path) for name, path in MODEL_FAMILIES.items()}
+    """model_type -> Family: rollflow's own (config/registry.py MODEL_FAMILIES) and every installed package's
+    entry point in the `rollflow.model_families` group."""
+    names = config_registry.registered(MODEL_FAMILY_GROUP, MODEL_FAMILIES)
+    return {name: registry.import_object(path) for name, path in names.items()}
 
 
 def get(name: str) -> Family:

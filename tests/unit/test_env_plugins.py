@@ -18,7 +18,7 @@ import pytest
 
 from config.envs import EnvSpec
 from config.loader import ConfigError, load_run_config
-from config.registry import ENV_ENTRY_POINT_GROUP, ENVIRONMENTS
+from config.registry import ENV_GROUP, ENVIRONMENTS, registered
 from engines.environments import plugins
 from engines.environments.base import EnvMix, build
 from rollflow.cli import main
@@ -35,7 +35,7 @@ def site(tmp_path_factory) -> Path:
     info = d / "toyenvs-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toyenvs\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[{ENV_ENTRY_POINT_GROUP}]\ntoy-echo = toyenvs:echo\n")
+    (info / "entry_points.txt").write_text(f"[{ENV_GROUP}]\ntoy-echo = toyenvs:echo\n")
     return d
 
 
@@ -61,7 +61,7 @@ def _rl(tmp_path, capsys, envs: str) -> tuple[int, str]:
 
 
 def test_entry_point_plugin_from_an_outside_package(installed, tmp_path, capsys):
-    assert plugins.entry_points()["toy-echo"] == "toyenvs:echo"
+    assert registered(ENV_GROUP, ENVIRONMENTS)["toy-echo"] == "toyenvs:echo"
     envs = '[[envs]]\nid = "toy-echo"\nargs = {words = ["xy", "zw"], times = 3}\n'
     code, err = _rl(tmp_path, capsys, envs)
     assert code == 0, err
@@ -123,7 +123,7 @@ def test_override_is_named_as_the_source(tmp_path, capsys):
 
 def test_builtins_are_entry_points_in_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["entry-points"][ENV_ENTRY_POINT_GROUP] == ENVIRONMENTS
+    assert project["entry-points"][ENV_GROUP] == ENVIRONMENTS
     for name in ENVIRONMENTS:
         assert callable(plugins.resolve(name))
 
