@@ -1,17 +1,25 @@
-"""The inference server's settings (backend, address, batch); vLLM's deployment keys come from ServingFields."""
+"""The `[inference]` section: which engine serves the run (`backend`), where, and its batch and precision.
+
+The vLLM backend's keys (shape, parallelism, router, offload, flags, `[inference.vllm]`) are validated as
+their own model, `VLLMConfig` (config/vllm.py), held in `inference.vllm`; the profile writes the shape keys
+flat in `[inference]`, as the seed does (config/base.py's FLAT_KEYS reads and writes that layout).
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from config.inference_deployment import ServingFields
+from config.base import Strict
 from config.registry import INFERENCE_BACKEND_GROUP, INFERENCE_BACKENDS, one_of
+from config.vllm import SHAPE_KEYS, VLLMConfig, embedded_default_only, replay_without_offload
 
 
-class InferenceConfig(ServingFields):
-    """The engine's settings; the deployment keys (shape, parallelism, router, ...): config/inference_deployment.py."""
+class InferenceConfig(Strict):
+    """The settings every inference engine reads, and the vLLM backend's own in `vllm`."""
+
+    FLAT_KEYS: ClassVar[dict[str, tuple[str, ...]]] = {"vllm": SHAPE_KEYS}
 
     backend: str = Field("embedded", description="the inference engine; one of config/registry.py's INFERENCE_BACKENDS")
     host: str = "127.0.0.1"
@@ -24,8 +32,15 @@ class InferenceConfig(ServingFields):
     enable_return_routed_experts: bool = Field(
         False, description="MoE: return each token's routed expert ids (the `routed_experts` rollout column)"
     )
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="backend 'vllm' only (config/vllm.py)")
 
     @field_validator("backend")
     @classmethod
     def _registered(cls, name: str) -> str:
         return one_of("inference backend", name, INFERENCE_BACKENDS, INFERENCE_BACKEND_GROUP)
+
+    @model_validator(mode="after")
+    def _vllm_keys_fit(self) -> InferenceConfig:
+        embedded_default_only(self.backend, self.vllm)
+        replay_without_offload(self.enable_return_routed_experts, self.vllm)
+        return self

@@ -1,7 +1,8 @@
 """Compose TOML profiles left to right, apply dotted CLI overrides, validate into `RunConfig`.
 
 Every leaf value remembers where it came from (a file or the command line) so a validation error
-names the key, the source that set it, and what would be valid.
+names the key as the profile writes it (config/base.py: aliases, keys written flat), the source that set
+it, and what would be valid.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-from config.run import RunConfig
+from config.base import field_named, flat_keys, profile_keys
+from config.run import SEED_SPELLINGS, RunConfig
 
 Key = tuple[str, ...]
 
@@ -78,41 +80,52 @@ def _source_of(loc: Key, sources: dict[Key, str]) -> str:
     return "defaults"
 
 
-def _model_at(loc: Key) -> type[BaseModel] | None:
-    model: type[BaseModel] = RunConfig
-    parts = list(loc)
+def _walk(loc: Key) -> tuple[Key, type[BaseModel] | None, list[str]]:
+    """A validation error's location -> (the keys as the profile writes them, the model found there or
+    None, the keys a profile may write in that model's table)."""
+    model: type[BaseModel] | None = RunConfig
+    keys, out, parts = profile_keys(RunConfig), [], list(loc)
     while parts:
-        field = model.model_fields.get(parts.pop(0))
-        if field is None:
-            return None
-        ann = field.annotation
+        part = parts.pop(0)
+        name = field_named(model, part) if model is not None else None
+        if model is None or name is None:
+            out.append(part)
+            model = None
+            continue
+        above = flat_keys(model, name)
+        if not (parts and parts[0] in above):  # a key written flat one table up: not in the profile's path
+            out.append(part)
+        ann = model.model_fields[name].annotation
         if get_origin(ann) is list and parts and parts[0].isdigit():  # envs.0 -> EnvSpec
             ann = get_args(ann)[0]
-            parts.pop(0)
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
-        else:
-            return None
-    return model
+            out.append(parts.pop(0))
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        keys = profile_keys(model, above) if model is not None else []
+    return tuple(out), model, keys
 
 
 def _describe(err: Any, sources: dict[Key, str]) -> str:
-    loc = tuple(str(p) for p in err["loc"])
+    raw = tuple(str(p) for p in err["loc"])
+    loc, model, _ = _walk(raw)
     dotted = ".".join(loc) or "(top level)"
     where = _source_of(loc, sources)
-    if err["type"] == "value_error" and _model_at(loc) is not None:
+    if err["type"] == "value_error" and model is not None:
         # A model-level check (e.g. async_level vs max_off_policy_steps): its message names the keys and
         # values involved, which may come from several sources, so attribute it to none of them.
         return f"{dotted}: {err['msg']}"
     if err["type"] == "extra_forbidden":
-        parent = _model_at(loc[:-1])
-        valid = ", ".join(sorted(parent.model_fields)) if parent else "see docs/configuration.md"
+        _, parent, keys = _walk(raw[:-1])
+        valid = ", ".join(keys) if parent else "see docs/configuration.md"
         scope = ".".join(loc[:-1]) or "the top level"
         return f"{where}: unknown key '{dotted}'; valid keys under {scope}: {valid}"
     return f"{where}: {dotted}: {err['msg']} (got {err.get('input')!r})"
 
 
 def validate(data: dict, sources: dict[Key, str]) -> RunConfig:
+    for seed_key, key in SEED_SPELLINGS.items():  # RunConfig reads the seed's spelling as `key`
+        section = data.get(seed_key[0])
+        if isinstance(section, dict) and section.get(seed_key[1]) is not None:
+            sources[key] = _source_of(seed_key, sources)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:

@@ -11,11 +11,11 @@ from config.envs import EnvSpec
 from config.inference import InferenceConfig
 from config.model import ModelConfig
 from config.orchestrator import OrchestratorConfig
-from config.parallel import ParallelConfig
 from config.run import RunConfig
 from config.storage import StorageConfig
 from config.tracking import TrackingConfig
 from config.trainer import CheckpointConfig, SFTConfig, TrainerConfig
+from config.trainer_parallel import TrainerParallelConfig
 from config.transport import WeightBroadcastConfig
 
 
@@ -69,7 +69,7 @@ class SFTProcessConfig(Strict):
     sft: SFTConfig
     num_threads: int
     seed: int
-    parallel: ParallelConfig = ParallelConfig()  # the warm-up's torchrun ranks (`warmup_parallel`)
+    parallel: TrainerParallelConfig = TrainerParallelConfig()  # the warm-up's torchrun ranks (`warmup_parallel`)
     mode: Literal["sft"] = "sft"
 
 
@@ -122,12 +122,12 @@ def component_configs(
     }
 
 
-def warmup_parallel(cfg: RunConfig) -> ParallelConfig:
+def warmup_parallel(cfg: RunConfig) -> TrainerParallelConfig:
     """The warm-up's ranks: the trainer's ranks of one node (it runs on the first trainer node), as FSDP2
     data parallelism only (any model shards that way); one process when it only publishes (`sft.steps =
     0`) or adapts LoRA weights (one process, like the LoRA trainer)."""
     p = cfg.trainer.parallel
-    world = p.world_size // cfg.deployment.trainer_nodes
+    world = p.world_size // cfg.placement.trainer_nodes
     if cfg.sft.steps == 0 or cfg.model.lora is not None:
         world = 1
-    return ParallelConfig(world_size=world, backend=p.backend)
+    return TrainerParallelConfig(world_size=world, backend=p.c10d_backend)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from config.envs import STRING_TASK_DEFAULTS, EnvSpec
 from config.registry import STRING_TASKS
+from config.run import resolve_seed_keys
 
 # Changing these mid-run would mix incompatible data in one run: other weights shapes, other prompts
 # or token ids, another group structure. Everything else (learning rate, max_steps, ...) may change.
@@ -34,10 +35,19 @@ def _current_envs(config: dict) -> dict:
     return {**config, "envs": envs}
 
 
+def _current_keys(config: dict) -> dict:
+    """The seed's spellings as the keys stored now (`deployment.num_infer_replicas`, which earlier versions
+    stored beside `inference.num_infer_replicas`), so the same setting compares equal."""
+    try:
+        return resolve_seed_keys(config)
+    except ValueError:  # not valid any more: compare as stored, which reports the difference
+        return config
+
+
 def resume_changes(old: dict, new: dict) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(incompatible, compatible) differences between a stored run config and a resume's config,
     each as {dotted key: (old, new)}."""
-    a, b = _flatten(_current_envs(old)), _flatten(_current_envs(new))
+    a, b = _flatten(_current_envs(_current_keys(old))), _flatten(_current_envs(new))
     changed = {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
     changed.pop("inference.port", None)  # stored as picked at launch; each attempt picks again
     bad = {k: v for k, v in changed.items() if any(k == p or k.startswith(p + ".") for p in INCOMPATIBLE_ON_RESUME)}

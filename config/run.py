@@ -5,24 +5,35 @@ Data flow: TOML profiles (composed left to right) + dotted CLI overrides -> `loa
 component in `OUTPUT_DIR/config/`, which each process reads at start. A component reads only its own
 slice; the fields it shares with others (model shape, seed, paths) are copied into that slice here.
 
+Validators here only check: none assigns into a section. What one key implies for another section is
+resolved on the input, before any section validates (`resolve_seed_keys`), so every section validates its
+final values once and the order of the checks does not matter.
+
 This module imports neither torch nor Prefect so that `--help`, `--dry-run` and validation are instant.
 """
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from typing import Any
+
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
 
 from config.base import Strict
-from config.deployment import DeploymentConfig
 from config.envs import EnvSpec
 from config.inference import InferenceConfig
 from config.model import ModelConfig
 from config.orchestrator import OrchestratorConfig
-from config.parallel import check_against_model, check_impl
+from config.placement import SlurmPlacementConfig
 from config.storage import StorageConfig
 from config.tracking import TrackingConfig
 from config.trainer import CheckpointConfig, SFTConfig, TrainerConfig
+from config.trainer_parallel import check_against_model, check_impl
 from config.transport import WeightBroadcastConfig
+
+# The seed's spelling of a key -> the key rollflow stores it as (one value, stored once).
+SEED_SPELLINGS: dict[tuple[str, str], tuple[str, str]] = {
+    ("deployment", "num_infer_replicas"): ("inference", "num_infer_replicas"),
+}
 
 
 class RestartConfig(Strict):
@@ -57,7 +68,9 @@ class RunConfig(Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     restart: RestartConfig = RestartConfig()
     storage: StorageConfig = StorageConfig()
-    deployment: DeploymentConfig = DeploymentConfig()  # where components run on Slurm (docs/slurm.md)
+    placement: SlurmPlacementConfig = Field(
+        default_factory=SlurmPlacementConfig, alias="deployment", description="where components run on Slurm"
+    )
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()  # trainer -> engine transport
 
     @model_validator(mode="after")
@@ -72,42 +85,25 @@ class RunConfig(Strict):
             )
         return self
 
-    @model_validator(mode="after")
-    def _infer_replicas_in_one_place(self) -> RunConfig:
-        """`deployment.num_infer_replicas` (the seed's spelling) sets inference.num_infer_replicas."""
-        wanted = self.deployment.num_infer_replicas
-        if wanted is None:
-            return self
-        if "num_infer_replicas" in self.inference.model_fields_set and self.inference.num_infer_replicas != wanted:
-            raise ValueError(
-                f"deployment.num_infer_replicas={wanted} and inference.num_infer_replicas="
-                f"{self.inference.num_infer_replicas} disagree: set one of them"
-            )
-        if self.inference.backend != "vllm" and wanted > 1:
-            raise ValueError(
-                f"deployment.num_infer_replicas={wanted} applies to inference.backend = 'vllm' only "
-                f"(inference.backend = {self.inference.backend!r})"
-            )
-        self.inference.num_infer_replicas = wanted
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _seed_keys(cls, data: Any) -> Any:
+        return resolve_seed_keys(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _router_replay_needs_routes(self) -> RunConfig:
-        if not self.trainer.enable_router_replay or self.inference.enable_return_routed_experts:
-            return self
-        if "enable_return_routed_experts" in self.inference.model_fields_set:
+        if self.trainer.enable_router_replay and not self.inference.enable_return_routed_experts:
             raise ValueError(
                 "trainer.enable_router_replay = true needs the sampler's routing: "
                 "inference.enable_return_routed_experts must be true (or left unset, which turns it on)"
             )
-        self.inference.enable_return_routed_experts = True
         return self
 
     @model_validator(mode="after")
     def _trainer_ranks_fill_its_nodes(self) -> RunConfig:
         """Under Slurm the trainer's step runs one torchrun agent per trainer node, each starting
         world_size / trainer_nodes ranks: a remainder, or a node with no rank, has no meaning."""
-        nodes, world = self.deployment.trainer_nodes, self.trainer.parallel.world_size
+        nodes, world = self.placement.trainer_nodes, self.trainer.parallel.world_size
         if nodes > 1 and world % nodes:
             raise ValueError(
                 f"trainer.parallel.world_size={world} must be a multiple of deployment.trainer_nodes={nodes} "
@@ -197,3 +193,49 @@ class RunConfig(Strict):
 
 # Tokens an environment prompt adds around its payload: <bos>, a task tag of up to 4 chars, ':' and '='.
 PROMPT_OVERHEAD_TOKENS = 7
+
+
+def resolve_seed_keys(data: dict) -> dict:
+    """The input with the seed's spellings read as rollflow's keys (SEED_SPELLINGS; both set to different
+    values is refused) and `inference.enable_return_routed_experts` on when `trainer.enable_router_replay`
+    is and the input leaves it unset. Idempotent: a stored run config passes through unchanged."""
+    out = dict(data)
+    for (section, key), (to_section, to_key) in SEED_SPELLINGS.items():
+        source, target = _section(out, section), _section(out, to_section)
+        if source is None or target is None or key not in source:
+            continue
+        value = source.pop(key)
+        out[section] = source
+        if value is None:  # unset (run configs stored by earlier versions write it so)
+            continue
+        if target.get(to_key, value) != value:
+            raise ValueError(
+                f"{section}.{key}={value} and {to_section}.{to_key}={target[to_key]} disagree: set one of them "
+                f"({section}.{key} is the seed's spelling of {to_section}.{to_key})"
+            )
+        out[to_section] = {**target, to_key: value}
+    trainer, inference = _section(out, "trainer") or {}, _section(out, "inference")
+    if inference is not None and _true(trainer.get("enable_router_replay")):
+        out["inference"] = {"enable_return_routed_experts": True, **inference}
+    return out
+
+
+def _section(data: dict, name: str) -> dict | None:
+    """A section of the input as the keys it sets (a model instance: the fields it was given); None when
+    it is neither a table nor a model (its own validation reports that)."""
+    section = data.get(name)
+    if isinstance(section, BaseModel):
+        return section.model_dump(exclude_unset=True)
+    if section is None or isinstance(section, dict):
+        return dict(section or {})
+    return None
+
+
+def _true(value: Any) -> bool:
+    try:
+        return _BOOL.validate_python(value)
+    except ValidationError:
+        return False  # not a boolean: the section's own validation says so
+
+
+_BOOL = TypeAdapter(bool)

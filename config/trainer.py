@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from config.base import Strict
-from config.parallel import ParallelConfig
+from config.trainer_parallel import TrainerParallelConfig
 
 
 class OptimConfig(Strict):
@@ -33,7 +33,7 @@ class SFTConfig(Strict):
 
 class TrainerConfig(Strict):
     optim: OptimConfig = OptimConfig()
-    parallel: ParallelConfig = ParallelConfig()
+    parallel: TrainerParallelConfig = TrainerParallelConfig()
     loss: LossConfig = LossConfig()
     num_threads: int = Field(1, gt=0)
     micro_batch_size: int = Field(64, gt=0)

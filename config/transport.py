@@ -17,7 +17,9 @@ class WeightBroadcastConfig(Strict):
     type: Literal["filesystem", "collective"] = "filesystem"
     host: str = Field("127.0.0.1", description="where the engine's rendezvous store listens (collective)")
     port: int = Field(0, ge=0, le=65535, description="rendezvous port; 0: the flow picks a free one at launch")
-    backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="auto: nccl when both sides have a CUDA device, else gloo"
+    c10d_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto",
+        alias="backend",
+        description="torch.distributed backend; auto: nccl when both sides have a CUDA device, else gloo",
     )
     timeout_s: float = Field(30.0, gt=0, description="bound on forming the group and on one transfer")

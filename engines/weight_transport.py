@@ -51,8 +51,8 @@ class Announce:
 
 
 def _backend(cfg: WeightBroadcastConfig) -> str:
-    if cfg.backend != "auto":
-        return cfg.backend
+    if cfg.c10d_backend != "auto":
+        return cfg.c10d_backend
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 

@@ -140,11 +140,11 @@ class Placement:
 
 def _placement(cfg: RunConfig, logger) -> Placement:
     p, warmup = cfg.trainer.parallel, torchrun_args(warmup_parallel(cfg).world_size)
-    nodes = allocation_nodes(cfg.deployment)
+    nodes = allocation_nodes(cfg.placement)
     if nodes is None:
         return Placement({}, None, torchrun_args(p.world_size), warmup)
     logger.info("Slurm placement: " + ", ".join(f"{k} on {','.join(v)}" for k, v in nodes.items()))
-    srun = {name: srun_prefix(name, n, cfg.deployment.slurm) for name, n in nodes.items()}
+    srun = {name: srun_prefix(name, n, cfg.placement.slurm) for name, n in nodes.items()}
     trainer = torchrun_args(p.world_size, nodes["trainer"], p.rdzv_port)
     return Placement(srun, nodes["inference"][0], trainer, warmup)
 

@@ -29,7 +29,7 @@ from prefect.utilities.asyncutils import run_sync_in_worker_thread
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
 from pydantic import Field
 
-from config.deployment import SlurmJobConfig
+from config.placement import SlurmJobConfig
 from launch.slurm import render_sbatch
 from runtime import slurm
 

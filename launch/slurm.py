@@ -1,10 +1,11 @@
 """What runs where on Slurm, rendered: the sbatch script, the placement of components on the
 allocated nodes, and the `srun` prefix of each component's command. Pure functions of the config.
 
-Data flow: `DeploymentConfig` -> `render_sbatch` (one job per run; `rollflow submit`, the Slurm worker,
-`--dry-run`) -> inside the job the flow expands the allocation (runtime/slurm.py `allocation_nodes`) ->
-`place` -> per-component node lists -> `srun_prefix` put in front of each component's command by
-`tasks.components`. Talking to Slurm itself (sbatch, squeue, ...) is runtime/slurm.py's.
+Data flow: `SlurmPlacementConfig` (the profile's `[deployment]`) -> `render_sbatch` (one job per run;
+`rollflow submit`, the Slurm worker, `--dry-run`) -> inside the job the flow expands the allocation
+(runtime/slurm.py `allocation_nodes`) -> `place` -> per-component node lists -> `srun_prefix` put in front
+of each component's command by `tasks.components`. Talking to Slurm itself (sbatch, squeue, ...) is
+runtime/slurm.py's.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping, Sequence
 
-from config.deployment import DeploymentConfig, SlurmJobConfig
-from config.parallel import ParallelConfig
+from config.placement import SlurmJobConfig, SlurmPlacementConfig
+from config.trainer_parallel import TrainerParallelConfig
 from launch.torchrun import torchrun_args
 
 COMPONENTS = ("warmup", "inference", "orchestrator", "trainer")
@@ -27,7 +28,7 @@ class PlacementError(RuntimeError):
     """The allocation does not match the profile's deployment section."""
 
 
-def place(dep: DeploymentConfig, hosts: Sequence[str]) -> dict[str, list[str]]:
+def place(dep: SlurmPlacementConfig, hosts: Sequence[str]) -> dict[str, list[str]]:
     """Component -> nodes: inference on the first nodes, the trainer on the rest (one torchrun agent per
     node), the warm-up (one process) and the orchestrator on the trainer's first node; on one node
     everything shares it."""
@@ -106,7 +107,9 @@ def render_sbatch(
     return "\n".join(lines) + "\n"
 
 
-def render_placement(dep: DeploymentConfig, parallel: ParallelConfig, hosts: Sequence[str] | None = None) -> dict:
+def render_placement(
+    dep: SlurmPlacementConfig, parallel: TrainerParallelConfig, hosts: Sequence[str] | None = None
+) -> dict:
     """The placement as --dry-run shows it; without real hosts, nodes are named by index ($node0...). The
     trainer's entry also shows its launcher (torchrun's arguments, run on each of its nodes)."""
     hosts = list(hosts) if hosts else [f"$node{i}" for i in range(dep.nodes)]

@@ -1,6 +1,7 @@
 """The exact processes of a vLLM deployment: argv and environment of every vLLM server and vllm-router.
 
-Data flow: `InferenceConfig` (shape, parallel, router, offload, vllm_extra; config/inference_deployment.py) + the
+Data flow: `InferenceConfig` (host, dtype, and in `inference.vllm` the shape, parallel, router, offload and
+vllm_extra; config/vllm.py) + the
 model directory + the nodes it is placed on -> `render()` -> one `Replica` per `num_infer_replicas`, each a
 list of `Process`es and the URL requests enter by. `--dry-run` writes the result to OUTPUT_DIR/config/
 (`write_plan`) with placeholders ({model}, {node0}, ...); a local launch (engines/inference/vllm/server.py) renders
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from config.inference import InferenceConfig
-from config.inference_deployment import DisaggregatedDeployment, KVCacheOffloadConfig, MultiNodeDeployment
+from config.vllm import DisaggregatedDeployment, KVCacheOffloadConfig, MultiNodeDeployment, VLLMConfig
 
 API_SERVER = "vllm.entrypoints.openai.api_server"  # the `vllm` console script looks for a dist named `vllm`
 WORKER_EXTENSION = "rollflow_vllm_worker.WeightLoader"
@@ -65,13 +66,17 @@ class Context:
     name: str
     next_server: int = 0
 
+    @property
+    def vllm(self) -> VLLMConfig:
+        return self.cfg.vllm
+
 
 class RenderError(ValueError):
     """The shape cannot run where it was asked to (e.g. mooncake outside Slurm)."""
 
 
 def nodes_per_replica(cfg: InferenceConfig) -> int:
-    d = cfg.deployment
+    d = cfg.vllm.deployment
     if isinstance(d, MultiNodeDeployment):
         return d.num_nodes
     if isinstance(d, DisaggregatedDeployment):
@@ -90,12 +95,12 @@ def render(
     name: str = "rollflow",
 ) -> list[Replica]:
     """Every process of the deployment; `nodes` lists hosts in placement order (default: placeholders)."""
-    per = nodes_per_replica(cfg)
-    total = per * cfg.num_infer_replicas
+    per, copies = nodes_per_replica(cfg), cfg.vllm.num_infer_replicas
+    total = per * copies
     nodes = nodes or [f"{{node{i}}}" for i in range(total)]
     if len(nodes) != total:
-        raise RenderError(f"the deployment needs {total} nodes ({cfg.num_infer_replicas} x {per}), got {len(nodes)}")
-    offload = cfg.kv_cache_offload
+        raise RenderError(f"the deployment needs {total} nodes ({copies} x {per}), got {len(nodes)}")
+    offload = cfg.vllm.kv_cache_offload
     if offload is not None and offload.type == "mooncake" and not under_slurm:
         raise RenderError(
             "inference.kv_cache_offload.type = 'mooncake' runs only under Slurm (a shared store over RDMA); "
@@ -104,12 +109,12 @@ def render(
     python = python or cfg.vllm.python
     router_bin = str(python).rsplit("/", 1)[0] + "/vllm-router" if "/" in python else "vllm-router"
     ctx = Context(cfg, model, max_model_len, python, router_bin, worker_path, name)
-    return [_replica(ctx, r, nodes[r * per : (r + 1) * per]) for r in range(cfg.num_infer_replicas)]
+    return [_replica(ctx, r, nodes[r * per : (r + 1) * per]) for r in range(copies)]
 
 
 def _replica(ctx: Context, r: int, nodes: list[str]) -> Replica:
     rep = _shape(ctx, r, nodes)
-    offload = ctx.cfg.kv_cache_offload
+    offload = ctx.vllm.kv_cache_offload
     if offload is None or offload.type != "mooncake":
         return rep
     return Replica(r, nodes, [*_mooncake(ctx, r, nodes, offload), *rep.processes], rep.url)
@@ -147,10 +152,10 @@ def _mooncake(ctx: Context, r: int, nodes: list[str], offload: KVCacheOffloadCon
 
 
 def _shape(ctx: Context, r: int, nodes: list[str]) -> Replica:
-    d = ctx.cfg.deployment
+    d = ctx.vllm.deployment
     if isinstance(d, DisaggregatedDeployment):
         return _disaggregated(ctx, r, nodes, d)
-    if isinstance(d, MultiNodeDeployment) and ctx.cfg.enable_expert_parallel:
+    if isinstance(d, MultiNodeDeployment) and ctx.vllm.enable_expert_parallel:
         servers = _spanning(ctx, f"r{r}", nodes, role=None, env={})
     elif isinstance(d, MultiNodeDeployment):
         servers = [_server(ctx, f"r{r}-node{i}", node, _base_flags(ctx, role=None), {}) for i, node in enumerate(nodes)]
@@ -185,7 +190,7 @@ def _disaggregated(ctx: Context, r: int, nodes: list[str], d: DisaggregatedDeplo
 def _spanning(ctx: Context, name: str, nodes: list[str], role: str | None, env: dict[str, str]) -> list[Process]:
     """One vLLM server over `nodes`: data-parallel ranks split evenly, each node with its own API server
     (hybrid load balancing, so the router spreads requests over the nodes), coordinated from the first."""
-    p = ctx.cfg.parallel
+    p = ctx.vllm.parallel
     if len(nodes) == 1:
         return [_server(ctx, name, nodes[0], _base_flags(ctx, role), env)]
     if p.dp % len(nodes):
@@ -202,22 +207,22 @@ def _spanning(ctx: Context, name: str, nodes: list[str], role: str | None, env: 
 
 
 def _base_flags(ctx: Context, role: str | None) -> list[str]:
-    cfg = ctx.cfg
+    v = ctx.vllm
     flags = ["--model", ctx.model, "--served-model-name", ctx.name, "--max-model-len", str(ctx.max_model_len)]
-    flags += ["--dtype", cfg.dtype, "--seed", "0", "--worker-extension-cls", WORKER_EXTENSION]
-    flags += ["--tensor-parallel-size", str(cfg.parallel.tp), "--data-parallel-size", str(cfg.parallel.dp)]
-    if cfg.enable_expert_parallel or role is not None:
+    flags += ["--dtype", ctx.cfg.dtype, "--seed", "0", "--worker-extension-cls", WORKER_EXTENSION]
+    flags += ["--tensor-parallel-size", str(v.parallel.tp), "--data-parallel-size", str(v.parallel.dp)]
+    if v.enable_expert_parallel or role is not None:
         flags.append("--enable-expert-parallel")
     if role is not None:
         flags += ["--all2all-backend", PREFILL_ALL2ALL if role == "prefill" else DECODE_ALL2ALL]
-    if getattr(cfg, "enable_return_routed_experts", False):
+    if ctx.cfg.enable_return_routed_experts:
         flags.append("--enable-return-routed-experts")
-    kv = _kv_transfer(cfg.kv_cache_offload, role)
+    kv = _kv_transfer(v.kv_cache_offload, role)
     if kv is not None:
         flags += ["--kv-transfer-config", json.dumps(kv, sort_keys=True, separators=(",", ":"))]
-    if cfg.kv_cache_offload is not None:
+    if v.kv_cache_offload is not None:
         flags.append("--enable-prefix-caching")  # offload stores prefix-cached blocks
-    return flags + _extra_flags(cfg.vllm_extra)
+    return flags + _extra_flags(v.vllm_extra)
 
 
 def _kv_transfer(offload: KVCacheOffloadConfig | None, role: str | None) -> dict[str, Any] | None:
@@ -261,11 +266,11 @@ def _extra_flags(extra: dict[str, Any]) -> list[str]:
 def _server(ctx: Context, name: str, node: str, flags: list[str], env: dict[str, str], bind: str = "") -> Process:
     k = ctx.next_server
     ctx.next_server += 1
-    port = ctx.cfg.deployment.backend_port + k
+    port = ctx.vllm.deployment.server_port + k
     argv = [ctx.python, "-m", API_SERVER, *flags, "--host", bind or node, "--port", str(port)]
     # dev mode serves /pause, /resume and /collective_rpc, which the proxy's weight updates use
-    full_env = {**ctx.cfg.vllm.env, "PYTHONPATH": ctx.worker_path, "VLLM_SERVER_DEV_MODE": "1", **env}
-    if (offload := ctx.cfg.kv_cache_offload) is not None and offload.type == "mooncake":
+    full_env = {**ctx.vllm.env, "PYTHONPATH": ctx.worker_path, "VLLM_SERVER_DEV_MODE": "1", **env}
+    if (offload := ctx.vllm.kv_cache_offload) is not None and offload.type == "mooncake":
         full_env["MOONCAKE_CONFIG_PATH"] = f"{{config_dir}}/mooncake-{name.split('-')[0]}.json"
     if "--kv-transfer-config" in flags and "NixlConnector" in flags[flags.index("--kv-transfer-config") + 1]:
         full_env |= {
@@ -276,7 +281,7 @@ def _server(ctx: Context, name: str, node: str, flags: list[str], env: dict[str,
 
 
 def _router(ctx: Context, r: int, node: str, flags: list[str]) -> Process:
-    rc = ctx.cfg.router
+    rc = ctx.vllm.router
     port = rc.port + r
     argv = [ctx.router_bin, "--host", ctx.cfg.host, "--port", str(port), "--policy", rc.policy]
     # vllm-router always serves Prometheus metrics, by default on 29000: two routers on a host would clash

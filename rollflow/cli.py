@@ -87,6 +87,7 @@ def split_args(tokens: list[str]) -> tuple[list[str], list[tuple[str, str]], set
 def _load(profiles: list[str], overrides: list[tuple[str, str]]) -> RunConfig:
     cfg, env_sources = load_with_sources(profiles, overrides)
     check_envs(cfg, env_sources)
+    check_model(cfg)
     return cfg
 
 
@@ -100,6 +101,26 @@ def check_envs(cfg: RunConfig, env_sources: list[str]) -> None:
         check(cfg.envs, env_sources, "tag" if cfg.model.path is None else "instruct")
     except PluginError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def check_model(cfg: RunConfig) -> None:
+    """Read `model.path` (a directory, a fetched name or an org/name in the local Hugging Face cache) once,
+    without torch, so a missing or incomplete one fails here, exit code 2, instead of after the warm-up
+    starts; and check trainer.parallel against its config.json's shape and implementation (heads, experts:
+    no tensor parallelism on MoE layers), as the run config does for a profile's own shape."""
+    if cfg.model.path is None:
+        return
+    from config.trainer_parallel import check_against_model
+    from engines.models.modeldir import resolve
+
+    try:
+        source = resolve(cfg.model, import_model_code=False)
+    except ValueError as exc:
+        raise ConfigError(f"invalid model: {exc}") from None
+    try:
+        check_against_model(cfg.trainer.parallel, source.cfg, source.impl)
+    except ValueError as exc:
+        raise ConfigError(f"model.path={cfg.model.path!r} ({source.directory}/config.json): {exc}") from None
 
 
 def _precheck(cfg: RunConfig, flags: set[str]) -> None:
@@ -207,6 +228,7 @@ def cmd_resume(tokens: list[str]) -> int:
         stored, f"{output_dir}/config/run.json", [*overrides, ("output_dir", output_dir)]
     )
     check_envs(cfg, env_sources)
+    check_model(cfg)
     _precheck(cfg, {"resume"})
     return _launch(cfg, {"resume"})
 

@@ -45,7 +45,7 @@ def render_job(cfg: RunConfig, command: str) -> str:
     from launch.slurm import render_sbatch
 
     return render_sbatch(
-        cfg.deployment.slurm, cfg.deployment.nodes, f"rollflow-{cfg.run_name}", command, {}, _job_output(cfg)
+        cfg.placement.slurm, cfg.placement.nodes, f"rollflow-{cfg.run_name}", command, {}, _job_output(cfg)
     )
 
 
@@ -56,7 +56,7 @@ def write_preview(cfg: RunConfig, command: str) -> dict[str, str]:
     fs, root = get_fs(cfg.output_dir, cfg.storage)
     script = join(root, "config", SCRIPT_NAME)
     write_bytes_atomic(fs, script, render_job(cfg, command).encode())
-    write_json(fs, join(root, "config", PLACEMENT_NAME), render_placement(cfg.deployment, cfg.trainer.parallel))
+    write_json(fs, join(root, "config", PLACEMENT_NAME), render_placement(cfg.placement, cfg.trainer.parallel))
     base = cfg.output_dir.rstrip("/") + "/config/"
     return {"slurm": base + SCRIPT_NAME, "slurm_placement": base + PLACEMENT_NAME}
 

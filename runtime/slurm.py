@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 
-from config.deployment import DeploymentConfig
+from config.placement import SlurmPlacementConfig
 from launch.slurm import place
 
 
@@ -43,7 +43,7 @@ def hostnames(nodelist: str) -> list[str]:
     return out.stdout.split()
 
 
-def allocation_nodes(dep: DeploymentConfig, env: Mapping[str, str] = os.environ) -> dict[str, list[str]] | None:
+def allocation_nodes(dep: SlurmPlacementConfig, env: Mapping[str, str] = os.environ) -> dict[str, list[str]] | None:
     """Inside a Slurm job: component -> its nodes. Outside one (no SLURM_JOB_ID): None, run locally."""
     if not env.get("SLURM_JOB_ID"):
         return None

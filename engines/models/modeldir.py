@@ -65,7 +65,9 @@ def resolve_dir(path: str) -> Path:
         return local
     if (cache_dir() / path).is_dir():
         return cache_dir() / path
-    if path.count("/") == 1 and not path.startswith((".", "/")):
+    if "://" in path:
+        hint = "a URL; model directories are read from the local filesystem (a path every node mounts)"
+    elif path.count("/") == 1 and not path.startswith((".", "/")):
         try:
             from huggingface_hub import snapshot_download
 
@@ -116,8 +118,8 @@ def check_tokenizer_files(directory: Path) -> None:
         raise ModelDirError(f"{directory}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)} is needed)")
 
 
-def pick_impl(cfg: ModelConfig, hf: dict, config_path: Path) -> str:
-    reason = families.unsupported(hf) or _moe_reason(hf)
+def pick_impl(cfg: ModelConfig, hf: dict, config_path: Path, import_model_code: bool = True) -> str:
+    reason = families.unsupported(hf) or (_moe_reason(hf) if import_model_code else None)
     if cfg.impl == "custom" and reason:
         raise ModelDirError(
             f"{config_path}: model.impl='custom' cannot run it: {reason}; registered families: "
@@ -148,15 +150,16 @@ def _moe_reason(hf: dict) -> str | None:
     return None
 
 
-def resolve(cfg: ModelConfig) -> ModelSource:
-    """Check the model directory (if any) and settle the architecture and implementation."""
+def resolve(cfg: ModelConfig, import_model_code: bool = True) -> ModelSource:
+    """Check the model directory (if any) and settle the architecture and implementation.
+    `import_model_code=False` (the CLI's load step) leaves out the probe of the MoE block, which imports torch."""
     if cfg.path is None:
         if cfg.impl == "hf":
             raise ModelDirError(
                 "model.impl='hf' needs model.path (a Hugging Face directory); without it "
                 "rollflow builds its own model (impl 'auto' or 'custom')"
             )
-        if families.get(cfg.family_name).moe and not sparse_block_available():
+        if import_model_code and families.get(cfg.family_name).moe and not sparse_block_available():
             raise ModelDirError(
                 f"model.family={cfg.family_name!r} (model.num_experts={cfg.num_experts}) needs the sparse (MoE) "
                 "block, which engines/models/decoder.py does not build yet"
@@ -166,7 +169,7 @@ def resolve(cfg: ModelConfig) -> ModelSource:
     hf = read_config(directory)
     weight_files(directory)
     check_tokenizer_files(directory)
-    impl = pick_impl(cfg, hf, directory / "config.json")
+    impl = pick_impl(cfg, hf, directory / "config.json", import_model_code)
     if impl == "custom":
         filled = cfg.model_copy(update=families.model_fields(hf))
     else:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from config.parallel import ParallelConfig, check_cp
+from config.trainer_parallel import TrainerParallelConfig, check_cp
 from engines.trainer.batch import Batch, PackedBatch
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class CPShard(PackedBatch):
         return (((q_seg == k_seg) & (q_seg >= 0) & causal) | itself)[:, None]
 
 
-def refuse_unsupported(p: ParallelConfig, model: nn.Module) -> None:
+def refuse_unsupported(p: TrainerParallelConfig, model: nn.Module) -> None:
     """At trainer start too (a `model.path` model's shape is known only now): `check_cp`'s rule."""
     try:
         check_cp(p, model.cfg)  # type: ignore[arg-type]

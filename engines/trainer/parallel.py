@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from config.parallel import ParallelConfig, check_against_model
+from config.trainer_parallel import TrainerParallelConfig, check_against_model, check_tp
 from engines.trainer.batch import Batch
 
 
@@ -94,13 +94,13 @@ def _die_with_launcher() -> None:
         raise SystemExit("torchrun's agent is gone")
 
 
-def backend_for(p: ParallelConfig) -> str:
-    if p.backend != "auto":
-        return p.backend
+def backend_for(p: TrainerParallelConfig) -> str:
+    if p.c10d_backend != "auto":
+        return p.c10d_backend
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init(p: ParallelConfig) -> Dist:
+def init(p: TrainerParallelConfig) -> Dist:
     """Join torchrun's process group and build torchtitan's mesh; a plain `Dist` for one process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != p.world_size:
@@ -132,7 +132,7 @@ def init(p: ParallelConfig) -> Dist:
     return Dist(rank, world, rank // (p.cp * p.tp), p.dp_size, device, dims, p.cp)
 
 
-def parallelize(model: nn.Module, d: Dist, p: ParallelConfig, impl: str = "custom") -> None:
+def parallelize(model: nn.Module, d: Dist, p: TrainerParallelConfig, impl: str = "custom") -> None:
     """Tensor parallelism, expert parallelism and FSDP2 (HSDP with dp_replicate > 1) over `model`, in place.
     Checks the sizes against the loaded model first (a `model.path` model's shape is known only now)."""
     if not d.enabled:
@@ -150,7 +150,7 @@ def parallelize(model: nn.Module, d: Dist, p: ParallelConfig, impl: str = "custo
         _apply_fsdp(model, d, p)
 
 
-def _apply_fsdp(model: nn.Module, d: Dist, p: ParallelConfig) -> None:
+def _apply_fsdp(model: nn.Module, d: Dist, p: TrainerParallelConfig) -> None:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
@@ -175,18 +175,16 @@ def _apply_fsdp(model: nn.Module, d: Dist, p: ParallelConfig) -> None:
                 m.set_force_sum_reduction_for_comms(True)
 
 
-def _refuse_unsupported(p: ParallelConfig, model: nn.Module) -> None:
+def _refuse_unsupported(p: TrainerParallelConfig, model: nn.Module) -> None:
     """What the mesh could express but this trainer does not run (yet): TP on MoE layers (so also TP with
-    EP), CP with TP or on MoE models (so also CP with EP)."""
+    EP), CP with TP or on MoE models (so also CP with EP); the config's rules, refused at load too."""
     from engines.trainer import context_parallel
 
     context_parallel.refuse_unsupported(p, model)
-    if p.tp > 1 and model.cfg.num_experts:  # type: ignore[union-attr]
-        raise SystemExit(
-            f"trainer.parallel tp={p.tp} cp={p.cp} ep={p.ep} dp_shard={p.shard_size} dp_replicate={p.dp_replicate}: "
-            "this trainer applies data parallelism (FSDP2/HSDP) to every model, with expert parallelism on MoE "
-            "models, and tensor or context parallelism on dense models; see docs/parallelism.md"
-        )
+    try:
+        check_tp(p, model.cfg)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 # torch's tensor-parallel styles per decoder block, as torchtitan's llama `apply_tp` without sequence

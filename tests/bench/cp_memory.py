@@ -60,13 +60,13 @@ def rank_main(tokens: int) -> None:
     import torch
 
     from config.model import ModelConfig
-    from config.parallel import ParallelConfig
+    from config.trainer_parallel import TrainerParallelConfig
     from engines.models.decoder import CausalLM
     from engines.trainer import parallel
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    p = ParallelConfig(world_size=world, cp=world)
+    p = TrainerParallelConfig(world_size=world, cp=world)
     d = parallel.init(p)
     torch.manual_seed(0)
     model = CausalLM(ModelConfig(**SHAPE, max_seq_len=tokens), 512)  # type: ignore[arg-type]

@@ -250,3 +250,47 @@ def test_unknown_environment_and_backend_name_the_registry():
     with pytest.raises(ConfigError) as err:
         load_run_config([TINY], [("envs", '[{id = "not a name"}]')])
     assert "not a name" in str(err.value) and "reverse-text" in str(err.value)
+
+
+def _model_dir(path: Path, **config) -> Path:
+    """A model directory as the load step reads it: config.json, and weight and tokenizer files (their
+    contents are read only when a process builds the model)."""
+    path.mkdir()
+    hf = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    hf |= {"num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "head_dim": 16}
+    (path / "config.json").write_text(json.dumps({**hf, **config}))
+    (path / "model.safetensors").write_bytes(b"")
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+def _cli_refuses(capsys, out: Path, *args: str) -> str:
+    assert main(["rl", "@", str(TINY), "--output-dir", str(out), "--dry-run", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not out.exists()  # refused before anything is written
+    return captured.err
+
+
+def test_cli_refuses_a_model_path_that_does_not_exist_at_load(tmp_path, capsys):
+    err = _cli_refuses(capsys, tmp_path / "run", "--model.path", str(tmp_path / "nope"))
+    assert f"model.path='{tmp_path / 'nope'}': not a directory" in err and "Traceback" not in err
+    err = _cli_refuses(capsys, tmp_path / "run", "--model.path", "s3://bucket/model")
+    assert "model.path='s3://bucket/model': a URL; model directories are read from the local filesystem" in err
+    (tmp_path / "empty").mkdir()
+    err = _cli_refuses(capsys, tmp_path / "run", "--model.path", str(tmp_path / "empty"))
+    assert f"{tmp_path / 'empty' / 'config.json'}: missing" in err
+
+
+def test_cli_refuses_tensor_parallelism_on_moe_layers_at_load(tmp_path, capsys):
+    moe = ("--model.num_experts", "4", "--model.qk_norm", "true", "--trainer.parallel.world_size", "2")
+    err = _cli_refuses(capsys, tmp_path / "run", *moe, "--trainer.parallel.tp", "2")  # the profile's shape
+    assert "trainer.parallel.tp=2 on a MoE model (model.num_experts=4)" in err and "set tp = 1" in err
+    model = _model_dir(tmp_path / "moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    tp = ("--trainer.parallel.world_size", "2", "--trainer.parallel.tp", "2")
+    err = _cli_refuses(capsys, tmp_path / "run", "--model.path", str(model), *tp)  # config.json's shape
+    assert f"{model}/config.json" in err and "trainer.parallel.tp=2 on a MoE model (model.num_experts=4)" in err
+    dense = _model_dir(tmp_path / "dense", model_type="qwen3")
+    assert (
+        main(["rl", "@", str(TINY), "--output-dir", str(tmp_path / "ok"), "--dry-run", "--model.path", str(dense), *tp])
+        == 0
+    )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from config.parallel import ParallelConfig
 from config.run import RunConfig
+from config.trainer_parallel import TrainerParallelConfig
 
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "qk_norm": True}
 
@@ -28,8 +28,8 @@ def test_defaults_are_one_plain_process():
 
 
 def test_dp_shard_fills_the_world_and_hsdp_multiplies():
-    assert ParallelConfig(world_size=4).shard_size == 4
-    hsdp = ParallelConfig(world_size=8, dp_replicate=2, tp=2)
+    assert TrainerParallelConfig(world_size=4).shard_size == 4
+    hsdp = TrainerParallelConfig(world_size=8, dp_replicate=2, tp=2)
     assert (hsdp.shard_size, hsdp.dp_size) == (2, 4)
 
 
@@ -54,6 +54,11 @@ def test_ep_needs_experts_it_divides_and_ranks_to_borrow():
 def test_cp_needs_a_sequence_length_it_divides():
     _refused({"world_size": 2, "cp": 2}, "trainer.parallel.cp=2", "2 * cp * tp = 4", max_seq_len=66)
     _run({"world_size": 2, "cp": 2})  # max_seq_len 64
+
+
+def test_tp_runs_on_dense_models_only():
+    _refused({"world_size": 2, "tp": 2}, "trainer.parallel.tp=2 on a MoE model (model.num_experts=4)", **MOE)
+    _refused({"world_size": 4, "tp": 2, "ep": 2}, "on a MoE model", **MOE)
 
 
 def test_cp_runs_on_dense_models_without_tensor_parallelism():

@@ -12,16 +12,25 @@ from pathlib import Path
 import pytest
 import torch
 
+from config.loader import stored_with_sources
+from config.process import component_configs
 from config.resume import resume_changes
 from config.run import RunConfig
+from launch import vllm as vllm_render
 from rollflow.cli import main
-from runtime.rundir import RunDirError, check_resumable, write_run_config
+from runtime.rundir import RunDirError, check_resumable, stored_config, write_run_config
 from storage import checkpoints, rollouts, runstate, weights
 from storage.fs import get_fs
 from storage.metrics import MetricsLog, read_metrics
 from storage.resume import repair, resume_point, rollback
 
 TINY = Path(__file__).resolve().parents[2] / "profiles" / "tiny-cpu.toml"
+# A run directory's configs as the code before the config renames wrote them: `rollflow rl @
+# profiles/tiny-moe-cpu.toml --dry-run` with --inference.backend vllm, --deployment.num_infer_replicas 2,
+# --inference.router.policy round_robin, --inference.deployment '{type = "single_node", backend_port = 8200}',
+# --inference.vllm.startup_timeout_s 300, --trainer.parallel.backend gloo, --weight-broadcast.backend gloo,
+# --deployment.slurm.mem 8G (OUTPUT_DIR stands for the run directory).
+STORED = Path(__file__).parent / "golden" / "stored-run"
 
 
 def test_a_live_lease_is_refused_and_an_expired_or_dead_one_is_taken(tmp_path):
@@ -153,3 +162,29 @@ def test_repair_resamples_a_corrupt_rollout_step_and_rewrites_corrupt_weights_fr
     said.clear()
     repair(fs, root, 2, said.append)
     assert said == []
+
+
+def _stored(name: str, out: Path) -> dict:
+    return json.loads((STORED / name).read_text().replace("OUTPUT_DIR", str(out)))
+
+
+def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unchanged(tmp_path):
+    out = tmp_path / "run"
+    fs, root = get_fs(str(out))
+    (out / "config").mkdir(parents=True)
+    (out / "config" / "run.json").write_text(json.dumps(_stored("run.json", out)))
+    runstate.write_state(fs, root, runstate.RunState(run_id="rid", mlflow_run_id=None))
+    cfg, _ = stored_with_sources(stored_config(str(out)), "run.json", [("output_dir", str(out))])  # as `resume`
+    v = cfg.inference.vllm
+    assert (v.num_infer_replicas, v.router.policy, v.deployment.server_port, v.startup_timeout_s) == (
+        2, "round_robin", 8200, 300.0
+    )  # fmt: skip
+    assert cfg.trainer.parallel.c10d_backend == cfg.weight_broadcast.c10d_backend == "gloo"
+    assert cfg.placement.slurm.mem == "8G" and cfg.inference.enable_return_routed_experts
+    assert check_resumable(cfg) == {}  # nothing differs from what the run stored
+    # every process config is written as before, and the vLLM servers are started with the same commands
+    slices = component_configs(cfg, stored_config(str(out))["run_id"], "http://127.0.0.1:0")
+    for name, sub in slices.items():
+        assert sub.model_dump(mode="json") == _stored(f"{name}.json", out), name
+    script = vllm_render.plan_script(vllm_render.render(cfg.inference, max_model_len=64, under_slurm=True))
+    assert script.splitlines()[1:] == (STORED / "vllm-commands.sh").read_text().splitlines()[1:]

@@ -33,7 +33,7 @@ def _check(name: str, text: str) -> None:
 @pytest.mark.parametrize("nodes", [1, 2, 4])
 def test_rendered_job_matches_golden(nodes: int) -> None:
     cfg = load_run_config(PROFILES[nodes])
-    dep = cfg.deployment
+    dep = cfg.placement
     assert dep.nodes == nodes
     script = render_sbatch(dep.slurm, dep.nodes, f"rollflow-{nodes}n", COMMAND, ENV, "/scratch/logs/slurm-%j.out")
     _check(f"slurm-{nodes}node.sbatch", script)
@@ -44,7 +44,7 @@ def test_rendered_job_matches_golden(nodes: int) -> None:
 
 
 def test_layout_inference_first_trainer_rest_orchestrator_beside_trainer() -> None:
-    dep = load_run_config(PROFILES[4]).deployment
+    dep = load_run_config(PROFILES[4]).placement
     nodes = place(dep, ["a", "b", "c", "d"])
     assert nodes["inference"] == ["a", "b"]
     assert nodes["trainer"] == ["c", "d"]
@@ -53,14 +53,14 @@ def test_layout_inference_first_trainer_rest_orchestrator_beside_trainer() -> No
 
 def test_a_trainer_on_two_nodes_runs_one_torchrun_agent_per_node_meeting_on_the_first() -> None:
     cfg = load_run_config(PROFILES[4])
-    trainer = render_placement(cfg.deployment, cfg.trainer.parallel, ["a", "b", "c", "d"])["trainer"]
+    trainer = render_placement(cfg.placement, cfg.trainer.parallel, ["a", "b", "c", "d"])["trainer"]
     assert trainer["srun"][2:6] == ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--nodelist=c,d"]
     assert trainer["launcher"] == [
         *("-m", "engines.trainer.torchrun", "--nnodes", "2", "--nproc-per-node", "4"),
         *("--rdzv-backend", "c10d", "--rdzv-endpoint", "c:29400", "--rdzv-id", "rollflow-trainer"),
     ]
     one = load_run_config(PROFILES[1])
-    assert render_placement(one.deployment, one.trainer.parallel)["trainer"]["launcher"] == []
+    assert render_placement(one.placement, one.trainer.parallel)["trainer"]["launcher"] == []
 
 
 def test_a_trainer_on_several_nodes_needs_a_shared_filesystem_for_its_checkpoints() -> None:
@@ -79,7 +79,7 @@ def test_trainer_ranks_must_fill_the_trainer_nodes() -> None:
 
 
 def test_allocation_with_other_node_count_is_refused() -> None:
-    dep = load_run_config(PROFILES[2]).deployment
+    dep = load_run_config(PROFILES[2]).placement
     with pytest.raises(PlacementError, match=r"deployment.nodes=2"):
         place(dep, ["a", "b", "c"])
 
@@ -114,3 +114,20 @@ def test_dry_run_writes_the_batch_script_and_placement(tmp_path) -> None:
     assert f"rollflow.cli rl @ {PROFILES[2][0]} @ {PROFILES[2][1]} --output-dir {out}" in script
     placement = json.loads((out / "config" / "slurm-placement.json").read_text())
     assert placement["inference"]["nodes"] == ["$node0"] and placement["trainer"]["nodes"] == ["$node1"]
+
+
+def test_numbers_for_mem_and_time_limit_are_read_as_text_from_the_command_line_and_toml(tmp_path) -> None:
+    from rollflow.cli import main
+
+    out = tmp_path / "run"
+    tiny = str(ROOT / "profiles/tiny-cpu.toml")
+    argv = ["rl", "@", tiny, "--output-dir", str(out), "--dry-run", "--deployment.slurm.mem", "0"]
+    assert main([*argv, "--deployment.slurm.time-limit", "90"]) == 0
+    script = (out / "config" / "slurm.sbatch").read_text()
+    assert "#SBATCH --mem=0\n" in script and "#SBATCH --time=90\n" in script
+    profile = tmp_path / "slurm.toml"
+    profile.write_text("[deployment.slurm]\nmem = 512000\ntime_limit = 120\n")
+    slurm = load_run_config([tiny, profile]).placement.slurm
+    assert (slurm.mem, slurm.time_limit) == ("512000", "120")
+    with pytest.raises(ConfigError, match=r"deployment.slurm.time_limit='1.5' is not a Slurm time"):
+        load_run_config([tiny], [("deployment.slurm.time_limit", "1.5")])

@@ -142,14 +142,14 @@ def test_disk_only_offload_is_refused():
 
 
 def test_router_replay_with_kv_offload_is_refused():
-    class WithReplay(InferenceConfig):  # the field the MoE work adds to InferenceConfig
-        enable_return_routed_experts: bool = False
-
     offload = {"cpu": {"num_bytes": 1}}
-    WithReplay.model_validate({"backend": "vllm", "kv_cache_offload": offload})
+    inference(kv_cache_offload=offload)
     with pytest.raises(ValidationError, match="enable_return_routed_experts.*kv_cache_offload"):
-        WithReplay.model_validate(
-            {"backend": "vllm", "kv_cache_offload": offload, "enable_return_routed_experts": True}
+        inference(kv_cache_offload=offload, enable_return_routed_experts=True)
+    # turned on by the trainer's router replay: the same refusal, whatever order the checks run in
+    with pytest.raises(ValidationError, match="enable_return_routed_experts.*kv_cache_offload"):
+        RunConfig.model_validate(
+            {"trainer": {"enable_router_replay": True}, "inference": {"backend": "vllm", "kv_cache_offload": offload}}
         )
 
 
@@ -222,15 +222,31 @@ def test_sessions_stick_to_a_replica_and_requests_name_their_session():
     assert forward_headers({"X-Request-Id": "mine", "X-Session-ID": "a"})["x-request-id"] == "mine"
 
 
-def test_the_seeds_top_level_num_infer_replicas_sets_the_inference_key():
+def test_the_seeds_top_level_num_infer_replicas_is_the_inference_key():
     cfg = RunConfig.model_validate({"deployment": {"num_infer_replicas": 3}, "inference": {"backend": "vllm"}})
-    assert cfg.inference.num_infer_replicas == 3
+    assert cfg.inference.vllm.num_infer_replicas == 3
+    stored = cfg.model_dump(mode="json")  # stored once, under the key rollflow reads
+    assert stored["inference"]["num_infer_replicas"] == 3 and "num_infer_replicas" not in stored["deployment"]
+    assert RunConfig.model_validate(stored) == cfg
+    both = {"deployment": {"num_infer_replicas": 3}, "inference": {"backend": "vllm", "num_infer_replicas": 3}}
+    assert RunConfig.model_validate(both) == cfg  # what run configs stored by earlier versions hold
     with pytest.raises(ValidationError, match="disagree"):
         RunConfig.model_validate(
             {"deployment": {"num_infer_replicas": 3}, "inference": {"backend": "vllm", "num_infer_replicas": 2}}
         )
-    with pytest.raises(ValidationError, match="backend = 'vllm' only"):
+    with pytest.raises(ValidationError, match="inference.num_infer_replicas apply to inference.backend = 'vllm' only"):
         RunConfig.model_validate({"deployment": {"num_infer_replicas": 2}})
+
+
+def test_the_shape_keys_are_written_flat_in_the_inference_table():
+    cfg = inference(**SHAPES["disaggregated"], vllm={"python": "/v/bin/python"})
+    assert (cfg.vllm.parallel.dp, cfg.vllm.num_infer_replicas, cfg.vllm.python) == (4, 3, "/v/bin/python")
+    data = cfg.model_dump(mode="json")
+    assert data["parallel"] == {"tp": 2, "dp": 4} and data["deployment"]["backend_port"] == 8100
+    assert set(data["vllm"]) == {"python", "env", "startup_timeout_s"}  # the [inference.vllm] table
+    assert InferenceConfig.model_validate(data) == cfg
+    with pytest.raises(ValidationError, match="`vllm.parallel` is written `parallel`"):
+        inference(vllm={"parallel": {"tp": 2}})  # one spelling per key
 
 
 def test_vllms_routed_experts_become_the_rollout_column():

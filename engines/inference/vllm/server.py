@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from config.inference import InferenceConfig
-from config.inference_deployment import DisaggregatedDeployment, MultiNodeDeployment
+from config.vllm import DisaggregatedDeployment, MultiNodeDeployment
 from launch import vllm as vllm_render
 
 log = logging.getLogger("rollflow.inference.vllm")
@@ -69,13 +69,13 @@ def materialize(fs, root: str, version: int, cache: Path) -> Path:
 
 def check_local(cfg: InferenceConfig) -> None:
     """Refuse the shapes that need more than this host, naming the keys."""
-    d = cfg.deployment
+    d = cfg.vllm.deployment
     problem = None
     if isinstance(d, DisaggregatedDeployment):
         problem = "inference.deployment.type = 'disaggregated' (NIXL KV transfer between GPU nodes)"
-    elif isinstance(d, MultiNodeDeployment) and cfg.enable_expert_parallel:
+    elif isinstance(d, MultiNodeDeployment) and cfg.vllm.enable_expert_parallel:
         problem = "wide EP (inference.deployment.type = 'multi_node' with inference.enable_expert_parallel)"
-    elif cfg.kv_cache_offload is not None and cfg.kv_cache_offload.type == "mooncake":
+    elif cfg.vllm.kv_cache_offload is not None and cfg.vllm.kv_cache_offload.type == "mooncake":
         problem = "inference.kv_cache_offload.type = 'mooncake' (a shared store over RDMA)"
     if problem:
         raise SystemExit(f"{problem} runs under Slurm only; `rollflow rl ... --dry-run` renders its commands")
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     cache = Path(tempfile.gettempdir()) / "rollflow-vllm" / cfg.run.run_id
     cache.mkdir(parents=True, exist_ok=True)
     model_dir = materialize(fs, root, version, cache)
-    nodes = ["127.0.0.1"] * (vllm_render.nodes_per_replica(cfg.inference) * cfg.inference.num_infer_replicas)
+    nodes = ["127.0.0.1"] * (vllm_render.nodes_per_replica(cfg.inference) * cfg.inference.vllm.num_infer_replicas)
     name = f"rollflow/{cfg.run.run_id}"
     replicas = vllm_render.render(
         cfg.inference, str(model_dir), cfg.model.max_seq_len, nodes, python, False, str(WORKER_DIR), name

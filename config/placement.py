@@ -1,27 +1,27 @@
-"""Where a run's components go: the profile's `[deployment]` section (docs/slurm.md).
+"""Where a run's components go on Slurm: the profile's `[deployment]` section (docs/slurm.md), read
+into `RunConfig.placement`. (How the vLLM servers are laid out is the inference deployment, config/vllm.py.)
 
-Data flow: profile `[deployment]` -> `DeploymentConfig` (validated here: node counts add up, Slurm
-values well-formed) -> `launch.slurm` renders the sbatch script (`rollflow submit`, the Slurm worker,
-`--dry-run`) and, inside an allocation, the `srun` placement of each component. A local run ignores
-this section. Imports only pydantic, like the rest of the config.
+Data flow: profile `[deployment]` -> `SlurmPlacementConfig` (validated here: node counts add up, Slurm
+values well-formed; numbers given for `mem` or `time_limit` are read as text) -> `launch.slurm` renders the
+sbatch script (`rollflow submit`, the Slurm worker, `--dry-run`) and, inside an allocation, the `srun`
+placement of each component. A local run ignores this section. Imports only pydantic, like the rest of
+the config.
 """
 
 from __future__ import annotations
 
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from config.base import Strict
 
 # Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 MEMORY = re.compile(r"^\d+[KMGT]?$")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class SlurmJobConfig(_Strict):
+class SlurmJobConfig(Strict):
     """The sbatch request: what `rollflow submit` asks for, and the Slurm worker's defaults."""
 
     partition: str | None = Field(None, description="sbatch --partition; None: the cluster's default")
@@ -57,21 +57,19 @@ class SlurmJobConfig(_Strict):
         return self
 
 
-class DeploymentConfig(_Strict):
+class SlurmPlacementConfig(Strict):
     """Node layout inside one Slurm job, as the multi-node layout: inference on the first
     `inference_nodes` nodes, the trainer on the next `trainer_nodes`, the orchestrator beside the
-    trainer's first node. On one node every component shares it."""
+    trainer's first node. On one node every component shares it. (The seed's `deployment.num_infer_replicas`
+    is read as `inference.num_infer_replicas`: config/run.py.)"""
 
     nodes: int = Field(1, gt=0, description="nodes of the job")
     inference_nodes: int = Field(1, gt=0)
     trainer_nodes: int = Field(1, gt=0)
-    num_infer_replicas: int | None = Field(
-        None, gt=0, description="the seed's key for inference.num_infer_replicas (copies of the inference shape)"
-    )
     slurm: SlurmJobConfig = SlurmJobConfig()
 
     @model_validator(mode="after")
-    def _counts_add_up(self) -> DeploymentConfig:
+    def _counts_add_up(self) -> SlurmPlacementConfig:
         if self.nodes == 1:
             if self.inference_nodes != 1 or self.trainer_nodes != 1:
                 raise ValueError(

@@ -1,7 +1,9 @@
-"""How the vLLM backend is deployed: shape, parallelism, router, KV-cache offload, passthrough flags.
+"""How the vLLM backend is deployed: shape, parallelism, router, KV-cache offload, passthrough flags, and
+where vLLM comes from.
 
-Data flow: `[inference]` keys in a profile -> `ServingFields` (mixed into `InferenceConfig`, validated at
-load, every refusal naming its keys) -> `launch/vllm.py` turns them into the exact
+Data flow: the vLLM keys of a profile's `[inference]` table (flat there, as the seed writes them, plus the
+`[inference.vllm]` table) -> `VLLMConfig`, which `InferenceConfig` holds as `inference.vllm` (validated at
+load, every refusal naming the profile's keys) -> `launch/vllm.py` turns them into the exact
 vLLM / vllm-router commands and environments (`--dry-run` writes them to OUTPUT_DIR/config/) ->
 `engines/inference/vllm/server.py` launches them for a local run. The embedded backend ignores none of this
 silently: any non-default deployment key with `backend = "embedded"` is refused.
@@ -22,13 +24,17 @@ from pydantic import Field, model_validator
 from config.base import Strict
 
 
-class ParallelConfig(Strict):
+class VLLMParallelConfig(Strict):
+    """`inference.parallel`: the parallelism of each vLLM server (the trainer's is config/trainer_parallel.py)."""
+
     tp: int = Field(1, gt=0, description="tensor parallel size of each vLLM server")
     dp: int = Field(1, gt=0, description="data parallel size (ranks of one server; wide EP: across its nodes)")
 
 
 class _Ports(Strict):
-    backend_port: int = Field(8100, gt=0, le=65535, description="first vLLM server port; a server per node adds 1")
+    server_port: int = Field(
+        8100, gt=0, le=65535, alias="backend_port", description="first vLLM server port; a server per node adds 1"
+    )
 
 
 class SingleNodeDeployment(_Ports):
@@ -95,17 +101,6 @@ class RouterConfig(Strict):
     )
 
 
-class VLLMRuntimeConfig(Strict):
-    """Where vLLM comes from on this host and how long it may take to start."""
-
-    python: str = Field(".venv-vllm/bin/python", description="interpreter of the vLLM environment (infra/vllm)")
-    env: dict[str, str] = Field(
-        default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "1"},
-        description="environment of every vLLM server (VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on CPU)",
-    )
-    startup_timeout_s: float = Field(600.0, gt=0)
-
-
 # vllm_extra keys rollflow sets itself: the config key to use instead.
 OWNED_FLAGS = {
     "model": "model.path (the newest weights publication is served)",
@@ -120,11 +115,18 @@ OWNED_FLAGS = {
 }
 
 
-class ServingFields(Strict):
-    """The deployment keys of `[inference]` (mixed into InferenceConfig); used by backend 'vllm'."""
+# The keys of VLLMConfig a profile writes flat in `[inference]` (the seed's layout); the others are `[inference.vllm]`.
+SHAPE_KEYS = (
+    "deployment", "parallel", "enable_expert_parallel", "kv_cache_offload", "router", "num_infer_replicas", "vllm_extra"
+)  # fmt: skip
+
+
+class VLLMConfig(Strict):
+    """What backend 'vllm' reads: the shape keys (`inference.deployment`, `inference.parallel`, ...) and
+    `[inference.vllm]` (where vLLM comes from on this host and how long it may take to start)."""
 
     deployment: DeploymentShape = Field(default_factory=SingleNodeDeployment)
-    parallel: ParallelConfig = ParallelConfig()
+    parallel: VLLMParallelConfig = VLLMParallelConfig()
     enable_expert_parallel: bool = False
     kv_cache_offload: KVCacheOffloadConfig | None = None
     router: RouterConfig = RouterConfig()
@@ -132,17 +134,23 @@ class ServingFields(Strict):
         1, gt=0, description="copies of the whole shape, each behind its own router (the seed's deployment key)"
     )
     vllm_extra: dict[str, Any] = Field(default_factory=dict, description="more vLLM flags: {flag_name: value}")
-    vllm: VLLMRuntimeConfig = VLLMRuntimeConfig()
+    python: str = Field(".venv-vllm/bin/python", description="interpreter of the vLLM environment (infra/vllm)")
+    env: dict[str, str] = Field(
+        default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "1"},
+        description="environment of every vLLM server (VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on CPU)",
+    )
+    startup_timeout_s: float = Field(600.0, gt=0)
 
     @model_validator(mode="after")
-    def _serving_rules(self) -> ServingFields:
-        for check in (_embedded_default_only, _wide_ep_fits, _replay_without_offload, _extra_not_owned):
+    def _serving_rules(self) -> VLLMConfig:
+        for check in (_wide_ep_fits, _extra_not_owned):
             check(self)
         return self
 
 
-def _embedded_default_only(s: ServingFields) -> None:
-    if getattr(s, "backend", "vllm") == "vllm":
+def embedded_default_only(backend: str, s: VLLMConfig) -> None:
+    """Called by InferenceConfig, which knows the backend: the shape keys mean nothing to another engine."""
+    if backend == "vllm":
         return
     keys = ("deployment", "parallel", "enable_expert_parallel", "kv_cache_offload", "router", "num_infer_replicas")
     set_keys = [f"inference.{k}" for k in keys if k in s.model_fields_set and getattr(s, k) != _default(k)]
@@ -150,16 +158,16 @@ def _embedded_default_only(s: ServingFields) -> None:
     if set_keys:
         raise ValueError(
             f"{', '.join(set_keys)} apply to inference.backend = 'vllm' only; the embedded engine is one "
-            f"process on one host (inference.backend = {getattr(s, 'backend', None)!r})"
+            f"process on one host (inference.backend = {backend!r})"
         )
 
 
 def _default(key: str) -> Any:
-    field = ServingFields.model_fields[key]
+    field = VLLMConfig.model_fields[key]
     return field.get_default(call_default_factory=True)
 
 
-def _wide_ep_fits(s: ServingFields) -> None:
+def _wide_ep_fits(s: VLLMConfig) -> None:
     d = s.deployment
     if not (s.enable_expert_parallel and isinstance(d, MultiNodeDeployment)):
         return
@@ -171,15 +179,16 @@ def _wide_ep_fits(s: ServingFields) -> None:
         )
 
 
-def _replay_without_offload(s: ServingFields) -> None:
-    if getattr(s, "enable_return_routed_experts", False) and s.kv_cache_offload is not None:
+def replay_without_offload(routed_experts: bool, s: VLLMConfig) -> None:
+    """Called by InferenceConfig, which holds `enable_return_routed_experts`."""
+    if routed_experts and s.kv_cache_offload is not None:
         raise ValueError(
             "inference.enable_return_routed_experts (router replay; trainer.enable_router_replay turns it on) "
             "is not supported with inference.kv_cache_offload: remove one of them"
         )
 
 
-def _extra_not_owned(s: ServingFields) -> None:
+def _extra_not_owned(s: VLLMConfig) -> None:
     for key in s.vllm_extra:
         name = key.lstrip("-").replace("-", "_")
         if name in OWNED_FLAGS:

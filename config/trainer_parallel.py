@@ -4,7 +4,9 @@ The sizes follow torchtitan's `ParallelDims` (which the trainer builds its devic
 `world_size = dp_replicate * dp_shard * cp * tp`, `dp_shard = -1` fills what the others leave, and expert
 parallelism borrows its ranks from `dp_shard * cp * tp` (so `ep` must divide that product). Rules that
 need the model's shape (heads, experts, sequence length, implementation) are in `check_against_model`,
-which the run-level config calls; this module imports no torch.
+which the run-level config calls with the profile's shape, the CLI's load step with a `model.path`
+directory's config.json, and the trainer again at start; this module imports no torch. (Each vLLM
+server's parallelism is config/vllm.py's `VLLMParallelConfig`.)
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from config.base import Strict
 from config.model import ModelConfig
 
 
-class ParallelConfig(Strict):
+class TrainerParallelConfig(Strict):
     """torchrun ranks on one node and the mesh they form (docs/parallelism.md)."""
 
     world_size: int = Field(1, gt=0, description="trainer ranks torchrun starts; 1 = one plain process")
@@ -29,12 +31,14 @@ class ParallelConfig(Strict):
     rdzv_port: int = Field(
         29400, gt=0, lt=65536, description="deployment.trainer_nodes > 1: torchrun's rendezvous port on trainer node 0"
     )
-    backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="collective backend; auto: nccl on GPU (bf16 mixed precision), gloo on CPU (fp32)"
+    c10d_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto",
+        alias="backend",
+        description="torch.distributed backend; auto: nccl on GPU (bf16 mixed precision), gloo on CPU (fp32)",
     )
 
     @model_validator(mode="after")
-    def _sizes(self) -> ParallelConfig:
+    def _sizes(self) -> TrainerParallelConfig:
         others = self.dp_replicate * self.cp * self.tp
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"trainer.parallel.dp_shard={self.dp_shard} must be -1 (the rest) or >= 1")
@@ -71,7 +75,7 @@ class ParallelConfig(Strict):
         return self.world_size > 1
 
 
-def check_impl(p: ParallelConfig, impl: str) -> None:
+def check_impl(p: TrainerParallelConfig, impl: str) -> None:
     """transformers' modeling (`model.impl = "hf"`) gets data parallelism only: its MoE and attention code
     has no expert, context or tensor parallel path here (as in prime-rl, where hf disables the MoE knobs)."""
     if impl == "hf" and (p.tp > 1 or p.cp > 1 or p.ep > 1):
@@ -81,10 +85,11 @@ def check_impl(p: ParallelConfig, impl: str) -> None:
         )
 
 
-def check_against_model(p: ParallelConfig, model: ModelConfig, impl: str) -> None:
+def check_against_model(p: TrainerParallelConfig, model: ModelConfig, impl: str) -> None:
     """Raise ValueError when the sizes do not fit the model: heads, experts, sequence length, `impl`.
 
     `impl` is the implementation the trainer runs ("custom" or "hf"; "auto" checks only what both share)."""
+    check_impl(p, impl)
     if p.tp > 1 and (model.num_heads % p.tp or model.num_kv_heads % p.tp):
         raise ValueError(
             f"trainer.parallel.tp={p.tp} must divide model.num_heads={model.num_heads} and "
@@ -95,6 +100,7 @@ def check_against_model(p: ParallelConfig, model: ModelConfig, impl: str) -> Non
     if p.ep > 1 and model.num_experts % p.ep:
         raise ValueError(f"trainer.parallel.ep={p.ep} must divide model.num_experts={model.num_experts}")
     check_cp(p, model)
+    check_tp(p, model)
     divisor = 2 * p.cp * p.tp  # torchtitan's seq_len_divisor: load-balanced CP cuts 2 * cp chunks
     if p.cp > 1 and model.max_seq_len % divisor:
         raise ValueError(
@@ -103,12 +109,23 @@ def check_against_model(p: ParallelConfig, model: ModelConfig, impl: str) -> Non
         )
 
 
-def check_cp(p: ParallelConfig, model: ModelConfig) -> None:
+def check_cp(p: TrainerParallelConfig, model: ModelConfig) -> None:
     """Context parallelism runs with FSDP2/HSDP on dense models: not with tensor parallelism, and not on MoE
     models, whose routing records ([rows, tokens, ...]) would need the same split (neither built)."""
     if p.cp > 1 and (p.tp > 1 or model.num_experts):
         raise ValueError(
             f"trainer.parallel cp={p.cp} runs with data parallelism (dp_shard, dp_replicate) on dense models; "
             f"got tp={p.tp}, model.num_experts={model.num_experts}: set cp = 1, or tp = 1 on a dense model "
+            "(docs/parallelism.md)"
+        )
+
+
+def check_tp(p: TrainerParallelConfig, model: ModelConfig) -> None:
+    """Tensor parallelism splits attention heads and the dense MLP; the MoE block has no tensor-parallel
+    path (so neither does TP with EP): MoE models shard with FSDP2/HSDP and expert parallelism."""
+    if p.tp > 1 and model.num_experts:
+        raise ValueError(
+            f"trainer.parallel.tp={p.tp} on a MoE model (model.num_experts={model.num_experts}): tensor parallelism "
+            "runs on dense models only; shard a MoE model with dp_shard / dp_replicate and ep, and set tp = 1 "
             "(docs/parallelism.md)"
         )
