@@ -47,6 +47,7 @@ def _assert_run_is_sound(out: Path, max_steps: int, max_off_policy: int) -> list
     ends = table.column("policy_version_end").to_pylist()
     assert all(e >= v for e, v in zip(ends, table.column("policy_version").to_pylist(), strict=True))
     kls = [r["mismatch_kl"] for r in rows if r["mismatch_kl"] is not None]
+    print(f"mismatch_kl: max {max(kls, default=float('nan')):.2e} over {len(kls)} steps")
     assert kls and max(kls) <= 1e-3
     assert (out / "weights" / f"step={max_steps:06d}" / "_manifest.json").exists()
     assert (out / "checkpoints" / f"step={max_steps:06d}" / "trainer" / "_manifest.json").exists()
