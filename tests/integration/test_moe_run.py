@@ -51,6 +51,7 @@ def _assert_replay_in_effect(out: Path) -> None:
     assert all(r["replayed_fraction"] == 1.0 for r in rows)  # every scored token used the sampler's experts
     assert all(r["expert_mismatch"] is not None and 0.0 <= r["expert_mismatch"] <= 1.0 for r in rows)
     kls = [r["mismatch_kl"] for r in rows if r["mismatch_kl"] is not None]
+    print(f"mismatch_kl: {kls}; expert_mismatch: {[r['expert_mismatch'] for r in rows]}")
     assert kls and max(kls) <= 1e-3  # fp32 sampler and replayed routing: the same numbers up to rounding
 
 
