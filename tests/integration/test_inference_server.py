@@ -44,6 +44,20 @@ def _assert_logprobs_match(model: CausalLM, prompt: list[int], choice: dict, tem
     assert torch.allclose(expected, torch.tensor(choice["logprobs"]["token_logprobs"]), atol=1e-4)
 
 
+def _served_version(client: httpx.Client) -> int:
+    return client.get("/health").json()["policy_version"]
+
+
+def _serve_a_newer_version(client: httpx.Client, root: str, models: dict, seed: int) -> int:
+    """Publish and load the version after the one served now (the server refuses older ones), so a test
+    does not depend on what the tests before it loaded."""
+    version = _served_version(client) + 1
+    models[version] = _publish(root, version, seed)
+    r = client.post("/update_weights", json={"version": version}, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200 and r.json()["policy_version"] == version
+    return version
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("run"))
@@ -81,6 +95,7 @@ def server(tmp_path_factory):
 
 def test_completions_return_ids_and_logprobs_that_match_the_model(server):
     client, _, models = server
+    version = _served_version(client)
     tok = CharTokenizer()
     prompt = tok.encode("rev:abc=")
     body = {"prompt": prompt, "n": 3, "max_tokens": 6, "temperature": 0.8, "logprobs": 1, "return_token_ids": True}
@@ -90,8 +105,8 @@ def test_completions_return_ids_and_logprobs_that_match_the_model(server):
     assert len(choices) == 3
     for c in choices:
         assert 1 <= len(c["token_ids"]) <= 6 and len(c["logprobs"]["token_logprobs"]) == len(c["token_ids"])
-        assert c["policy_version"] == c["policy_version_end"] == 0
-        _assert_logprobs_match(models[0], prompt, c, 0.8)
+        assert c["policy_version"] == c["policy_version_end"] == version
+        _assert_logprobs_match(models[version], prompt, c, 0.8)
 
 
 def test_text_prompt_and_chat_completions(server):
@@ -116,17 +131,14 @@ def test_admin_routes_need_the_token(server):
 
 def test_update_weights_serves_the_new_policy(server):
     client, root, models = server
-    models[1] = _publish(root, 1, seed=2)
-    headers = {"Authorization": f"Bearer {TOKEN}"}
-    r = client.post("/update_weights", json={"version": 1}, headers=headers)
-    assert r.status_code == 200 and r.json()["policy_version"] == 1
-    assert client.get("/health").json()["policy_version"] == 1
+    version = _serve_a_newer_version(client, root, models, seed=2)
+    assert _served_version(client) == version
     tok = CharTokenizer()
     prompt = tok.encode("rev:xy=")
     body = {"prompt": prompt, "max_tokens": 5, "logprobs": 1, "return_token_ids": True}
     c = client.post("/v1/completions", json=body).json()["choices"][0]
-    assert c["policy_version"] == 1
-    _assert_logprobs_match(models[1], prompt, c, 1.0)
+    assert c["policy_version"] == version
+    _assert_logprobs_match(models[version], prompt, c, 1.0)
 
 
 def test_update_to_a_missing_version_fails_without_changing_the_policy(server):
@@ -139,13 +151,13 @@ def test_update_to_a_missing_version_fails_without_changing_the_policy(server):
 
 def test_update_to_corrupt_weights_is_refused_with_the_file_named(server):
     client, root, _ = server
-    _publish(root, 5, seed=3)
-    path = Path(root) / "weights" / "step=000005" / "model.safetensors"
+    before = _served_version(client)
+    _publish(root, before + 5, seed=3)  # newer than what is served, so only the corruption can refuse it
+    path = Path(root) / "weights" / f"step={before + 5:06d}" / "model.safetensors"
     data = bytearray(path.read_bytes())
     data[-10] ^= 0xFF
     path.write_bytes(bytes(data))
-    before = client.get("/health").json()["policy_version"]
-    r = client.post("/update_weights", json={"version": 5}, headers={"Authorization": f"Bearer {TOKEN}"})
+    r = client.post("/update_weights", json={"version": before + 5}, headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 422 and "model.safetensors" in r.json()["detail"]
     assert client.get("/health").json()["policy_version"] == before
 
@@ -164,16 +176,15 @@ def test_bad_requests_are_refused_before_they_reach_a_batch(server):
 
 
 def test_weights_that_do_not_fit_are_refused_and_an_older_version_is_not_served(server, tmp_path):
-    client, root, _ = server
+    client, root, models = server
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    before = client.get("/health").json()["policy_version"]
+    before = _serve_a_newer_version(client, root, models, seed=4)  # above 0, so version 0 below is older
     other = CausalLM(MODEL.model_copy(update={"hidden_size": 32, "intermediate_size": 64}), CharTokenizer().vocab_size)
     fs, r = get_fs(str(tmp_path))
     directory = weights.publish(fs, r, before + 10, other.publishable_state_dict())
     resp = client.post("/update_weights", json={"path": directory}, headers=headers)
     assert resp.status_code == 422 and "do not fit" in resp.json()["detail"]
     older = weights.publish(fs, r, 0, _publish(str(tmp_path / "x"), 0, seed=9).publishable_state_dict())
-    assert before > 0
     assert client.post("/update_weights", json={"path": older}, headers=headers).status_code == 409
     assert client.get("/health").json()["policy_version"] == before
     r2 = client.post("/v1/completions", json={"prompt": [1, 5], "max_tokens": 2, "return_token_ids": True})
@@ -198,6 +209,7 @@ CHAT = [{"role": "user", "content": "rev:abcd"}]
 
 def test_openai_chat_with_n_logprobs_and_token_ids(oai, server):
     c, name = oai
+    version = _served_version(server[0])
     r = c.chat.completions.create(
         model=name, messages=CHAT, n=2, max_tokens=6, logprobs=True, top_logprobs=3, seed=11,
         extra_body={"return_token_ids": True},
@@ -211,12 +223,10 @@ def test_openai_chat_with_n_logprobs_and_token_ids(oai, server):
         for lp in ch.logprobs.content:  # three alternatives, most likely first, none likelier than the first
             assert len(lp.top_logprobs) == 3 and lp.logprob <= lp.top_logprobs[0].logprob + 1e-6
             assert [a.logprob for a in lp.top_logprobs] == sorted((a.logprob for a in lp.top_logprobs), reverse=True)
-    models = server[2]
-    latest = models[max(models)]
-    for ch in r.choices:  # the logprobs are the served model's (whatever version the earlier tests left)
+    for ch in r.choices:  # the logprobs are the served version's
+        assert ch.policy_version == version
         fake = {"token_ids": ch.token_ids, "logprobs": {"token_logprobs": [lp.logprob for lp in ch.logprobs.content]}}
-        if ch.policy_version == max(models):
-            _assert_logprobs_match(latest, prompt, fake, 1.0)
+        _assert_logprobs_match(server[2][version], prompt, fake, 1.0)
 
 
 def test_openai_completions_return_prompt_and_completion_ids(oai):

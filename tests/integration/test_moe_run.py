@@ -49,9 +49,12 @@ def _assert_replay_in_effect(out: Path) -> None:
     rows = _metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 5))
     assert all(r["replayed_fraction"] == 1.0 for r in rows)  # every scored token used the sampler's experts
-    assert all(r["expert_mismatch"] is not None and 0.0 <= r["expert_mismatch"] <= 1.0 for r in rows)
+    # fp32 sampler and trainer, same weights, replayed routing: measured expert_mismatch 0 and mismatch_kl 0.0 at
+    # every step. The bounds allow a router near-tie flipping a few tokens and float rounding (dense runs: ~5e-9).
+    print(f"mismatch_kl {[r['mismatch_kl'] for r in rows]}, expert_mismatch {[r['expert_mismatch'] for r in rows]}")
+    assert all(r["expert_mismatch"] is not None and 0.0 <= r["expert_mismatch"] <= 0.01 for r in rows)
     kls = [r["mismatch_kl"] for r in rows if r["mismatch_kl"] is not None]
-    assert kls and max(kls) <= 1e-3  # fp32 sampler and replayed routing: the same numbers up to rounding
+    assert kls and max(kls) <= 1e-7
 
 
 def _samples(out: Path) -> dict[str, tuple]:

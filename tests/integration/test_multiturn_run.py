@@ -67,8 +67,10 @@ def _assert_trained_on_model_tokens_only(out: Path, rows: list[dict]) -> None:
     for r in rows:
         model_tokens[r["step"]] += sum(r["completion_mask"])
     assert [m["tokens"] for m in metrics] == [model_tokens[s] for s in range(1, STEPS + 1)]
+    # Same fp32 weights on both sides, float rounding only: measured at most 3.4e-9 (5 steps, killed and resumed).
     kls = [m["mismatch_kl"] for m in metrics if m["mismatch_kl"] is not None]
-    assert kls and max(kls) <= 1e-3
+    print(f"mismatch_kl: max {max(kls, default=float('nan')):.1e} over {len(kls)} steps")
+    assert kls and max(kls) <= 1e-7
 
 
 def test_tool_episodes_survive_a_kill_mid_episode_and_train_on_model_tokens(tmp_path, prefect_api):

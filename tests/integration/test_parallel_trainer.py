@@ -123,6 +123,19 @@ def test_two_fsdp2_ranks_match_one_process(runs):
     assert r1["weights"]["model.layers.0.mlp.up_proj.weight"].shape == (128, 64)  # full, gathered on rank 0
 
 
+@pytest.mark.parametrize("shard", [1, 2])
+def test_hsdp_replicas_match_one_process(runs, tmp_path, shard):
+    """HSDP: dp_replicate = 2 copies of the model, each FSDP2-sharded over `shard` ranks (the 2-D mesh
+    ("dp_replicate", "fsdp")), their gradients summed across the copies."""
+    _, r1, _, _ = runs
+    world = 2 * shard
+    hsdp = _train(_setup(tmp_path, world, parallel={"dp_replicate": 2}), world, 3, 0, tmp_path / "hsdp.pt")
+    assert hsdp["world"] == world
+    worst = _assert_close(r1, hsdp, 3)
+    assert all(abs(a - b) <= TOL * a for a, b in zip(r1["grad_norms"], hsdp["grad_norms"], strict=True))
+    print(f"parity HSDP 2 x {shard} vs 1: worst weight rel diff {worst:.2e}, losses {hsdp['losses']}")
+
+
 def test_a_two_rank_checkpoint_resumes_on_one_process_and_back(runs):
     base, r1, _, _ = runs
     manifest = json.loads((base / "two/checkpoints/step=000002/trainer/_manifest.json").read_text())
@@ -237,18 +250,20 @@ def test_tensor_parallel_with_fsdp2_on_a_qwen3_model_matches_one_process(runs):
     _assert_close(one, resumed, 1, TP_TOL)
 
 
-def test_a_corrupted_dcp_shard_is_refused(runs):
-    """Runs last: it corrupts the 1-process run's checkpoint the resume tests above read."""
+def test_a_corrupted_dcp_shard_is_refused(runs, tmp_path):
+    """On a copy of the 1-process run's checkpoint: the resume tests read the original."""
+    import shutil
+
     from engines.trainer import checkpoint
     from storage.fs import CorruptError, get_fs
 
     base, _, _, _ = runs
-    directory = base / "one/checkpoints/step=000002/trainer"
-    shard = directory / "optimizer/__0_0.distcp"
+    shutil.copytree(base / "one/checkpoints", tmp_path / "one/checkpoints")
+    shard = tmp_path / "one/checkpoints/step=000002/trainer/optimizer/__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
-    fs, root = get_fs(str(base / "one"))
+    fs, root = get_fs(str(tmp_path / "one"))
     state = checkpoint.TrainerState(torch.nn.Linear(1, 1), {"optimizer": None}, None, 0)  # type: ignore[dict-item]
     with pytest.raises(CorruptError, match="checksum mismatch"):
         checkpoint.restore(fs, root, 2, state)

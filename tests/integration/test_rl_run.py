@@ -46,8 +46,11 @@ def _assert_run_is_sound(out: Path, max_steps: int, max_off_policy: int) -> list
     assert min(stale) >= 0 and max(stale) <= max_off_policy
     ends = table.column("policy_version_end").to_pylist()
     assert all(e >= v for e, v in zip(ends, table.column("policy_version").to_pylist(), strict=True))
+    # Sampler and trainer run the same fp32 weights, so only float rounding separates their logprobs: measured
+    # at most 5.4e-9 (40 async steps) and 4.5e-9 (8 sync steps). 1e-7 leaves room for other CPUs' rounding.
     kls = [r["mismatch_kl"] for r in rows if r["mismatch_kl"] is not None]
-    assert kls and max(kls) <= 1e-3
+    print(f"mismatch_kl: max {max(kls, default=float('nan')):.1e} over {len(kls)} steps")
+    assert kls and max(kls) <= 1e-7
     assert (out / "weights" / f"step={max_steps:06d}" / "_manifest.json").exists()
     assert (out / "checkpoints" / f"step={max_steps:06d}" / "trainer" / "_manifest.json").exists()
     return stale

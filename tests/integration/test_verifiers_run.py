@@ -100,8 +100,10 @@ def _assert_trained(out: Path, rows: list[dict], names: set[str]) -> None:
             assert m[f"env/{name}"] == pytest.approx(sum(values) / len(values), rel=1e-5)
         rewards = [r["reward"] for r in step_rows]
         assert m["reward_mean"] == pytest.approx(sum(rewards) / len(rewards), rel=1e-5)
+    # Same fp32 weights on both sides, float rounding only: measured 0.0 (3 and 4 steps; dense runs reach ~5e-9).
     kls = [m["mismatch_kl"] for m in metrics if m["mismatch_kl"] is not None]
-    assert kls and max(kls) <= 1e-3
+    print(f"mismatch_kl: max {max(kls, default=float('nan')):.1e} over {len(kls)} steps")
+    assert kls and max(kls) <= 1e-7
 
 
 def test_single_turn_verifiers_env_trains_on_the_server_tokens(tmp_path):

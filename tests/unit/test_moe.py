@@ -204,7 +204,8 @@ def test_bf16_engine_model_samples_with_its_own_numbers():
     with torch.no_grad():
         fp32 = token_logprobs(model(seq)[:, 2:-1], seq[:, 3:], 1.0)[0]
     diff = (fp32 - torch.tensor(out.logprobs)).abs().max()
-    assert 0 < diff < 0.5
+    # measured 1.6e-3 over 8 tokens: bf16 rounding (8-bit mantissa, 4e-3 relative); 2e-2 leaves room for other kernels
+    assert 0 < diff < 2e-2
 
 
 def _rollout_table(model: CausalLM, sampler: CausalLM):
@@ -248,22 +249,33 @@ def test_trainer_replays_the_committed_payload_padded_and_packed():
     from engines.trainer.mismatch import PolicyHistory
 
     model = _model(5)
-    sampler = _model(5).to(torch.bfloat16)  # a sampler whose routing can differ from the trainer's
-    batch = make_batch(_rollout_table(model, sampler), pad_id=60)
+    sampler = _model(5)
+    with torch.no_grad():  # a router nudged so that the sampler picks other experts for some tokens, not all
+        g = torch.Generator().manual_seed(0)
+        for name, p in sampler.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.add_(0.005 * torch.randn(p.shape, generator=g))
+    batch = make_batch(_rollout_table(model, sampler.to(torch.bfloat16)), pad_id=60)
     assert batch.routes is not None and batch.routes.shape[:2] == batch.input_ids.shape
     packed = pack_batch(batch, pad_id=60)
+    sums = {}
     with torch.no_grad():
         for replay in (True, False):
             a = train_logprobs(model, batch, routing_for(batch, replay))
             b = train_logprobs(model, packed, routing_for(packed, replay))
-            assert torch.allclose((a * batch.loss_mask).sum(), (b * packed.loss_mask).sum(), atol=1e-4)
+            sums[replay] = (a * batch.loss_mask).sum()
+            assert torch.allclose(sums[replay], (b * packed.loss_mask).sum(), atol=1e-4)  # measured <= 7.6e-6
+        # measured 4.0e-3: a packed layout that dropped the payload would fail the 1e-4 above
+        assert abs(float(sums[True] - sums[False])) > 1e-3
         own = routing_for(batch, replay=False)
         train_logprobs(model, batch, own)
         differ, scored = expert_disagreement(own, batch)
-        assert scored == float(batch.loss_mask.sum()) and 0 <= differ <= scored
+        # measured 14 of 24 (fixed seeds): the nudge makes some disagree, and it is too small to move them all
+        assert scored == float(batch.loss_mask.sum()) and 0 < differ < scored
     history = PolicyHistory(model, keep=1)
     history.add(0, model)
     on, off = history.mismatch_kl(batch, 8, replay=True), history.mismatch_kl(batch, 8, 60, replay=False)
     assert on.tokens == off.tokens == int(batch.loss_mask.sum())
-    assert on.expert_mismatch == off.expert_mismatch is not None
-    assert on.kl is not None and off.kl is not None and on.kl <= off.kl + 1e-6
+    assert on.expert_mismatch == off.expert_mismatch == differ / scored
+    # measured 1.3e-7 on, 2.0e-6 off: replaying the sampler's experts removes most of the mismatch
+    assert on.kl is not None and off.kl is not None and 4 * on.kl < off.kl
