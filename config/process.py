@@ -9,6 +9,7 @@ from pydantic import BaseModel
 from config.base import Strict
 from config.envs import EnvSpec
 from config.inference import InferenceConfig
+from config.inference_deployment import SESSION_HEADER
 from config.model import ModelConfig
 from config.orchestrator import OrchestratorConfig
 from config.parallel import ParallelConfig
@@ -41,6 +42,7 @@ class OrchestratorProcessConfig(Strict):
     envs: list[EnvSpec]
     orchestrator: OrchestratorConfig
     inference_url: str  # where the engine listens; resolved by the flow at launch
+    session_header: str = SESSION_HEADER  # inference.router.session_header: the header naming a request's session
     seed: int
     max_steps: int
     async_level: int
@@ -101,6 +103,7 @@ def component_configs(
             envs=cfg.envs,
             orchestrator=cfg.orchestrator,
             inference_url=inference_url,
+            session_header=cfg.inference.router.session_header,
             seed=cfg.seed,
             max_steps=cfg.max_steps,
             async_level=cfg.async_level,

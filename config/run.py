@@ -83,11 +83,6 @@ class RunConfig(Strict):
                 f"deployment.num_infer_replicas={wanted} and inference.num_infer_replicas="
                 f"{self.inference.num_infer_replicas} disagree: set one of them"
             )
-        if self.inference.backend != "vllm" and wanted > 1:
-            raise ValueError(
-                f"deployment.num_infer_replicas={wanted} applies to inference.backend = 'vllm' only "
-                f"(inference.backend = {self.inference.backend!r})"
-            )
         self.inference.num_infer_replicas = wanted
         return self
 
@@ -149,11 +144,6 @@ class RunConfig(Strict):
             raise ValueError(
                 f"model.lora runs on one trainer process; trainer.parallel.world_size = "
                 f"{self.trainer.parallel.world_size}: set it to 1 or remove [model.lora]"
-            )
-        if self.weight_broadcast.type == "collective" and self.inference.backend != "embedded":
-            raise ValueError(
-                f'weight_broadcast.type = "collective" needs inference.backend = "embedded" (the engine that joins '
-                f'the group), not {self.inference.backend!r}; use weight_broadcast.type = "filesystem" with it'
             )
         return self
 

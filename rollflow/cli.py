@@ -87,6 +87,7 @@ def split_args(tokens: list[str]) -> tuple[list[str], list[tuple[str, str]], set
 def _load(profiles: list[str], overrides: list[tuple[str, str]]) -> RunConfig:
     cfg, env_sources = load_with_sources(profiles, overrides)
     check_envs(cfg, env_sources)
+    check_backend(cfg)
     return cfg
 
 
@@ -98,6 +99,19 @@ def check_envs(cfg: RunConfig, env_sources: list[str]) -> None:
 
     try:
         check(cfg.envs, env_sources, "tag" if cfg.model.path is None else "instruct")
+    except PluginError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_backend(cfg: RunConfig) -> None:
+    """Load `inference.backend`'s declaration (import-light: no torch) and refuse, exit code 2, the settings
+    its capabilities do not cover (replicas, collective weights, routed experts, deployment keys) here
+    instead of when the inference process starts."""
+    from engines.inference.backend import check
+    from engines.registry import PluginError
+
+    try:
+        check(cfg.inference, cfg.weight_broadcast)
     except PluginError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -163,10 +177,12 @@ def cmd_rl(tokens: list[str]) -> int:
     cfg = _load(profiles, overrides)
     _precheck(cfg, flags)
     if "dry-run" in flags:
+        from engines.inference.backend import launch_plan
         from rollflow.submit import job_command, write_preview
         from runtime.rundir import new_run_id, write_configs
 
-        urls = write_configs(cfg, new_run_id(cfg), f"http://{cfg.inference.host}:{cfg.inference.port}")
+        url = f"http://{cfg.inference.host}:{cfg.inference.port}"
+        urls = write_configs(cfg, new_run_id(cfg), url, plan=launch_plan(cfg))
         urls.update(write_preview(cfg, job_command(profiles, overrides, flags)))
         print(json.dumps(urls, indent=2))
         return 0
@@ -207,6 +223,7 @@ def cmd_resume(tokens: list[str]) -> int:
         stored, f"{output_dir}/config/run.json", [*overrides, ("output_dir", output_dir)]
     )
     check_envs(cfg, env_sources)
+    check_backend(cfg)
     _precheck(cfg, {"resume"})
     return _launch(cfg, {"resume"})
 
