@@ -19,11 +19,11 @@ from __future__ import annotations
 import abc
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from config.registry import INFERENCE_BACKEND_GROUP, INFERENCE_BACKENDS
+from config.registry import INFERENCE_BACKEND_GROUP, INFERENCE_BACKENDS, registered
 from engines import protocol as api
 from engines import registry
 from engines.registry import PluginError
@@ -143,37 +143,52 @@ def spec(name: str) -> BackendSpec:
     return found
 
 
-def problems(name: str, caps: Capabilities, inference: InferenceConfig, broadcast: WeightBroadcastConfig) -> list[str]:
-    """Each setting of the run that the backend's capabilities do not cover, naming the key."""
-    found = []
-    if inference.num_infer_replicas > 1 and not caps.replicas:
-        found.append(
-            f"inference.num_infer_replicas (or deployment.num_infer_replicas) = {inference.num_infer_replicas} "
-            "needs a backend that runs replicas behind routers"
-        )
-    if broadcast.type == "collective" and not caps.collective_weights:
-        found.append(
-            'weight_broadcast.type = "collective" needs a backend that joins the trainer\'s collective group; '
-            'use weight_broadcast.type = "filesystem" with it'
-        )
-    if inference.enable_return_routed_experts and not caps.routed_experts:
-        found.append(
-            "inference.enable_return_routed_experts (router replay; trainer.enable_router_replay turns it on) "
-            "needs a backend that returns routed experts"
-        )
+def needs(inference: InferenceConfig, broadcast: WeightBroadcastConfig) -> list[tuple[str, Callable[[Capabilities], bool]]]:
+    """Each capability the run's settings need: what needs it (naming the key), and whether a backend has it."""
+    found: list[tuple[str, Callable[[Capabilities], bool]]] = []
+    if inference.num_infer_replicas > 1:
+        what = f"inference.num_infer_replicas (or deployment.num_infer_replicas) = {inference.num_infer_replicas}"
+        found.append((f"{what} needs a backend that runs replicas behind routers", lambda c: c.replicas))
+    if broadcast.type == "collective":
+        what = 'weight_broadcast.type = "collective" needs a backend that joins the trainer\'s collective group'
+        found.append((f'{what} (or use weight_broadcast.type = "filesystem")', lambda c: c.collective_weights))
+    if inference.enable_return_routed_experts:
+        what = "inference.enable_return_routed_experts (router replay; trainer.enable_router_replay turns it on)"
+        found.append((f"{what} needs a backend that returns routed experts", lambda c: c.routed_experts))
     fields = type(inference).model_fields
     for key in DEPLOYMENT_KEYS:
-        default = fields[key].get_default(call_default_factory=True)
-        if key not in caps.deployment_keys and getattr(inference, key) != default:
-            found.append(f"inference.{key} is a deployment key this backend does not run")
-    return [f"{p} (inference.backend = {name!r})" for p in found]
+        if getattr(inference, key) != fields[key].get_default(call_default_factory=True):
+            found.append((f"inference.{key} is a deployment key", lambda c, k=key: k in c.deployment_keys))
+    return found
+
+
+def _others(name: str) -> dict[str, Capabilities]:
+    """The capabilities of every other registered backend whose declaration loads."""
+    caps = {}
+    for other in sorted(registered(INFERENCE_BACKEND_GROUP, INFERENCE_BACKENDS)):
+        try:
+            caps[other] = spec(other).capabilities
+        except PluginError:
+            continue
+    caps.pop(name, None)
+    return caps
 
 
 def check(inference: InferenceConfig, broadcast: WeightBroadcastConfig) -> None:
-    """Load the run's backend declaration and refuse (PluginError, one line per problem) what it cannot run."""
-    caps = spec(inference.backend).capabilities
-    if found := problems(inference.backend, caps, inference, broadcast):
-        raise PluginError("the inference backend cannot run these settings:\n  " + "\n  ".join(found))
+    """Load the run's backend declaration and refuse (PluginError, one line per setting) what it cannot run,
+    naming the registered backends that can."""
+    name = inference.backend
+    caps = spec(name).capabilities
+    missing = [(what, has) for what, has in needs(inference, broadcast) if not has(caps)]
+    if not missing:
+        return
+    others = _others(name)
+    lines = [
+        f"{what}: inference.backend = {name!r} does not run it "
+        f"(registered backends that do: {', '.join(n for n, c in others.items() if has(c)) or 'none'})"
+        for what, has in missing
+    ]
+    raise PluginError("the inference backend cannot run these settings:\n  " + "\n  ".join(lines))
 
 
 def launch_plan(cfg: Any) -> dict[str, str]:

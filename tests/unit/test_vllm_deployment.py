@@ -195,8 +195,11 @@ def capability_refused(match: str, **keys) -> None:
 
 
 def test_deployment_keys_need_a_backend_that_runs_them():
-    capability_refused(r"inference.parallel is a deployment key this backend does not run \(inference.backend = 'embedded'\)",
-                       inference={"parallel": {"tp": 2}})  # fmt: skip
+    capability_refused(
+        r"inference.parallel is a deployment key: inference.backend = 'embedded' does not run it \(registered "
+        r"backends that do: vllm\)",
+        inference={"parallel": {"tp": 2}},
+    )
     capability_refused("inference.vllm_extra is a deployment key", inference={"vllm_extra": {"enable_dbo": True}})
     for ok in ({"inference": {"parallel": {"tp": 1}}}, {"inference": {"backend": "vllm", "parallel": {"tp": 2}}}):
         cfg = RunConfig.model_validate(ok)  # the default is no deployment choice; vLLM runs the key
