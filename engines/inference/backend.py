@@ -143,7 +143,9 @@ def spec(name: str) -> BackendSpec:
     return found
 
 
-def needs(inference: InferenceConfig, broadcast: WeightBroadcastConfig) -> list[tuple[str, Callable[[Capabilities], bool]]]:
+def needs(
+    inference: InferenceConfig, broadcast: WeightBroadcastConfig
+) -> list[tuple[str, Callable[[Capabilities], bool]]]:
     """Each capability the run's settings need: what needs it (naming the key), and whether a backend has it."""
     found: list[tuple[str, Callable[[Capabilities], bool]]] = []
     if inference.num_infer_replicas > 1:

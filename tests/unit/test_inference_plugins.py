@@ -59,7 +59,8 @@ def test_the_cli_accepts_a_registered_backend_and_writes_it_to_the_inference_con
 
 
 def test_the_cli_refuses_an_unregistered_backend_listing_the_registered_ones(site, tmp_path):
-    r = rollflow(site, "rl", "@", str(TINY), "--inference.backend", "echoo", "--dry-run", "--output-dir", str(tmp_path))
+    out = str(tmp_path / "run")
+    r = rollflow(site, "rl", "@", str(TINY), "--inference.backend", "echoo", "--dry-run", "--output-dir", out)
     assert r.returncode == 2
     assert "unknown inference backend 'echoo'; registered: echo, embedded, vllm" in r.stderr
     assert "Traceback" not in r.stderr
@@ -68,8 +69,9 @@ def test_the_cli_refuses_an_unregistered_backend_listing_the_registered_ones(sit
 def test_the_cli_refuses_at_load_each_capability_the_backend_lacks(site, tmp_path):
     out = tmp_path / "run"
     wants = ["--weight-broadcast.type", "collective", "--inference.num-infer-replicas", "2",
-             "--inference.enable-return-routed-experts", "true", "--inference.router.policy", "round_robin"]  # fmt: skip
-    r = rollflow(site, "rl", "@", str(TINY), "--inference.backend", "echo", *wants, "--dry-run", "--output-dir", str(out))
+             "--inference.enable-return-routed-experts", "true", "--inference.router.policy", "round_robin",
+             "--inference.backend", "echo", "--dry-run", "--output-dir", str(out)]  # fmt: skip
+    r = rollflow(site, "rl", "@", str(TINY), *wants)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = [line for line in r.stderr.splitlines() if "inference.backend = 'echo' does not run it" in line]
     assert len(lines) == 4, r.stderr
