@@ -17,6 +17,7 @@ chunks, applies weight updates, and reports its health.
 from __future__ import annotations
 
 import abc
+import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -53,8 +54,8 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """A backend's registration: its capabilities and `create`, the `module:attribute` of an async factory
-    `(InferenceProcessConfig) -> Backend`, imported only in the inference process."""
+    """A backend's registration: its capabilities and `create`, the `module:attribute` of a factory
+    `(InferenceProcessConfig) -> Backend` (or an async one), imported only in the inference process."""
 
     capabilities: Capabilities
     create: str
@@ -202,7 +203,9 @@ def launch_plan(cfg: Any) -> dict[str, str]:
 async def create(cfg: InferenceProcessConfig) -> Backend:
     """Build the configured backend (its heavy imports happen here, in the inference process)."""
     factory = registry.import_object(spec(cfg.inference.backend).create)
-    backend = await factory(cfg)
+    backend = factory(cfg)
+    if inspect.isawaitable(backend):  # the factory may be async (it may start processes and wait for them)
+        backend = await backend
     if not isinstance(backend, Backend):
         raise PluginError(f"{factory!r} returned a {type(backend).__name__}, not an engines.inference.backend.Backend")
     return backend

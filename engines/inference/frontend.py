@@ -268,18 +268,18 @@ def _generation_route(backend: Backend, settings: Settings):
         if in_flight >= settings.max_in_flight:
             raise HTTPException(503, f"{in_flight} requests in flight (the most this server takes); retry later")
         in_flight += 1
-        streaming = False
+        release_here = True
         try:
             gen = generation(body, http.headers, settings.session_header)
             if body.stream:
                 response = await _stream(backend, gen, http, release)
-                streaming = True
+                release_here = False  # the stream holds the slot until it ends
                 return response
             return JSONResponse(_json(await until_gone(backend.generate(gen), http.is_disconnected)))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it: the client closed the connection
         finally:
-            if not streaming:
+            if release_here:
                 release()
 
     return answer

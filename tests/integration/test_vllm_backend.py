@@ -142,6 +142,11 @@ def test_streamed_and_chat_answers_through_the_openai_client(served):
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.text
         last = next(ch for ch in reversed(chunks) if ch.choices and ch.choices[0].finish_reason)
         assert last.choices[0].policy_version == last.choices[0].policy_version_end == version
+        chat = {"model": kw["model"], "messages": [{"role": "user", "content": "abc"}], "max_tokens": 5, "seed": 3}
+        answer = c.chat.completions.create(**chat, logprobs=True).choices[0]
+        assert answer.policy_version == version and len(answer.logprobs.content) >= 1
+        streamed = [ch for ch in c.chat.completions.create(**chat, stream=True) if ch.choices]
+        assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == answer.message.content
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             c.completions.create(**{**kw, "model": "gpt-4"})
         with pytest.raises(openai.BadRequestError, match="repetition_penalty"):  # refused before it reaches vLLM
