@@ -161,8 +161,12 @@ def needs(
     fields = type(inference).model_fields
     for key in DEPLOYMENT_KEYS:
         if getattr(inference, key) != fields[key].get_default(call_default_factory=True):
-            found.append((f"inference.{key} is a deployment key", lambda c, k=key: k in c.deployment_keys))
+            found.append((f"inference.{key} is a deployment key", _runs(key)))
     return found
+
+
+def _runs(key: str) -> Callable[[Capabilities], bool]:
+    return lambda c: key in c.deployment_keys
 
 
 def _others(name: str) -> dict[str, Capabilities]:
