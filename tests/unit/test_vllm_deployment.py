@@ -286,3 +286,17 @@ def test_routed_experts_from_the_cpu_build_of_vllm_are_refused_at_launch():
         pytest.skip("no vLLM environment")
     with pytest.raises(SystemExit, match="Model Runner V2"):
         check_local(inference(enable_return_routed_experts=True))
+
+
+def test_the_configured_session_header_reaches_the_orchestrator():
+    from config.process import OrchestratorProcessConfig, component_configs
+
+    for cfg, header in (
+        (
+            RunConfig.model_validate({"inference": {"backend": "vllm", "router": {"session_header": "X-Rollout"}}}),
+            "X-Rollout",
+        ),
+        (RunConfig(), "X-Session-ID"),
+    ):
+        orchestrator = component_configs(cfg, "r", "http://127.0.0.1:1")["orchestrator"]
+        assert isinstance(orchestrator, OrchestratorProcessConfig) and orchestrator.session_header == header
