@@ -13,7 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from config.base import Strict
 from config.registry import INFERENCE_BACKEND_GROUP, INFERENCE_BACKENDS, one_of
-from config.vllm import SHAPE_KEYS, VLLMConfig, embedded_default_only, replay_without_offload
+from config.vllm import SHAPE_KEYS, VLLMConfig, replay_without_offload
 
 
 class InferenceConfig(Strict):
@@ -41,6 +41,5 @@ class InferenceConfig(Strict):
 
     @model_validator(mode="after")
     def _vllm_keys_fit(self) -> InferenceConfig:
-        embedded_default_only(self.backend, self.vllm)
         replay_without_offload(self.enable_return_routed_experts, self.vllm)
         return self

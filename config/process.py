@@ -17,6 +17,7 @@ from config.tracking import TrackingConfig
 from config.trainer import CheckpointConfig, SFTConfig, TrainerConfig
 from config.trainer_parallel import TrainerParallelConfig
 from config.transport import WeightBroadcastConfig
+from config.vllm import SESSION_HEADER
 
 
 class ComponentPaths(Strict):
@@ -41,6 +42,7 @@ class OrchestratorProcessConfig(Strict):
     envs: list[EnvSpec]
     orchestrator: OrchestratorConfig
     inference_url: str  # where the engine listens; resolved by the flow at launch
+    session_header: str = SESSION_HEADER  # inference.vllm.router.session_header: the header naming a request's session
     seed: int
     max_steps: int
     async_level: int
@@ -101,6 +103,7 @@ def component_configs(
             envs=cfg.envs,
             orchestrator=cfg.orchestrator,
             inference_url=inference_url,
+            session_header=cfg.inference.vllm.router.session_header,
             seed=cfg.seed,
             max_steps=cfg.max_steps,
             async_level=cfg.async_level,

@@ -33,16 +33,19 @@ MODEL_FAMILIES: dict[str, str] = {
     "qwen3_moe": "engines.models.families:QWEN3_MOE",
 }
 
-# `inference.backend` -> the entry module the flow launches as `python -m MODULE --config inference.json`.
+# `inference.backend` -> the backend's declaration (engines/inference/backend.py `BackendSpec`: its capabilities
+# and factory), which `python -m engines.inference` serves behind the one HTTP front end. pyproject.toml
+# registers these in the group too; tests/unit/test_inference_plugins.py keeps the two equal.
 INFERENCE_BACKEND_GROUP = "rollflow.inference_backends"
 INFERENCE_BACKENDS: dict[str, str] = {
-    "embedded": "engines.inference",
-    "vllm": "engines.inference.vllm.server",
+    "embedded": "engines.inference.embedded:BACKEND",
+    "vllm": "engines.inference.vllm:BACKEND",
 }
 
-# The other components have one implementation each.
+# component -> the module its process runs (`python -m MODULE --config FILE`); one each, whatever the backend.
 COMPONENT_MODULES: dict[str, str] = {
     "warmup": "engines.trainer",
+    "inference": "engines.inference",
     "orchestrator": "engines.orchestrator",
     "trainer": "engines.trainer",
 }
@@ -70,8 +73,3 @@ def one_of(kind: str, name: str, builtin: dict[str, str], group: str) -> str:
             f"entry-point group {group!r} of an installed package)"
         )
     return name
-
-
-def entry_modules(inference_backend: str) -> dict[str, str]:
-    """component -> the module its process runs, for this run's inference backend."""
-    return {**COMPONENT_MODULES, "inference": INFERENCE_BACKENDS[inference_backend]}

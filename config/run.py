@@ -146,11 +146,6 @@ class RunConfig(Strict):
                 f"model.lora runs on one trainer process; trainer.parallel.world_size = "
                 f"{self.trainer.parallel.world_size}: set it to 1 or remove [model.lora]"
             )
-        if self.weight_broadcast.type == "collective" and self.inference.backend != "embedded":
-            raise ValueError(
-                f'weight_broadcast.type = "collective" needs inference.backend = "embedded" (the engine that joins '
-                f'the group), not {self.inference.backend!r}; use weight_broadcast.type = "filesystem" with it'
-            )
         return self
 
     @model_validator(mode="after")

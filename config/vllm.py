@@ -5,8 +5,9 @@ Data flow: the vLLM keys of a profile's `[inference]` table (flat there, as the 
 `[inference.vllm]` table) -> `VLLMConfig`, which `InferenceConfig` holds as `inference.vllm` (validated at
 load, every refusal naming the profile's keys) -> `launch/vllm.py` turns them into the exact
 vLLM / vllm-router commands and environments (`--dry-run` writes them to OUTPUT_DIR/config/) ->
-`engines/inference/vllm/server.py` launches them for a local run. The embedded backend ignores none of this
-silently: any non-default deployment key with `backend = "embedded"` is refused.
+`engines/inference/vllm/processes.py` launches them for a local run. A backend that does not run a deployment
+key ignores none of it silently: the CLI refuses it at load from the backend's declared capabilities
+(engines/inference/backend.py `check`).
 
 The shapes follow the seed's inference deployment page: single_node (one vLLM server, tp x dp),
 multi_node (num_nodes independent replicas behind one router, or with enable_expert_parallel one
@@ -90,11 +91,16 @@ class KVCacheOffloadConfig(Strict):
         return self
 
 
+# The header whose value names a rollout session (one per group or episode): clients send it, the inference
+# front end reads it, and with several replicas a session stays on one (docs/inference.md).
+SESSION_HEADER = "X-Session-ID"
+
+
 class RouterConfig(Strict):
     """vllm-router in front of a shape's servers (several replicas, or prefill/decode pairs)."""
 
     policy: Literal["consistent_hash", "round_robin"] = "consistent_hash"
-    session_header: str = Field("X-Session-ID", description="the header consistent_hash hashes (one per rollout)")
+    session_header: str = Field(SESSION_HEADER, description="the header naming a rollout's session (one per rollout)")
     port: int = Field(8000, gt=0, le=65535, description="the router's port; a further replica's router adds 1")
     metrics_port: int = Field(
         29000, gt=0, le=65535, description="the router's Prometheus port (vllm-router's default); +1 per replica"
@@ -146,25 +152,6 @@ class VLLMConfig(Strict):
         for check in (_wide_ep_fits, _extra_not_owned):
             check(self)
         return self
-
-
-def embedded_default_only(backend: str, s: VLLMConfig) -> None:
-    """Called by InferenceConfig, which knows the backend: the shape keys mean nothing to another engine."""
-    if backend == "vllm":
-        return
-    keys = ("deployment", "parallel", "enable_expert_parallel", "kv_cache_offload", "router", "num_infer_replicas")
-    set_keys = [f"inference.{k}" for k in keys if k in s.model_fields_set and getattr(s, k) != _default(k)]
-    set_keys += ["inference.vllm_extra"] if s.vllm_extra else []
-    if set_keys:
-        raise ValueError(
-            f"{', '.join(set_keys)} apply to inference.backend = 'vllm' only; the embedded engine is one "
-            f"process on one host (inference.backend = {backend!r})"
-        )
-
-
-def _default(key: str) -> Any:
-    field = VLLMConfig.model_fields[key]
-    return field.get_default(call_default_factory=True)
 
 
 def _wide_ep_fits(s: VLLMConfig) -> None:

@@ -5,11 +5,16 @@ They cross a process boundary (orchestrator or any OpenAI client -> server), so 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from config.vllm import SESSION_HEADER as SESSION_HEADER  # re-exported for the engines
+
 MAX_TOP_LOGPROBS = 20  # as vLLM's default --max-logprobs
+# The admin routes' bearer token: the flow draws one per attempt and gives it to the inference process and
+# the orchestrator through this environment variable (a process without it draws a random one).
+ADMIN_TOKEN_ENV = "ROLLFLOW_ADMIN_TOKEN"
 
 
 class StreamOptions(BaseModel):
@@ -121,6 +126,7 @@ class UpdateWeightsResponse(BaseModel):
     apply_s: float
     # where the tensors came from: the publication's files, or the trainer's collective group (weight_broadcast)
     source: Literal["filesystem", "collective"] = "filesystem"
+    workers: list[dict[str, Any]] | None = None  # what each worker reported (the vLLM backend's servers)
 
 
 class HealthResponse(BaseModel):
@@ -232,17 +238,3 @@ class ErrorResponse(BaseModel):
 
     error: ErrorBody
     detail: str
-
-
-def admin_auth(token: str):
-    """The FastAPI dependency of every admin route (weight updates, shutdown), for both backends' servers:
-    `Authorization: Bearer <token>` or 401."""
-    import secrets
-
-    from fastapi import Header, HTTPException
-
-    def check(authorization: str | None = Header(default=None)) -> None:
-        if authorization is None or not secrets.compare_digest(authorization, f"Bearer {token}"):
-            raise HTTPException(status_code=401, detail="admin route: missing or wrong bearer token")
-
-    return check

@@ -26,6 +26,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from config.process import warmup_parallel
 from config.run import RunConfig
+from engines.protocol import ADMIN_TOKEN_ENV
 from launch.slurm import srun_prefix
 from launch.torchrun import torchrun_args
 from runtime.lease import hold_lease
@@ -77,7 +78,7 @@ def _component_env(cfg: RunConfig, tracking_uri: str | None) -> dict[str, dict[s
     """Per-component environment: secrets (never in configs on disk, argv, or logs), and the storage
     settings each process needs to read its config file from `output_dir`."""
     storage = {CONFIG_STORAGE_ENV: cfg.storage.model_dump_json()}
-    token = {"ROLLFLOW_ADMIN_TOKEN": secrets.token_hex(16)}  # admin routes of this attempt's engine
+    token = {ADMIN_TOKEN_ENV: secrets.token_hex(16)}  # admin routes of this attempt's engine
     return {
         "warmup": storage,
         "inference": {**storage, **token},

@@ -4,9 +4,9 @@ Data flow: `InferenceConfig` (host, dtype, and in `inference.vllm` the shape, pa
 vllm_extra; config/vllm.py) + the
 model directory + the nodes it is placed on -> `render()` -> one `Replica` per `num_infer_replicas`, each a
 list of `Process`es and the URL requests enter by. `--dry-run` writes the result to OUTPUT_DIR/config/
-(`write_plan`) with placeholders ({model}, {node0}, ...); a local launch (engines/inference/vllm/server.py) renders
-with the newest publication and 127.0.0.1 for every node and runs it; under Slurm the same processes
-become the srun placement, one node each.
+(`plan_files`, the vLLM backend's launch plan) with placeholders ({model}, {node0}, ...); a local launch
+(engines/inference/vllm/processes.py) renders with the newest publication and 127.0.0.1 for every node and
+runs it; under Slurm the same processes become the srun placement, one node each.
 
 Ports: the k-th vLLM server of the whole deployment listens on `deployment.backend_port + k` and the r-th
 replica's router on `router.port + r`, so a deployment fits on any number of hosts, one included.
@@ -29,6 +29,9 @@ DP_RPC_PORT = 13345  # the data-parallel coordinator's port on a spanning server
 NIXL_SIDE_CHANNEL_PORT = 5600  # P/D: the k-th server's NIXL handshake port is this + k
 MOONCAKE_MASTER_PORT, MOONCAKE_METADATA_PORT = 50051, 8080
 PREFILL_ALL2ALL, DECODE_ALL2ALL = "deepep_high_throughput", "deepep_low_latency"
+# The header vllm-router's consistent_hash reads a session from (fixed in vllm-router 0.1.17): the vLLM
+# backend forwards the session under it, whatever inference.router.session_header clients use.
+ROUTER_SESSION_HEADER = "x-session-id"
 
 
 @dataclass(frozen=True)
@@ -292,6 +295,17 @@ def _router(ctx: Context, r: int, node: str, flags: list[str]) -> Process:
 def _url(p: Process) -> str:
     assert p.url is not None
     return p.url
+
+
+def plan_files(cfg) -> dict[str, str]:
+    """The vLLM backend's launch plan (a `RunConfig` in): what `--dry-run` and every attempt write to
+    OUTPUT_DIR/config/: every vLLM server and router the deployment runs, with placeholders for the
+    publication ({model}) and the nodes ({node0}, ...)."""
+    replicas = render(cfg.inference, max_model_len=cfg.model.max_seq_len, under_slurm=True)
+    return {
+        "vllm-plan.json": json.dumps(plan_json(replicas), indent=2) + "\n",
+        "vllm-commands.sh": plan_script(replicas),
+    }
 
 
 def plan_json(replicas: list[Replica]) -> dict:

@@ -86,9 +86,16 @@ def split_args(tokens: list[str]) -> tuple[list[str], list[tuple[str, str]], set
 
 def _load(profiles: list[str], overrides: list[tuple[str, str]]) -> RunConfig:
     cfg, env_sources = load_with_sources(profiles, overrides)
+    check_loaded(cfg, env_sources)
+    return cfg
+
+
+def check_loaded(cfg: RunConfig, env_sources: list[str]) -> None:
+    """The load-time checks that need more than the config itself: the environments, the model directory and
+    the inference backend's capabilities; each refuses with exit code 2 before anything starts."""
     check_envs(cfg, env_sources)
     check_model(cfg)
-    return cfg
+    check_backend(cfg)
 
 
 def check_envs(cfg: RunConfig, env_sources: list[str]) -> None:
@@ -121,6 +128,19 @@ def check_model(cfg: RunConfig) -> None:
         check_against_model(cfg.trainer.parallel, source.cfg, source.impl)
     except ValueError as exc:
         raise ConfigError(f"model.path={cfg.model.path!r} ({source.directory}/config.json): {exc}") from None
+
+
+def check_backend(cfg: RunConfig) -> None:
+    """Load `inference.backend`'s declaration (import-light: no torch) and refuse, exit code 2, the settings
+    its capabilities do not cover (replicas, collective weights, routed experts, deployment keys) here
+    instead of when the inference process starts."""
+    from engines.inference.backend import check
+    from engines.registry import PluginError
+
+    try:
+        check(cfg.inference, cfg.weight_broadcast)
+    except PluginError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _precheck(cfg: RunConfig, flags: set[str]) -> None:
@@ -184,10 +204,12 @@ def cmd_rl(tokens: list[str]) -> int:
     cfg = _load(profiles, overrides)
     _precheck(cfg, flags)
     if "dry-run" in flags:
+        from engines.inference.backend import launch_plan
         from rollflow.submit import job_command, write_preview
         from runtime.rundir import new_run_id, write_configs
 
-        urls = write_configs(cfg, new_run_id(cfg), f"http://{cfg.inference.host}:{cfg.inference.port}")
+        url = f"http://{cfg.inference.host}:{cfg.inference.port}"
+        urls = write_configs(cfg, new_run_id(cfg), url, plan=launch_plan(cfg))
         urls.update(write_preview(cfg, job_command(profiles, overrides, flags)))
         print(json.dumps(urls, indent=2))
         return 0
@@ -227,8 +249,7 @@ def cmd_resume(tokens: list[str]) -> int:
     cfg, env_sources = stored_with_sources(
         stored, f"{output_dir}/config/run.json", [*overrides, ("output_dir", output_dir)]
     )
-    check_envs(cfg, env_sources)
-    check_model(cfg)
+    check_loaded(cfg, env_sources)
     _precheck(cfg, {"resume"})
     return _launch(cfg, {"resume"})
 

@@ -120,8 +120,10 @@ def write_configs(
     tracking_uri: str | None = None,
     mlflow_run_id: str | None = None,
     resume_step: int | None = None,
+    plan: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """Write `config/run.json` and one resolved config per component; returns component -> config URL."""
+    """Write `config/run.json`, one resolved config per component, and the inference backend's launch plan
+    (`plan`: file name -> text, engines/inference/backend.py `launch_plan`); returns component -> config URL."""
     fs, root = get_fs(cfg.output_dir, cfg.storage)
     slices = component_configs(cfg, run_id, inference_url, mlflow_run_id, resume_step)
     trainer = slices["trainer"]
@@ -133,16 +135,6 @@ def write_configs(
         path = join(root, "config", f"{name}.json")
         write_json(fs, path, sub.model_dump(mode="json"))
         urls[name] = cfg.output_dir.rstrip("/") + f"/config/{name}.json"
-    if cfg.inference.backend == "vllm":
-        write_vllm_plan(cfg, fs, root)
+    for name, text in (plan or {}).items():
+        write_bytes_atomic(fs, join(root, "config", name), text.encode())
     return urls
-
-
-def write_vllm_plan(cfg: RunConfig, fs, root: str) -> None:
-    """`config/vllm-plan.json` and `config/vllm-commands.sh`: every vLLM server and router the deployment
-    runs, with placeholders for the publication ({model}) and the nodes ({node0}, ...)."""
-    from launch import vllm as vllm_render
-
-    replicas = vllm_render.render(cfg.inference, max_model_len=cfg.model.max_seq_len, under_slurm=True)
-    write_json(fs, join(root, "config", "vllm-plan.json"), vllm_render.plan_json(replicas))
-    write_bytes_atomic(fs, join(root, "config", "vllm-commands.sh"), vllm_render.plan_script(replicas).encode())

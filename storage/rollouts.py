@@ -112,8 +112,9 @@ def staleness(consuming_step: int, policy_version: int) -> int:
 
 
 def group_id(step: int, group: int) -> str:
-    """A group's id: its samples' `group_id`, and the `X-Session-ID` that keeps its requests on one replica.
-    The same (step, group) gets the same id in every attempt, so a resumed step's groups keep theirs."""
+    """A group's id: its samples' `group_id`, and the session id (its requests' session header) that keeps
+    them on one replica. The same (step, group) gets the same id in every attempt, so a resumed step's groups
+    keep theirs."""
     return f"s{step:06d}-g{group:04d}"
 
 

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from config.registry import entry_modules
+from config.registry import COMPONENT_MODULES
 from config.run import RunConfig
+from engines.inference.backend import launch_plan
 from runtime.rundir import free_port, write_configs
 from storage import weights
 from storage.fs import get_fs, is_committed
@@ -22,7 +23,7 @@ class Attempt:
     resume_step: int | None  # trainer checkpoint restarted from; None: from the warm-up's version 0
     needs_warmup: bool  # no committed version 0 yet: the warm-up (SFT) runs first
     urls: dict[str, str]  # component -> config URL for this attempt
-    modules: dict[str, str]  # component -> entry module (the inference backend picks its own)
+    modules: dict[str, str]  # component -> entry module
 
 
 @task(cache_policy=NONE)
@@ -43,7 +44,7 @@ def prepare_attempt(
     if inference_node and inference_node != socket.gethostname().split(".")[0]:
         attempt_cfg.inference.host = inference_node  # another node: serve on, and connect to, its name
     url = f"http://{attempt_cfg.inference.host}:{attempt_cfg.inference.port}"
-    urls = write_configs(attempt_cfg, run_id, url, tracking_uri, mlflow_run_id, step)
+    urls = write_configs(attempt_cfg, run_id, url, tracking_uri, mlflow_run_id, step, launch_plan(attempt_cfg))
     needs_warmup = step is None and not is_committed(fs, weights.version_dir(root, 0))
     logger.info(f"starting from {'checkpoint step=' + str(step) if step is not None else 'policy version 0'}")
-    return Attempt(step, needs_warmup, urls, entry_modules(cfg.inference.backend))
+    return Attempt(step, needs_warmup, urls, dict(COMPONENT_MODULES))

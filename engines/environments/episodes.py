@@ -8,7 +8,8 @@ rendered through the chat template (`Tokenizer.render_continuation`). What the l
 (`storage.rollouts.RolloutRow`): the first prompt as `prompt_ids`, everything after it as
 `completion_ids`, `completion_mask` 1 on sampled tokens and 0 on environment tokens, the server's
 logprobs on sampled tokens (0 elsewhere), and each model turn's policy versions. Every request of an
-episode carries the same `X-Session-ID`, so a replica router keeps the episode on one KV cache.
+episode carries the same session id (engines/orchestrator/multiturn.py), so a replica router keeps the
+episode on one KV cache.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from engines.environments.base import Task
 from engines.models.tokenizer import Tokenizer
 from engines.protocol import CompletionChoice, CompletionRequest
 from storage.rollouts import RolloutRow
-
-SESSION_HEADER = "X-Session-ID"
 
 
 @runtime_checkable

@@ -5,7 +5,7 @@ trace id as `session_id`. `TokenClient` keeps one `engines.environments.episodes
 token ids only: turn 1 renders the request's messages with the chat template; later turns append the
 messages that followed the last reply (tool results, a user turn) through `Tokenizer.render_continuation`
 to the ids already sampled, never re-rendering the conversation. It samples through the orchestrator's
-`EpisodeGroup` (one request per turn to `/v1/completions` with the session's `X-Session-ID`, a seed that
+`EpisodeGroup` (one request per turn to `/v1/completions` with the session's id, a seed that
 is a pure function of run seed, step, group, episode and turn) and returns a verifiers `Response` whose
 `tokens` are the server's ids and logprobs, with tool calls parsed by the environment's `tool_parser`.
 """
@@ -34,7 +34,7 @@ class _Session:
     group_id: str
     step: int
     group: int
-    header: str  # the episode's X-Session-ID toward rollflow's server (`run_id/sample_id`, as multiturn.py)
+    header: str  # the episode's session id toward rollflow's server (`run_id/sample_id`, as multiturn.py)
     episode: Episode | None = None
     seen: int = 0  # messages of the conversation already in `episode`: the prompt's and each reply
 

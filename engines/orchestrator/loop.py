@@ -10,9 +10,9 @@ the engine's `routed_experts` when it returns them (MoE with inference.enable_re
 Multi-turn environments run `group_size` episodes per prompt instead (engines/orchestrator/multiturn.py);
 a step's episodes are committed together with its other samples, so an episode is in the lake whole or not
 at all.
-Every request names its session in the `X-Session-ID` header (one session per group, one per episode
-for multi-turn environments), which vllm-router's consistent_hash policy keys on, so a session's turns reach the
-replica that holds its KV cache.
+Every request names its session in the configured session header (inference.router.session_header,
+`X-Session-ID` by default; one session per group, one per episode for multi-turn environments), which keeps
+a session's turns on the replica that holds its KV cache.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from engines.models import modeldir
 from engines.orchestrator.advantages import group_advantages
 from engines.orchestrator.multiturn import EpisodeGroup, post_completion
 from engines.protocol import (
+    ADMIN_TOKEN_ENV,
     CompletionChoice,
     CompletionRequest,
     HealthResponse,
@@ -128,7 +129,9 @@ class Orchestrator:
         self.tok = modeldir.load_tokenizer(modeldir.resolve(cfg.model))
         self.mix = EnvMix(cfg.envs, cfg.seed, self.tok.prompt_style)
         self.limit = asyncio.Semaphore(self.ocfg.requests_in_flight)
-        self.episodes = EpisodeGroup(client, self.limit, self.tok, self.ocfg, cfg.seed, cfg.model.max_seq_len)
+        self.episodes = EpisodeGroup(
+            client, self.limit, self.tok, self.ocfg, cfg.seed, cfg.model.max_seq_len, cfg.session_header
+        )
 
     async def sample_group(self, step: int, group: int) -> list[RolloutRow]:
         task = self.mix.task(f"step={step}/group={group}")
@@ -152,7 +155,7 @@ class Orchestrator:
             seed=derive_seed(self.cfg.seed, step, group),
         )
         group_id = rollouts.group_id(step, group)
-        response = await post_completion(self.client, self.limit, request, session_id=group_id)
+        response = await post_completion(self.client, self.limit, request, group_id, self.cfg.session_header)
         return self.score_group(group_id, step, task, prompt_ids, response.choices)
 
     def score_group(
@@ -209,7 +212,7 @@ class Orchestrator:
 
 
 async def run(cfg: OrchestratorProcessConfig) -> None:
-    token = os.environ.get("ROLLFLOW_ADMIN_TOKEN", "")
+    token = os.environ.get(ADMIN_TOKEN_ENV, "")
     async with httpx.AsyncClient(base_url=cfg.inference_url, timeout=httpx.Timeout(600.0)) as client:
         await wait_healthy(client, cfg.orchestrator.inference_timeout_s)
         fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)

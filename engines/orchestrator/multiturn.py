@@ -1,5 +1,5 @@
 """A group of multi-turn episodes for one task: `group_size` episodes run concurrently, each a sequence
-of single-sample requests to the inference server under its own `X-Session-ID`, scored by the
+of single-sample requests to the inference server under its own session id, scored by the
 environment and turned into one `RolloutRow` per episode (engines/environments/episodes.py describes the columns).
 """
 
@@ -11,24 +11,29 @@ import httpx
 
 from config.orchestrator import OrchestratorConfig
 from engines.environments.base import Task
-from engines.environments.episodes import SESSION_HEADER, Episode, MultiTurnEnvironment, run_episode
+from engines.environments.episodes import Episode, MultiTurnEnvironment, run_episode
 from engines.models.tokenizer import Tokenizer
 from engines.orchestrator.advantages import group_advantages
-from engines.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from engines.protocol import SESSION_HEADER, CompletionChoice, CompletionRequest, CompletionResponse
 from engines.seeds import derive_seed
 from storage import rollouts
 from storage.rollouts import RolloutRow
 
 
 async def post_completion(
-    client: httpx.AsyncClient, limit: asyncio.Semaphore, request: CompletionRequest, session_id: str
+    client: httpx.AsyncClient,
+    limit: asyncio.Semaphore,
+    request: CompletionRequest,
+    session_id: str,
+    session_header: str = SESSION_HEADER,
 ) -> CompletionResponse:
     """One completion call of every rollout path (a group's n samples, or one turn of an episode). `session_id`
-    is stable for every request of one rollout session and travels as the X-Session-ID header that
-    vllm-router's consistent_hash keys on; a 400 (e.g. prompt + max_tokens over max_seq_len) names the session."""
+    is stable for every request of one rollout session and travels in `session_header`
+    (inference.router.session_header), which keeps a session on one replica; a 400 (e.g. prompt + max_tokens
+    over max_seq_len) names the session."""
     async with limit:
         r = await client.post(
-            "/v1/completions", json=request.model_dump(exclude_none=True), headers={SESSION_HEADER: session_id}
+            "/v1/completions", json=request.model_dump(exclude_none=True), headers={session_header: session_id}
         )
     if r.status_code == 400:
         raise RuntimeError(f"inference refused session {session_id}: {r.json().get('detail')}")
@@ -47,9 +52,10 @@ class EpisodeGroup:
         ocfg: OrchestratorConfig,
         seed: int,
         max_seq_len: int,
+        session_header: str = SESSION_HEADER,
     ):
         self.client, self.limit, self.tok, self.ocfg = client, limit, tok, ocfg
-        self.seed, self.max_seq_len = seed, max_seq_len
+        self.seed, self.max_seq_len, self.session_header = seed, max_seq_len, session_header
 
     def _request(self, step: int, group: int, k: int):
         def build(context: list[int], room: int, turn: int) -> CompletionRequest:
@@ -66,7 +72,7 @@ class EpisodeGroup:
         return build
 
     async def _sample(self, request: CompletionRequest, session_id: str) -> CompletionChoice:
-        (choice,) = (await post_completion(self.client, self.limit, request, session_id)).choices
+        (choice,) = (await post_completion(self.client, self.limit, request, session_id, self.session_header)).choices
         return choice
 
     async def run(self, env: MultiTurnEnvironment, task: Task, run_id: str, step: int, group: int) -> list[RolloutRow]:

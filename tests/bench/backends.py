@@ -59,7 +59,7 @@ class VLLMServer:
 
     def __init__(self, model_dir: Path, max_model_len: int, log: Path):
         from config.inference import InferenceConfig
-        from engines.inference.vllm import server as vllm
+        from engines.inference.vllm import processes as vllm
         from launch import vllm as vllm_render
 
         port = free_port()
@@ -76,7 +76,7 @@ class VLLMServer:
         self.start_s = vllm.wait_ready([self.url], [self.proc], 900)
 
     def stop(self) -> None:
-        from engines.inference.vllm.server import stop
+        from engines.inference.vllm.processes import stop
 
         stop([self.proc])
         self.log.close()
@@ -105,11 +105,11 @@ def vllm_generate(server: VLLMServer, pair: Pair, group: int, tokens: int, fixed
 
 
 def vllm_update(server: VLLMServer, out: Path, version: int, cache: Path) -> tuple[float, float]:
-    """(materialize s, pause + load on the worker + resume s): what the proxy's /update_weights does."""
+    """(materialize s, pause + load on the worker + resume s): what the vLLM backend's /update_weights does."""
     import httpx
 
-    from engines.inference.vllm.proxy import Upstream, apply_update
-    from engines.inference.vllm.server import materialize
+    from engines.inference.vllm.backend import Upstream, apply_update
+    from engines.inference.vllm.processes import materialize
     from storage.fs import get_fs
 
     fs, root = get_fs(str(out))
@@ -149,7 +149,7 @@ def measure_shape(ws: Workspace, name: str, model: dict, prompts: int, group: in
     files = modeldir.load(mc, pretrained=False).publication_files()
     out = ws.root / "backends" / name
     publish(pair, files, out, 0)
-    from engines.inference.vllm.server import materialize
+    from engines.inference.vllm.processes import materialize
     from storage.fs import get_fs
 
     cache = out / "vllm-cache"
@@ -247,12 +247,12 @@ whole batch (vLLM: `usage.completion_tokens`). Fixed = {NEW_TOKENS} tokens per r
 workload's model (hidden 192, 3 layers); wide = hidden 512, 4 layers, MLP 1536; large = hidden 768,
 12 layers, 12 heads (4 KV), MLP 2048. Weight update: engine = `weights.load` + `load_published` (what its
 /update_weights runs after the HTTP call); vLLM = `materialize` (publication -> local safetensors) and
-the proxy's `apply_update` (pause keep, `collective_rpc` rollflow_load, resume) over HTTP.
+the vLLM backend's `apply_update` (pause keep, `collective_rpc` rollflow_load, resume) over HTTP.
 """
 
 
 def run(ws: Workspace) -> str:
-    from engines.inference.vllm.server import ROOT
+    from engines.inference.vllm.processes import ROOT
 
     if not (ROOT / ".venv-vllm" / "bin" / "python").exists():
         return "Skipped: no vLLM environment (`make vllm`)."

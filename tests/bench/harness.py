@@ -172,10 +172,8 @@ def _component_argv(module: str, config_url: str) -> list[str]:
 def _supervise_all(names: Sequence[str], urls: dict[str, str], env: dict[str, str], logs: Path) -> None:
     """Start components like the flow does (own process groups, output to logs/); return when the trainer
     exits, then stop the rest. Raises if any component fails."""
-    from config.registry import entry_modules
+    from config.registry import COMPONENT_MODULES as modules
     from runtime.process import supervise
-
-    modules = entry_modules("embedded")
 
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -222,7 +220,9 @@ def direct_run(cfg: RunConfig, template: Path) -> Path:
         shutil.copytree(template / entry, out / entry)
     cfg.inference.port = free_port(cfg.inference.host)
     urls = write_configs(cfg, new_run_id(cfg), f"http://{cfg.inference.host}:{cfg.inference.port}")
-    token = {"ROLLFLOW_ADMIN_TOKEN": os.urandom(16).hex()}
+    from engines.protocol import ADMIN_TOKEN_ENV
+
+    token = {ADMIN_TOKEN_ENV: os.urandom(16).hex()}
     _supervise_all(["inference", "orchestrator", "trainer"], urls, token, out / "logs")
     return out
 

@@ -58,10 +58,11 @@ class Server:
     def __enter__(self):
         import httpx
 
+        from engines.protocol import ADMIN_TOKEN_ENV
         from runtime.process import supervise
 
         argv = [sys.executable, "-m", "engines.inference", "--config", self.urls["inference"]]
-        env = {"ROLLFLOW_ADMIN_TOKEN": self.token}
+        env = {ADMIN_TOKEN_ENV: self.token}
         log = str(self.out / "logs" / "inference.log")
         self.thread = threading.Thread(target=supervise, args=("inference", argv, env, lambda _: None, self.stop, log))
         self.thread.start()

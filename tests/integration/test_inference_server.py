@@ -1,4 +1,10 @@
-"""The embedded inference server as a real subprocess over real HTTP on 127.0.0.1."""
+"""The embedded backend behind the front end, as a real `python -m engines.inference` process over real HTTP
+on 127.0.0.1, with the real `openai` client.
+
+Every test stands alone, in any order: a test that changes the served policy publishes its own versions
+(above whatever is served when it starts, in its own directory) and each logprob check compares with the
+model of the version the response itself reports (`models[policy_version]`).
+"""
 
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from config.process import ComponentPaths, InferenceProcessConfig
 from config.storage import StorageConfig
 from engines.models.decoder import CausalLM, token_logprobs
 from engines.models.tokenizer import CharTokenizer
+from engines.protocol import ADMIN_TOKEN_ENV
 from storage import weights
 from storage.fs import get_fs
 
@@ -36,26 +43,19 @@ def _publish(root: str, version: int, seed: int) -> CausalLM:
     return model
 
 
+def _served(client: httpx.Client) -> int:
+    return client.get("/health").json()["policy_version"]
+
+
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+
+
 def _assert_logprobs_match(model: CausalLM, prompt: list[int], choice: dict, temperature: float) -> None:
     """The server's per-token logprobs equal a full forward of the same weights over prompt + completion."""
     ids = torch.tensor([prompt + choice["token_ids"]])
     with torch.no_grad():
         expected = token_logprobs(model(ids)[:, :-1], ids[:, 1:], temperature)[0, len(prompt) - 1 :]
     assert torch.allclose(expected, torch.tensor(choice["logprobs"]["token_logprobs"]), atol=1e-4)
-
-
-def _served_version(client: httpx.Client) -> int:
-    return client.get("/health").json()["policy_version"]
-
-
-def _serve_a_newer_version(client: httpx.Client, root: str, models: dict, seed: int) -> int:
-    """Publish and load the version after the one served now (the server refuses older ones), so a test
-    does not depend on what the tests before it loaded."""
-    version = _served_version(client) + 1
-    models[version] = _publish(root, version, seed)
-    r = client.post("/update_weights", json={"version": version}, headers={"Authorization": f"Bearer {TOKEN}"})
-    assert r.status_code == 200 and r.json()["policy_version"] == version
-    return version
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def server(tmp_path_factory):
     path = f"{root}/inference.json"
     with open(path, "w") as f:
         json.dump(cfg.model_dump(mode="json"), f)
-    env = {**os.environ, "ROLLFLOW_ADMIN_TOKEN": TOKEN}
+    env = {**os.environ, ADMIN_TOKEN_ENV: TOKEN}
     proc = subprocess.Popen([sys.executable, "-m", "engines.inference", "--config", path], env=env)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
     deadline = time.monotonic() + 60
@@ -95,7 +95,6 @@ def server(tmp_path_factory):
 
 def test_completions_return_ids_and_logprobs_that_match_the_model(server):
     client, _, models = server
-    version = _served_version(client)
     tok = CharTokenizer()
     prompt = tok.encode("rev:abc=")
     body = {"prompt": prompt, "n": 3, "max_tokens": 6, "temperature": 0.8, "logprobs": 1, "return_token_ids": True}
@@ -105,8 +104,8 @@ def test_completions_return_ids_and_logprobs_that_match_the_model(server):
     assert len(choices) == 3
     for c in choices:
         assert 1 <= len(c["token_ids"]) <= 6 and len(c["logprobs"]["token_logprobs"]) == len(c["token_ids"])
-        assert c["policy_version"] == c["policy_version_end"] == version
-        _assert_logprobs_match(models[version], prompt, c, 0.8)
+        assert c["policy_version"] == c["policy_version_end"] == _served(client)
+        _assert_logprobs_match(models[c["policy_version"]], prompt, c, 0.8)
 
 
 def test_text_prompt_and_chat_completions(server):
@@ -123,43 +122,49 @@ def test_text_prompt_and_chat_completions(server):
 
 def test_admin_routes_need_the_token(server):
     client, _, _ = server
-    assert client.post("/update_weights", json={"version": 0}).status_code == 401
+    r = client.post("/update_weights", json={"version": 0})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     bad = {"Authorization": "Bearer nope"}
     assert client.post("/update_weights", json={"version": 0}, headers=bad).status_code == 401
     assert client.post("/shutdown", headers=bad).status_code == 401
 
 
-def test_update_weights_serves_the_new_policy(server):
-    client, root, models = server
-    version = _serve_a_newer_version(client, root, models, seed=2)
-    assert _served_version(client) == version
+def test_update_weights_serves_the_new_policy(server, tmp_path):
+    client, _, models = server
+    version = _served(client) + 1
+    model = _publish(str(tmp_path), version, seed=version + 1)
+    r = client.post("/update_weights", json={"path": weights.version_dir(str(tmp_path), version)}, headers=ADMIN)
+    assert r.status_code == 200 and r.json()["policy_version"] == version and r.json()["source"] == "filesystem"
+    models[version] = model
+    assert _served(client) == version
     tok = CharTokenizer()
     prompt = tok.encode("rev:xy=")
     body = {"prompt": prompt, "max_tokens": 5, "logprobs": 1, "return_token_ids": True}
     c = client.post("/v1/completions", json=body).json()["choices"][0]
     assert c["policy_version"] == version
-    _assert_logprobs_match(models[version], prompt, c, 1.0)
+    _assert_logprobs_match(model, prompt, c, 1.0)
 
 
 def test_update_to_a_missing_version_fails_without_changing_the_policy(server):
     client, _, _ = server
-    before = client.get("/health").json()["policy_version"]
-    r = client.post("/update_weights", json={"version": 99}, headers={"Authorization": f"Bearer {TOKEN}"})
-    assert r.status_code >= 400
-    assert client.get("/health").json()["policy_version"] == before
+    before = _served(client)
+    r = client.post("/update_weights", json={"version": before + 1000}, headers=ADMIN)
+    assert r.status_code == 404 and "no committed weights" in r.json()["error"]["message"]
+    assert _served(client) == before
 
 
-def test_update_to_corrupt_weights_is_refused_with_the_file_named(server):
-    client, root, _ = server
-    before = _served_version(client)
-    _publish(root, before + 5, seed=3)  # newer than what is served, so only the corruption can refuse it
-    path = Path(root) / "weights" / f"step={before + 5:06d}" / "model.safetensors"
+def test_update_to_corrupt_weights_is_refused_with_the_file_named(server, tmp_path):
+    client, _, _ = server
+    before = _served(client)
+    _publish(str(tmp_path), before + 1, seed=3)
+    directory = weights.version_dir(str(tmp_path), before + 1)
+    path = Path(directory) / "model.safetensors"
     data = bytearray(path.read_bytes())
     data[-10] ^= 0xFF
     path.write_bytes(bytes(data))
-    r = client.post("/update_weights", json={"version": before + 5}, headers={"Authorization": f"Bearer {TOKEN}"})
+    r = client.post("/update_weights", json={"path": directory}, headers=ADMIN)
     assert r.status_code == 422 and "model.safetensors" in r.json()["detail"]
-    assert client.get("/health").json()["policy_version"] == before
+    assert _served(client) == before
 
 
 def test_bad_requests_are_refused_before_they_reach_a_batch(server):
@@ -171,24 +176,37 @@ def test_bad_requests_are_refused_before_they_reach_a_batch(server):
         {"prompt": [1, 5], "max_tokens": 4, "n": 100_000},
     ):
         r = client.post("/v1/completions", json=body)
-        assert r.status_code == 400, body
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", body
+    huge = client.post("/v1/completions", json={"prompt": "x" * (9 * 2**20), "max_tokens": 2})  # over 8 MiB
+    assert huge.status_code == 413 and "request body over" in huge.json()["error"]["message"]
     assert client.post("/v1/completions", json={"prompt": [1, 5], "max_tokens": 2}).status_code == 200
 
 
-def test_weights_that_do_not_fit_are_refused_and_an_older_version_is_not_served(server, tmp_path):
-    client, root, models = server
-    headers = {"Authorization": f"Bearer {TOKEN}"}
-    before = _serve_a_newer_version(client, root, models, seed=4)  # above 0, so version 0 below is older
+def test_weights_that_do_not_fit_are_refused(server, tmp_path):
+    client, _, _ = server
+    before = _served(client)
     other = CausalLM(MODEL.model_copy(update={"hidden_size": 32, "intermediate_size": 64}), CharTokenizer().vocab_size)
     fs, r = get_fs(str(tmp_path))
     directory = weights.publish(fs, r, before + 10, other.publishable_state_dict())
-    resp = client.post("/update_weights", json={"path": directory}, headers=headers)
+    resp = client.post("/update_weights", json={"path": directory}, headers=ADMIN)
     assert resp.status_code == 422 and "do not fit" in resp.json()["detail"]
-    older = weights.publish(fs, r, 0, _publish(str(tmp_path / "x"), 0, seed=9).publishable_state_dict())
-    assert client.post("/update_weights", json={"path": older}, headers=headers).status_code == 409
-    assert client.get("/health").json()["policy_version"] == before
+    assert _served(client) == before
+
+
+def test_an_older_version_is_not_served(server, tmp_path):
+    """Two publications of its own: the newer one is served, then the older one is refused (409)."""
+    client, _, models = server
+    older, newer = _served(client) + 1, _served(client) + 2
+    model = _publish(str(tmp_path / "b"), newer, seed=newer)
+    r = client.post("/update_weights", json={"path": weights.version_dir(str(tmp_path / "b"), newer)}, headers=ADMIN)
+    assert r.status_code == 200
+    models[newer] = model
+    _publish(str(tmp_path / "a"), older, seed=older)
+    r = client.post("/update_weights", json={"path": weights.version_dir(str(tmp_path / "a"), older)}, headers=ADMIN)
+    assert r.status_code == 409 and r.json()["error"]["type"] == "conflict_error"
+    assert _served(client) == newer
     r2 = client.post("/v1/completions", json={"prompt": [1, 5], "max_tokens": 2, "return_token_ids": True})
-    assert r2.json()["choices"][0]["policy_version"] == before
+    assert r2.json()["choices"][0]["policy_version"] == newer
 
 
 # --- the real `openai` client against the same server ------------------------------------------------------
@@ -209,7 +227,6 @@ CHAT = [{"role": "user", "content": "rev:abcd"}]
 
 def test_openai_chat_with_n_logprobs_and_token_ids(oai, server):
     c, name = oai
-    version = _served_version(server[0])
     r = c.chat.completions.create(
         model=name, messages=CHAT, n=2, max_tokens=6, logprobs=True, top_logprobs=3, seed=11,
         extra_body={"return_token_ids": True},
@@ -223,10 +240,10 @@ def test_openai_chat_with_n_logprobs_and_token_ids(oai, server):
         for lp in ch.logprobs.content:  # three alternatives, most likely first, none likelier than the first
             assert len(lp.top_logprobs) == 3 and lp.logprob <= lp.top_logprobs[0].logprob + 1e-6
             assert [a.logprob for a in lp.top_logprobs] == sorted((a.logprob for a in lp.top_logprobs), reverse=True)
-    for ch in r.choices:  # the logprobs are the served version's
-        assert ch.policy_version == version
+    models = server[2]
+    for ch in r.choices:  # the logprobs are those of the model of the version the choice reports
         fake = {"token_ids": ch.token_ids, "logprobs": {"token_logprobs": [lp.logprob for lp in ch.logprobs.content]}}
-        _assert_logprobs_match(server[2][version], prompt, fake, 1.0)
+        _assert_logprobs_match(models[ch.policy_version], prompt, fake, 1.0)
 
 
 def test_openai_completions_return_prompt_and_completion_ids(oai):
@@ -323,8 +340,9 @@ def test_openai_errors_are_explicit(oai, server):
     (card,) = c.models.list().data
     assert card.id == name and card.max_model_len == MODEL.max_seq_len
     paths = server[0].get("/openapi.json").json()["paths"]
-    assert {"400", "404"} <= set(paths["/v1/completions"]["post"]["responses"])
+    assert {"400", "404", "413", "503"} <= set(paths["/v1/completions"]["post"]["responses"])
     assert {"401", "409", "422"} <= set(paths["/update_weights"]["post"]["responses"])
+    assert "422" not in paths["/v1/completions"]["post"]["responses"]  # a body that does not validate is a 400
 
 
 def _aborted_and_idle(client: httpx.Client, aborted: int) -> dict:

@@ -1,5 +1,7 @@
-"""The vLLM backend end to end on CPU: `python -m engines.inference.vllm.server` serves a tiny Llama publication,
-generates with token ids and logprobs, applies a weight update in flight, and reports the new version.
+"""The vLLM backend end to end on CPU: `python -m engines.inference` with inference.backend = "vllm" serves a tiny
+Llama publication through the one front end, generates with token ids and logprobs (also streamed, also chat,
+with the `openai` client), answers errors in OpenAI's shape, applies a weight update in flight, and reports the
+new version.
 
 Needs the vLLM environment (infra/vllm/setup.sh: ~10 min and 3.5 GB the first time, cached after);
 skipped with that reason when it is absent. vLLM on CPU takes a minute or more to start, so one server
@@ -17,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engines.protocol import ADMIN_TOKEN_ENV
 from tests.vllm_fixture import publish_hf, tiny_model
 
 pytestmark = pytest.mark.slow
@@ -55,9 +58,9 @@ def served(tmp_path_factory):
         seed=0,
     )
     (tmp / "inference.json").write_text(cfg.model_dump_json())
-    env = {**os.environ, "ROLLFLOW_ADMIN_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, ADMIN_TOKEN_ENV: TOKEN, "PYTHONPATH": str(ROOT)}
     log = open(tmp / "inference.log", "wb")  # noqa: SIM115 - closed at teardown
-    argv = [sys.executable, "-m", "engines.inference.vllm.server", "--config", str(tmp / "inference.json")]
+    argv = [sys.executable, "-m", "engines.inference", "--config", str(tmp / "inference.json")]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
@@ -124,9 +127,35 @@ def test_vllm_logprobs_match_rollflows_model(served):
     assert gap < 1e-3
 
 
+def test_streamed_and_chat_answers_through_the_openai_client(served):
+    """Streaming goes through to vLLM; the last chunk of each choice carries the policy versions."""
+    import openai
+
+    from engines.models.tokenizer import CharTokenizer
+
+    version = httpx.get(served["url"] + "/health").json()["policy_version"]
+    prompt = CharTokenizer().encode("abc:")
+    with openai.OpenAI(base_url=served["url"] + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+        kw = {"model": c.models.list().data[0].id, "prompt": prompt, "max_tokens": 6, "seed": 7, "temperature": 1.0}
+        whole = c.completions.create(**kw).choices[0]
+        chunks = list(c.completions.create(stream=True, **kw))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.text
+        last = next(ch for ch in reversed(chunks) if ch.choices and ch.choices[0].finish_reason)
+        assert last.choices[0].policy_version == last.choices[0].policy_version_end == version
+        chat = {"model": kw["model"], "messages": [{"role": "user", "content": "abc"}], "max_tokens": 5, "seed": 3}
+        answer = c.chat.completions.create(**chat, logprobs=True).choices[0]
+        assert answer.policy_version == version and len(answer.logprobs.content) >= 1
+        streamed = [ch for ch in c.chat.completions.create(**chat, stream=True) if ch.choices]
+        assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == answer.message.content
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            c.completions.create(**{**kw, "model": "gpt-4"})
+        with pytest.raises(openai.BadRequestError, match="repetition_penalty"):  # refused before it reaches vLLM
+            c.completions.create(**kw, extra_body={"repetition_penalty": 1.1})
+
+
 def test_weight_update_needs_the_admin_token(served):
     r = httpx.post(served["url"] + "/update_weights", json={"version": 1})
-    assert r.status_code == 401
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
 
 def test_update_weights_serves_the_new_policy(served):

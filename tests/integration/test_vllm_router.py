@@ -2,7 +2,7 @@
 "multi_node", num_nodes = 2, every node 127.0.0.1), serving a shortened run.
 
 What is asserted comes from the replicas' own logs (`--enable-log-requests`: each vLLM server logs
-`Received request cmpl-<X-Request-Id>-0: ...` once per HTTP request, the proxy makes that id
+`Received request cmpl-<X-Request-Id>-0: ...` once per HTTP request, the vLLM backend makes that id
 `<session>-<random>`, and the entry module prefixes every line with the server's name), never from our
 client:
 - consistent_hash (default): every request of a session reached one replica, across the flow's restart,
@@ -35,6 +35,8 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import TINY, processes_mentioning, start_cli
+
+from engines.protocol import SESSION_HEADER
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -135,7 +137,7 @@ def vllm_server_pid(port: int) -> int | None:
 
 
 async def sessions_of_our_own(url: str, n_sessions: int = 12, turns: int = 3) -> None:
-    """Sessions of several turns each (as a multi-turn episode sends), through the proxy like the
+    """Sessions of several turns each (as a multi-turn episode sends), through the front end like the
     orchestrator's requests; a session's turns one after another, the sessions side by side."""
     import httpx
 
@@ -144,7 +146,7 @@ async def sessions_of_our_own(url: str, n_sessions: int = 12, turns: int = 3) ->
         async def session(s: int) -> None:
             for _ in range(turns):
                 body = {"prompt": [5, 6, 7, 8], "max_tokens": 2, "n": 1, "return_token_ids": True}
-                r = await client.post("/v1/completions", json=body, headers={"X-Session-ID": f"test.{s}"})
+                r = await client.post("/v1/completions", json=body, headers={SESSION_HEADER: f"test.{s}"})
                 assert r.status_code == 200, r.text
 
         await asyncio.gather(*(session(s) for s in range(n_sessions)))
@@ -260,12 +262,12 @@ def test_round_robin_spreads_a_run_over_both_replicas(tmp_path):
 
 @pytest.mark.long
 def test_two_replicas_split_the_sessions_between_them(tmp_path):
-    """inference.num_infer_replicas = 2 (single-node replicas): the proxy hashes each session to a replica."""
+    """inference.num_infer_replicas = 2 (single-node replicas): the vLLM backend hashes each session to a replica."""
     out = tmp_path / "run"
     cli, _ = start_run(out, "consistent_hash", steps=3, shape=REPLICAS)
     finish(cli, out)
     sessions = served_by(out)
-    # the proxy's rule (engines/inference/vllm/proxy.py): replica = crc32(session) mod replicas
+    # the vLLM backend's rule (engines/inference/vllm/backend.py Upstream.entry): replica = crc32(session) mod replicas
     wrong = {k: v for k, v in sessions.items() if {s.replica for s in v} != {f"vllm-r{zlib.crc32(k.encode()) % 2}"}}
     assert not wrong, f"sessions not on their replica: {wrong}"
     counts: dict[str, int] = defaultdict(int)

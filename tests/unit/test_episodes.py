@@ -213,8 +213,10 @@ def test_hf_continuation_equals_the_template_rendering_of_the_whole_conversation
         HFTokenizer(tmp_path).render_continuation([tool])
 
 
-def test_every_request_of_an_episode_carries_its_session_header_over_http():
-    """post_completion over a real loopback socket: the server sees the episode's X-Session-ID."""
+@pytest.mark.parametrize("header", ["X-Session-ID", "X-Rollout"])
+def test_every_request_of_an_episode_carries_its_session_header_over_http(header):
+    """post_completion over a real loopback socket: the server sees the episode's id in the session header
+    (the default, or the one inference.router.session_header configures), and no other session header."""
     import httpx
 
     from engines.orchestrator.multiturn import post_completion
@@ -233,7 +235,7 @@ def test_every_request_of_an_episode_carries_its_session_header_over_http():
         head = (await reader.readuntil(b"\r\n\r\n")).decode()
         headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in head.split("\r\n")[1:] if ": " in line)}
         await reader.readexactly(int(headers["content-length"]))
-        seen.append(headers.get("x-session-id", ""))
+        seen.append({k: v for k, v in headers.items() if k in ("x-session-id", "x-rollout")})
         writer.write(
             f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
         )
@@ -247,10 +249,9 @@ def test_every_request_of_an_episode_carries_its_session_header_over_http():
         limit = asyncio.Semaphore(2)
         request = CompletionRequest(prompt=[1, 2], max_tokens=4)
         async with server, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-            return [
-                (await post_completion(client, limit, request, "run/s000001-g0000-03")).choices[0] for _ in range(2)
-            ]
+            sid = "run/s000001-g0000-03"
+            return [(await post_completion(client, limit, request, sid, header)).choices[0] for _ in range(2)]
 
     choices = asyncio.run(main())
-    assert seen == ["run/s000001-g0000-03"] * 2
+    assert seen == [{header.lower(): "run/s000001-g0000-03"}] * 2
     assert choices[0].token_ids == TOK.encode("?ab", bos=False) + [TOK.eos_id]

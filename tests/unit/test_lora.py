@@ -158,8 +158,11 @@ def test_config_refuses_collective_transport_with_lora_or_vllm():
 
     with pytest.raises(ValueError, match='model.lora is not supported with weight_broadcast.type = "collective"'):
         RunConfig.model_validate({"model": {"lora": {}}, "weight_broadcast": {"type": "collective"}})
-    with pytest.raises(ValueError, match='needs inference.backend = "embedded"'):
-        RunConfig.model_validate({"inference": {"backend": "vllm"}, "weight_broadcast": {"type": "collective"}})
+    from engines.inference.backend import check
+
+    vllm = RunConfig.model_validate({"inference": {"backend": "vllm"}, "weight_broadcast": {"type": "collective"}})
+    with pytest.raises(ValueError, match="needs a backend that joins the trainer's collective group.*'vllm'"):
+        check(vllm.inference, vllm.weight_broadcast)  # the backend's capabilities, checked by the CLI at load
     with pytest.raises(ValueError, match="type"):
         RunConfig.model_validate({"weight_broadcast": {"type": "nccl"}})
     assert RunConfig().weight_broadcast.type == "filesystem" and RunConfig().weight_broadcast.host == "127.0.0.1"

@@ -182,9 +182,11 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
     assert cfg.trainer.parallel.c10d_backend == cfg.weight_broadcast.c10d_backend == "gloo"
     assert cfg.placement.slurm.mem == "8G" and cfg.inference.enable_return_routed_experts
     assert check_resumable(cfg) == {}  # nothing differs from what the run stored
-    # every process config is written as before, and the vLLM servers are started with the same commands
+    # every process config is written as before (the orchestrator's gained the session header it sends, the
+    # router's configured one), and the vLLM servers are started with the same commands
     slices = component_configs(cfg, stored_config(str(out))["run_id"], "http://127.0.0.1:0")
+    added = {"orchestrator": {"session_header": "X-Session-ID"}}
     for name, sub in slices.items():
-        assert sub.model_dump(mode="json") == _stored(f"{name}.json", out), name
+        assert sub.model_dump(mode="json") == {**_stored(f"{name}.json", out), **added.get(name, {})}, name
     script = vllm_render.plan_script(vllm_render.render(cfg.inference, max_model_len=64, under_slurm=True))
     assert script.splitlines()[1:] == (STORED / "vllm-commands.sh").read_text().splitlines()[1:]

@@ -15,7 +15,9 @@ from pydantic import ValidationError
 
 from config.inference import InferenceConfig
 from config.run import RunConfig
-from engines.inference.vllm.server import check_local
+from engines.inference.backend import check, launch_plan
+from engines.inference.vllm.processes import check_local
+from engines.registry import PluginError
 from launch import vllm as vllm_render
 
 GOLDEN = Path(__file__).parent / "golden" / "vllm"
@@ -120,13 +122,15 @@ def test_kv_transfer_config_is_valid_json_for_vllm():
 
 
 def test_dry_run_writes_the_commands(tmp_path):
+    """The vLLM backend's launch plan (its declared capability) is what --dry-run writes; the embedded has none."""
     from runtime.rundir import write_configs
 
     cfg = RunConfig.model_validate({"output_dir": str(tmp_path), "inference": {"backend": "vllm", **SHAPES["wide_ep"]}})
-    write_configs(cfg, "run-1", "http://127.0.0.1:1")
+    write_configs(cfg, "run-1", "http://127.0.0.1:1", plan=launch_plan(cfg))
     plan = json.loads((tmp_path / "config" / "vllm-plan.json").read_text())
     assert len(plan["replicas"][0]["processes"]) == 3
     assert "vllm-router" in (tmp_path / "config" / "vllm-commands.sh").read_text()
+    assert launch_plan(RunConfig.model_validate({"output_dir": str(tmp_path)})) == {}
 
 
 # --- validation: one test per rule -------------------------------------------------------------------
@@ -183,10 +187,23 @@ def test_vllm_extra_cannot_override_what_rollflow_sets():
     refused("vllm_extra.port", backend="vllm", vllm_extra={"port": 1})
 
 
-def test_deployment_keys_need_the_vllm_backend():
-    refused("inference.parallel apply to inference.backend = 'vllm' only", parallel={"tp": 2})
-    refused("inference.vllm_extra apply", vllm_extra={"enable_dbo": True})
-    RunConfig.model_validate({"inference": {"parallel": {"tp": 1}}})  # the default is no deployment choice
+def capability_refused(match: str, **keys) -> None:
+    """Refused by the backend's declared capabilities (the CLI's load-time check), not by the config."""
+    cfg = RunConfig.model_validate(keys)
+    with pytest.raises(PluginError, match=match):
+        check(cfg.inference, cfg.weight_broadcast)
+
+
+def test_deployment_keys_need_a_backend_that_runs_them():
+    capability_refused(
+        r"inference.parallel is a deployment key: inference.backend = 'embedded' does not run it \(registered "
+        r"backends that do: vllm\)",
+        inference={"parallel": {"tp": 2}},
+    )
+    capability_refused("inference.vllm_extra is a deployment key", inference={"vllm_extra": {"enable_dbo": True}})
+    for ok in ({"inference": {"parallel": {"tp": 1}}}, {"inference": {"backend": "vllm", "parallel": {"tp": 2}}}):
+        cfg = RunConfig.model_validate(ok)  # the default is no deployment choice; vLLM runs the key
+        check(cfg.inference, cfg.weight_broadcast)
 
 
 def test_unknown_router_policy_is_refused():
@@ -208,7 +225,9 @@ def test_local_launch_refuses_what_needs_slurm(keys, match):
 
 
 def test_sessions_stick_to_a_replica_and_requests_name_their_session():
-    from engines.inference.vllm.proxy import Upstream, forward_headers
+    from engines.inference.frontend import generation
+    from engines.inference.vllm.backend import Upstream, upstream_headers
+    from engines.protocol import CompletionRequest
 
     up = Upstream(["http://r0", "http://r1", "http://r2"], [], 0)
     sessions = [f"s000001-g{g:04d}" for g in range(30)]
@@ -216,10 +235,20 @@ def test_sessions_stick_to_a_replica_and_requests_name_their_session():
     assert [up.entry(s) for s in sessions] == first  # stable
     assert set(first) == set(up.entries)  # and spread
     assert [up.entry(None) for _ in range(4)] == ["http://r0", "http://r1", "http://r2", "http://r0"]
-    headers = forward_headers({"X-Session-ID": "s1-g2", "Authorization": "x", "content-type": "y"})
+    body = CompletionRequest(prompt=[1])
+
+    def forwarded(headers: dict, session_header: str = "X-Session-ID") -> dict:
+        from starlette.datastructures import Headers
+
+        return upstream_headers(generation(body, Headers(headers), session_header))
+
+    headers = forwarded({"X-Session-ID": "s1-g2", "Authorization": "x", "content-type": "y", "X-Trace": "t"})
     assert headers["x-session-id"] == "s1-g2" and headers["x-request-id"].startswith("s1-g2-")
-    assert set(headers) == {"x-session-id", "x-request-id"}  # only x- headers travel upstream
-    assert forward_headers({"X-Request-Id": "mine", "X-Session-ID": "a"})["x-request-id"] == "mine"
+    assert set(headers) == {"x-session-id", "x-request-id", "x-trace"}  # only x- headers travel upstream
+    assert forwarded({"X-Request-Id": "mine", "X-Session-ID": "a"})["x-request-id"] == "mine"
+    # a configured session header (inference.router.session_header) reaches vllm-router as the header it reads
+    custom = forwarded({"X-Rollout": "s2-g1", "X-Session-ID": "ignored"}, session_header="X-Rollout")
+    assert custom["x-session-id"] == "s2-g1" and "x-rollout" not in custom
 
 
 def test_the_seeds_top_level_num_infer_replicas_is_the_inference_key():
@@ -234,8 +263,8 @@ def test_the_seeds_top_level_num_infer_replicas_is_the_inference_key():
         RunConfig.model_validate(
             {"deployment": {"num_infer_replicas": 3}, "inference": {"backend": "vllm", "num_infer_replicas": 2}}
         )
-    with pytest.raises(ValidationError, match="inference.num_infer_replicas apply to inference.backend = 'vllm' only"):
-        RunConfig.model_validate({"deployment": {"num_infer_replicas": 2}})
+    capability_refused(r"deployment.num_infer_replicas\) = 2 needs a backend that runs replicas",
+                       deployment={"num_infer_replicas": 2})  # fmt: skip
 
 
 def test_the_shape_keys_are_written_flat_in_the_inference_table():
@@ -255,7 +284,7 @@ def test_vllms_routed_experts_become_the_rollout_column():
 
     import numpy as np
 
-    from engines.inference.vllm.proxy import decode_routes
+    from engines.inference.vllm.backend import decode_routes
 
     routes = np.arange(7 * 3 * 2, dtype=np.int16).reshape(7, 3, 2)  # vLLM: [seq, layers, top_k]
     buf = io.BytesIO()
@@ -267,9 +296,23 @@ def test_vllms_routed_experts_become_the_rollout_column():
 
 
 def test_routed_experts_from_the_cpu_build_of_vllm_are_refused_at_launch():
-    from engines.inference.vllm.server import ROOT
+    from engines.inference.vllm.processes import ROOT
 
     if not (ROOT / ".venv-vllm" / "bin" / "python").exists():
         pytest.skip("no vLLM environment")
     with pytest.raises(SystemExit, match="Model Runner V2"):
         check_local(inference(enable_return_routed_experts=True))
+
+
+def test_the_configured_session_header_reaches_the_orchestrator():
+    from config.process import OrchestratorProcessConfig, component_configs
+
+    for cfg, header in (
+        (
+            RunConfig.model_validate({"inference": {"backend": "vllm", "router": {"session_header": "X-Rollout"}}}),
+            "X-Rollout",
+        ),
+        (RunConfig(), "X-Session-ID"),
+    ):
+        orchestrator = component_configs(cfg, "r", "http://127.0.0.1:1")["orchestrator"]
+        assert isinstance(orchestrator, OrchestratorProcessConfig) and orchestrator.session_header == header

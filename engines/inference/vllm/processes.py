@@ -1,28 +1,23 @@
-"""Entry module of `inference.backend = "vllm"`: `python -m engines.inference.vllm.server --config inference.json`.
+"""The vLLM processes of a local run: the publication as a model directory, the servers and routers, their end.
 
 Runs in rollflow's environment and starts vLLM from its own (`inference.vllm.python`, built by
 infra/vllm/setup.sh). Data flow:
-  newest committed publication --materialize--> a local Hugging Face directory (config.json, tokenizer,
-  model.safetensors; verified, a delta rebuilt) --render--> vLLM servers (+ a vllm-router per replica) on
-  this host, bound to 127.0.0.1 unless inference.host says otherwise --> the proxy
-  (engines/inference/vllm/proxy.py) on inference.host:inference.port, which the orchestrator talks to
-  exactly as to the embedded engine. Several replicas on one host: `inference.deployment.type =
-  "multi_node"` with every node 127.0.0.1 (num_nodes servers behind one router) and/or
-  `inference.num_infer_replicas` copies of the shape (the proxy spreads sessions over their routers).
-Each later publication is materialized the same way and loaded in flight by the workers of every server.
-Every vLLM process's output reaches this process's log, each line prefixed with the process's name.
-If any vLLM process exits, this process exits non-zero, so the flow restarts inference like any component.
-Multi-node, disaggregated and mooncake shapes run under Slurm only; here `--dry-run` renders them.
+  a committed publication --materialize--> a local Hugging Face directory (config.json, tokenizer,
+  model.safetensors; verified, a delta rebuilt) --launch/vllm.py render--> vLLM servers (+ a vllm-router per
+  replica) on this host, bound to 127.0.0.1 unless inference.host says otherwise --> the vLLM backend
+  (backend.py) in front of them. Several replicas on one host: `inference.deployment.type = "multi_node"` with
+  every node 127.0.0.1 (num_nodes servers behind one router) and/or `inference.num_infer_replicas` copies of the
+  shape (the backend spreads sessions over their routers).
+Every vLLM process's output reaches this process's log, each line prefixed with the process's name; each
+dies with this process. Multi-node, disaggregated and mooncake shapes run under Slurm only; here
+`--dry-run` renders them.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import ctypes
 import logging
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -37,7 +32,7 @@ from config.vllm import DisaggregatedDeployment, MultiNodeDeployment
 from launch import vllm as vllm_render
 
 log = logging.getLogger("rollflow.inference.vllm")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # the checkout: inference.vllm.python is relative to it
 WORKER_DIR = Path(__file__).resolve().parent / "worker"
 KEEP_MATERIALIZED = 2  # the served version and the one being loaded
 
@@ -152,47 +147,6 @@ def wait_ready(urls: list[str], procs: list[subprocess.Popen], timeout_s: float)
     return time.monotonic() - t0
 
 
-async def watch(procs: list[subprocess.Popen], server) -> None:
-    """Stop serving as soon as any vLLM process exits, so the flow sees the component fail."""
-    while not server.should_exit:
-        if dead := [p for p in procs if p.poll() is not None]:
-            log.error(f"vLLM process {dead[0].pid} exited with code {dead[0].returncode}; stopping")
-            server.should_exit = True
-            server.rollflow_failed = True
-        await asyncio.sleep(1)
-
-
-def serve(cfg, replicas: list[vllm_render.Replica], procs, version: int, fs, root: str, cache: Path) -> bool:
-    """Run the proxy until /shutdown, a signal, or a vLLM process dies; True when vLLM died."""
-    return asyncio.run(_serve(cfg, replicas, procs, version, fs, root, cache))
-
-
-async def _serve(cfg, replicas: list[vllm_render.Replica], procs, version: int, fs, root: str, cache: Path) -> bool:
-    import httpx
-    import uvicorn
-
-    from engines.inference.vllm.proxy import Upstream, build_app
-
-    servers = [p.url for r in replicas for p in r.processes if p.url and not p.name.startswith("router")]
-    up = Upstream([r.url for r in replicas], servers, version)
-    up.open_gate.set()
-    token = os.environ.get("ROLLFLOW_ADMIN_TOKEN") or secrets.token_hex(16)
-
-    async def local_file(v: int) -> str:
-        return str(await asyncio.to_thread(materialize, fs, root, v, cache) / "model.safetensors")
-
-    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:
-        app = build_app(up, local_file, token, client)
-        host, port = cfg.inference.host, cfg.inference.port
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
-        server = uvicorn.Server(config)  # a bounded shutdown: a hung vLLM call must not keep the process alive
-        app.state.server = server
-        watcher = asyncio.create_task(watch(procs, server))
-        await server.serve()
-        watcher.cancel()
-    return bool(getattr(server, "rollflow_failed", False))
-
-
 def stop(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None:
     for p in procs:
         if p.poll() is None:
@@ -203,47 +157,3 @@ def stop(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engines.inference.vllm.server", description=__doc__)
-    parser.add_argument("--config", required=True, help="resolved inference config (JSON)")
-    args = parser.parse_args(argv)
-
-    from config.process import InferenceProcessConfig
-    from storage import weights
-    from storage.fs import Storage, read_json
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = InferenceProcessConfig.model_validate(read_json(args.config))
-    check_local(cfg.inference)
-    python = vllm_python(cfg.inference)
-    fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
-    version = weights.latest_version(fs, root)
-    if version is None:
-        raise SystemExit(
-            f"no committed weights under {weights.weights_root(cfg.run.output_dir)}; run the warm-up first"
-        )
-    cache = Path(tempfile.gettempdir()) / "rollflow-vllm" / cfg.run.run_id
-    cache.mkdir(parents=True, exist_ok=True)
-    model_dir = materialize(fs, root, version, cache)
-    nodes = ["127.0.0.1"] * (vllm_render.nodes_per_replica(cfg.inference) * cfg.inference.vllm.num_infer_replicas)
-    name = f"rollflow/{cfg.run.run_id}"
-    replicas = vllm_render.render(
-        cfg.inference, str(model_dir), cfg.model.max_seq_len, nodes, python, False, str(WORKER_DIR), name
-    )
-    procs = launch(replicas)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop vLLM too
-    try:
-        urls = [p.url for r in replicas for p in r.processes if p.url]
-        waited = wait_ready(urls, procs, cfg.inference.vllm.startup_timeout_s)
-        log.info(f"vLLM ready in {waited:.1f}s; policy version {version} on {cfg.inference.host}:{cfg.inference.port}")
-        died = serve(cfg, replicas, procs, version, fs, root, cache)
-    finally:
-        stop(procs)
-    if died:
-        raise SystemExit(1)
-
-
-if __name__ == "__main__":
-    main()

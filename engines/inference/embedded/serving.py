@@ -1,28 +1,23 @@
-"""The embedded server's generation routes: an OpenAI request in, the engine's completions out.
+"""The embedded engine's side of a generation: an OpenAI request in, the engine's completions out.
 
-A request (engines/protocol.py) is checked and turned into an engine `Request` (its token limit, its
-stop strings as a check the engine runs after each token); the completions come back as one response body,
-or, with `stream=true`, as server-sent events: one `data: {chunk}` per new piece of a choice's text, each
-choice's last chunk with its finish_reason and policy versions, an optional usage chunk, then
-`data: [DONE]`. Text is decoded from each choice's whole token list, so a character split across tokens
-is sent once complete, and text that could still become a stop string is held back until it cannot.
+A request (engines/protocol.py, checked by the front end) is checked against the model and turned into an
+engine `Request` (its token limit, its stop strings as a check the engine runs after each token); the
+completions come back as one response body, or, with `stream=true`, as stream chunks: one per new piece
+of a choice's text, each choice's last chunk with its finish_reason and policy versions, and an optional
+usage chunk (the front end frames them and adds `[DONE]`). Text is decoded from each choice's whole token
+list, so a character split across tokens is sent once complete, and text that could still become a stop
+string is held back until it cannot.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-
-from fastapi import HTTPException
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 
 from engines import protocol as api
+from engines.inference.backend import BackendError, Generation
 from engines.inference.embedded.engine import Completion, Engine, Request, TokenEvents
-
-DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 
 def cut(text: str, stops: list[str]) -> tuple[str, str | None]:
@@ -54,12 +49,12 @@ def _top_k(body: api.SamplingFields) -> int:
 class Prepared:
     """A checked request: its prompt ids, the engine request, and what the response needs."""
 
-    body: api.SamplingFields
+    body: api.CompletionRequest | api.ChatRequest
     prompt_ids: list[int]
     request: Request
     chat: bool
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    created: int = field(default_factory=lambda: int(time.time()))
+    id: str
+    created: int
 
 
 class Serving:
@@ -70,10 +65,14 @@ class Serving:
     def max_model_len(self) -> int:
         return int(self.engine.model.cfg.max_seq_len)
 
-    def prepare(self, body: api.SamplingFields, ids: list[int], chat: bool) -> Prepared:
-        """Refuse (400/404) what would fail or blow up inside a shared batch, before it is queued."""
-        if body.model is not None and body.model != self.model_name:
-            raise HTTPException(404, f"model {body.model!r} does not exist: this server serves {self.model_name!r}")
+    def prompt_ids(self, body: api.CompletionRequest | api.ChatRequest) -> list[int]:
+        if isinstance(body, api.ChatRequest):
+            return self.tok.render_messages([m.model_dump() for m in body.messages])
+        return self.tok.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+
+    def prepare(self, gen: Generation) -> Prepared:
+        """Refuse (400) what would fail or blow up inside a shared batch, before it is queued."""
+        body, ids = gen.body, self.prompt_ids(gen.body)
         limit = getattr(body, "max_completion_tokens", None) or body.max_tokens or self.max_model_len - len(ids)
         problem = None
         if not ids:
@@ -87,25 +86,20 @@ class Serving:
         elif (body.min_tokens or 0) > limit:
             problem = f"min_tokens ({body.min_tokens}) exceeds max_tokens ({limit})"
         if problem:
-            raise HTTPException(status_code=400, detail=problem)
+            raise BackendError(400, problem)
         request = Request(
             ids, body.n, limit, body.temperature, body.seed, top_k=max(body.top_k or 0, 0), top_p=body.top_p or 1.0,
             min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos), stop=stop_check(self.tok, body.stops()),
             top_logprobs=_top_k(body),
         )  # fmt: skip
-        return Prepared(body, ids, request, chat)
+        return Prepared(body, ids, request, gen.chat, gen.id, gen.created)
 
-    async def run(self, p: Prepared, gone: Callable[[], Awaitable[bool]] | None = None) -> list[Completion]:
-        """The request's completions. Cancelled (a streaming client went away), or `gone()` turning True
-        while it runs (a client that stopped waiting for its body), it is aborted in the engine."""
+    async def run(self, p: Prepared) -> list[Completion]:
+        """The request's completions; cancelled (its client went away), it is aborted in the engine."""
+        # shielded: cancelling the engine's own future would make its later result an error in the engine thread
         future = asyncio.wrap_future(self.engine.submit(p.request))
         try:
-            while gone is not None and not future.done():
-                await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
-                if not future.done() and await gone():
-                    self.engine.abort(p.request)
-                    break
-            return await future
+            return await asyncio.shield(future)
         except asyncio.CancelledError:
             self.engine.abort(p.request)
             raise
@@ -184,9 +178,9 @@ class Serving:
     def _top_dict(self, alts: list[tuple[int, float]]) -> dict[str, float]:
         return {self._token(a): v for a, v in alts}
 
-    async def stream(self, p: Prepared, gone: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[str]:
-        """The server-sent events of one request (see the module docstring). The request is aborted when the
-        server closes this generator early or `gone()` turns True (whichever notices the client leave first)."""
+    async def stream(self, p: Prepared) -> AsyncGenerator[dict, None]:
+        """The stream chunks of one request (see the module docstring). The request is aborted when the
+        front end closes or cancels this generator early (its client went away)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvents] = asyncio.Queue()
 
@@ -194,18 +188,18 @@ class Serving:
             loop.call_soon_threadsafe(queue.put_nowait, events)
 
         p.request.on_tokens = on_tokens
-        done = asyncio.ensure_future(self.run(p, gone))
+        done = asyncio.ensure_future(self.run(p))
         try:
-            async for event in self._events(p, queue, done):
-                yield event
-        finally:  # the client went away (the server closes or cancels this generator): stop the work too
+            async for chunk in self._chunks(p, queue, done):
+                yield chunk
+        finally:
             if not done.done():
                 self.engine.abort(p.request)
 
-    async def _events(self, p: Prepared, queue: asyncio.Queue, done: asyncio.Future) -> AsyncIterator[str]:
+    async def _chunks(self, p: Prepared, queue: asyncio.Queue, done: asyncio.Future) -> AsyncIterator[dict]:
         texts = _Texts(self, p)
         if p.chat:
-            yield texts.sse(texts.chat_first())
+            yield texts.chat_first()
         while True:
             get = asyncio.ensure_future(queue.get())
             await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
@@ -213,18 +207,13 @@ class Serving:
                 get.cancel()
                 break
             for chunk in texts.chunks(get.result()):
-                yield texts.sse(chunk)
+                yield chunk
         while not queue.empty():  # events delivered just before the request resolved
             for chunk in texts.chunks(queue.get_nowait()):
-                yield texts.sse(chunk)
-        try:
-            outs = done.result()
-        except Exception as exc:  # the status line is sent already: the error goes in the stream
-            yield texts.sse({"error": {"message": str(exc), "type": "internal_error", "code": 500}})
-            return
+                yield chunk
+        outs = done.result()  # an engine error: the front end sends it as an error event
         if p.body.stream_options and p.body.stream_options.include_usage:
-            yield texts.sse({**texts.head(), "choices": [], "usage": self.usage(p, outs).model_dump()})
-        yield "data: [DONE]\n\n"
+            yield {**texts.head(), "choices": [], "usage": self.usage(p, outs).model_dump()}
 
 
 class _Texts:
@@ -239,9 +228,6 @@ class _Texts:
         self.sent: list[str] = [""] * n
         self.ended = [False] * n
         self.first_version: list[int | None] = [None] * n
-
-    def sse(self, chunk: dict) -> str:
-        return f"data: {json.dumps(chunk)}\n\n"
 
     def head(self) -> dict:
         if self.p.chat:
