@@ -23,8 +23,8 @@ from typing import Any, Protocol
 import fsspec
 import torch
 
-from engines.trainer import dcp, parallel
-from engines.trainer.parallel import Dist
+from engines.trainer import dcp, distributed, parallel
+from engines.trainer.distributed import Dist
 from storage import checkpoints, rollouts
 from storage.fs import read_verified
 
@@ -67,11 +67,11 @@ def save(fs: fsspec.AbstractFileSystem, root: str, step: int, state: TrainerStat
     directory = checkpoints.step_path(root, step, "trainer")
     if d.is_main:
         checkpoints.uncommit(fs, directory)  # rewriting: no reader may pair an old manifest with new files
-    parallel.barrier(d)
+    distributed.barrier(d)
     weights = parallel.full_state_dict(state.model, d)
     written, staged = dcp.save_optimizer(fs, directory, state.model, state.parts["optimizer"], d)
     if not d.is_main:
-        parallel.barrier(d)
+        distributed.barrier(d)
         return None
     buf = io.BytesIO()
     kept = {name: part.state_dict() for name, part in state.parts.items() if name != "optimizer"}
@@ -93,7 +93,7 @@ def save(fs: fsspec.AbstractFileSystem, root: str, step: int, state: TrainerStat
         **staged,
     }
     checkpoints.save(fs, root, step, "trainer", files, written)
-    parallel.barrier(d)
+    distributed.barrier(d)
     return directory
 
 

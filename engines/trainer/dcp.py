@@ -17,7 +17,7 @@ from typing import Any
 
 import fsspec
 
-from engines.trainer.parallel import Dist
+from engines.trainer.distributed import Dist
 from storage.fs import is_local, join, read_verified
 
 PREFIX = "optimizer"
