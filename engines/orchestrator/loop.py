@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from collections import Counter
 
@@ -233,6 +234,17 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
     log.info("all rollout steps committed")
 
 
+def forbid_torch() -> None:
+    """Make torch unimportable in this process (a None entry in sys.modules), unless it is already loaded.
+
+    Nothing the orchestrator runs needs torch, but transformers imports it whenever it is installed, also just
+    to load a tokenizer (seconds and hundreds of MB per process; tokenizing never touches it). Hidden, torch
+    reads as not installed to transformers, and anything that would really use it fails at its import.
+    """
+    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+
+
 def main(argv: list[str] | None = None) -> None:
+    forbid_torch()
     cfg = OrchestratorProcessConfig.model_validate(read_process_config("engines.orchestrator", __doc__, argv))
     asyncio.run(run(cfg))
