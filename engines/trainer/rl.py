@@ -13,6 +13,7 @@ import time
 import torch
 
 from config.process import TrainerProcessConfig
+from config.tracking import resolve_tracking_uri
 from engines.models import lora, modeldir
 from engines.trainer import checkpoint, context_parallel, distributed, parallel
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
@@ -70,7 +71,9 @@ class RLTrainer:
         if cfg.resume_step is not None:
             checkpoint.restore(self.fs, self.root, cfg.resume_step, self.state, self.dist)
             log.info(f"resumed from checkpoint step={cfg.resume_step}")
-        self.tracker = Tracker(self.fs, self.root, cfg.tracking.tracking_uri, cfg.mlflow_run_id)
+        # the flow's URI: trainer.json holds it redacted, MLFLOW_TRACKING_URI in full (config/tracking.py)
+        uri = resolve_tracking_uri(cfg.tracking.tracking_uri, cfg.run.output_dir) if cfg.mlflow_run_id else None
+        self.tracker = Tracker(self.fs, self.root, uri, cfg.mlflow_run_id)
         self.sender = None
         if cfg.weight_broadcast.type == "collective" and self.dist.is_main:  # rank 0 holds the gathered weights
             from engines.weight_transport import Sender
