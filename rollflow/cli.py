@@ -121,7 +121,7 @@ def check_model(cfg: RunConfig) -> None:
     from engines.models.modeldir import resolve
 
     try:
-        source = resolve(cfg.model, import_model_code=False)
+        source = resolve(cfg.model)
     except ValueError as exc:
         raise ConfigError(f"invalid model: {exc}") from None
     try:

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 from config.run import RunConfig
+from config.tracking import resolve_tracking_uri
 from runtime.rundir import (
     check_resumable,
     claim_output_dir,
@@ -19,7 +20,7 @@ from runtime.rundir import (
     stored_config,
     write_run_config,
 )
-from runtime.tracking import end_mlflow_run, reopen_mlflow_run, resolve_tracking_uri, start_mlflow_run
+from runtime.tracking import end_mlflow_run, reopen_mlflow_run, start_mlflow_run
 from storage import runstate
 from storage.fs import get_fs
 

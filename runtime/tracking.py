@@ -1,20 +1,10 @@
-"""MLflow bookkeeping for a run: create the run with its (secret-free) params, close it with a status."""
+"""MLflow bookkeeping for a run: create the run with its (secret-free) params, close it with a status. Which
+tracking URI a run uses is config/tracking.py's `resolve_tracking_uri`, shared with the trainer."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-
-
-def resolve_tracking_uri(configured: str | None, output_dir: str) -> str | None:
-    """Config value, else MLFLOW_TRACKING_URI, else a sqlite store in a local run directory."""
-    uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
-    if uri:
-        return uri
-    if "://" in output_dir and not output_dir.startswith("file://"):
-        return None
-    path = Path(output_dir.removeprefix("file://")).resolve() / "mlflow.db"
-    return f"sqlite:///{path}"
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, str]:

@@ -1,4 +1,8 @@
-"""Checkpoints: `OUTPUT_DIR/checkpoints/step=NNNNNN/<component>/` files + a manifest written last."""
+"""Checkpoints: `OUTPUT_DIR/checkpoints/step=NNNNNN/<component>/` files + a manifest written last.
+
+The trainer's checkpoint (component `trainer`) is laid out here once: engines/trainer/checkpoint.py writes
+and restores it, storage/resume.py reads it back to rewrite a corrupt publication.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,21 @@ from storage.fs import (
     sha256,
     step_dir,
 )
+from storage.weights import WEIGHTS_FILE as WEIGHTS
+
+TRAINER = "trainer"  # the trainer's component directory under each checkpoint step
+# The trainer checkpoint's own files; every other file in it is a Hugging Face file kept beside the weights
+# (config.json, generation_config.json, tokenizer files), so the directory loads as a model.
+WEIGHTS_FILE = WEIGHTS  # the full weights, as in a publication
+TRAINER_STATE_FILE = "trainer_state.pt"  # torch.save of the step and the non-optimizer parts (scheduler, RNG, ...)
+RUN_STATE_FILE = "run_state.json"  # run-level progress: committed rollout steps, prompt cursor, MLflow run
+OPTIMIZER_DIR = "optimizer"  # torch.distributed.checkpoint files of the optimizer state, one per rank + .metadata
+
+
+def hf_files(files: dict[str, bytes]) -> dict[str, bytes]:
+    """Of a trainer checkpoint's files, the Hugging Face ones kept beside the weights."""
+    own = (WEIGHTS_FILE, TRAINER_STATE_FILE, RUN_STATE_FILE)
+    return {k: v for k, v in files.items() if k not in own and not k.startswith(f"{OPTIMIZER_DIR}/")}
 
 
 def checkpoints_root(output_root: str) -> str:
@@ -60,6 +79,6 @@ def load(fs: fsspec.AbstractFileSystem, output_root: str, step: int, component: 
     return {name: read_verified(fs, directory, name, m) for name in m["files"]}
 
 
-def checkpoint_steps(fs: fsspec.AbstractFileSystem, output_root: str, component: str = "trainer") -> list[int]:
+def checkpoint_steps(fs: fsspec.AbstractFileSystem, output_root: str, component: str = TRAINER) -> list[int]:
     """Steps whose `component` checkpoint is committed, ascending."""
     return committed_steps(fs, checkpoints_root(output_root), component)

@@ -90,7 +90,7 @@ def verify_stored(output_dir: str) -> tuple[int, list[dict]]:
         except (CorruptError, ValueError) as exc:
             errors.append({"path": directory, "error": str(exc)})
     ck_root = checkpoints.checkpoints_root(root)
-    for step in committed_steps(fs, ck_root, "trainer"):
+    for step in committed_steps(fs, ck_root, checkpoints.TRAINER):
         step_path = f"{ck_root}/step={step:06d}"
         for component in fs.ls(step_path, detail=False):
             directory = join(step_path, component.rstrip("/").rsplit("/", 1)[-1])

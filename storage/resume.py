@@ -28,7 +28,7 @@ def resume_point(fs: fsspec.AbstractFileSystem, root: str, log: Callable[[str], 
     """Step of the newest complete, checksum-verified trainer checkpoint; None when there is none."""
     for step in reversed(checkpoints.checkpoint_steps(fs, root)):
         try:
-            checkpoints.load(fs, root, step, "trainer")
+            checkpoints.load(fs, root, step, checkpoints.TRAINER)
             return step
         except CorruptError as exc:
             log(f"checkpoint step={step} is unusable: {exc}; falling back to the previous checkpoint")
@@ -55,7 +55,7 @@ def rollback(fs: fsspec.AbstractFileSystem, root: str, step: int | None) -> list
             remove_committed(fs, directory)
             removed.append(directory)
     for _, directory in step_dirs(fs, checkpoints.checkpoints_root(root)).items():
-        if not _has_manifest(fs, directory, "trainer"):
+        if not _has_manifest(fs, directory, checkpoints.TRAINER):
             fs.rm(directory, recursive=True)
             removed.append(directory)
     metrics = MetricsLog(fs, root)
@@ -89,9 +89,7 @@ def repair(fs: fsspec.AbstractFileSystem, root: str, step: int | None, log: Call
         log(f"policy version {step} is corrupt: {exc}; rewriting it from checkpoint step={step}")
         from safetensors.torch import load as st_load
 
-        files = checkpoints.load(fs, root, step, "trainer")
-        state = st_load(files["model.safetensors"])
-        # the Hugging Face files (config.json, tokenizer) the checkpoint keeps beside the weights
-        own = ("model.safetensors", "trainer_state.pt", "run_state.json")
-        extra = {k: v for k, v in files.items() if k not in own and not k.startswith("optimizer/")}
-        weights.publish(fs, root, step, state, extra)  # full: this process has no delta base
+        files = checkpoints.load(fs, root, step, checkpoints.TRAINER)
+        state = st_load(files[checkpoints.WEIGHTS_FILE])
+        # full: this process has no delta base
+        weights.publish(fs, root, step, state, checkpoints.hf_files(files))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import fsspec
 
 from config.storage import StorageConfig
+from storage import checkpoints
 from storage.fs import (
     MANIFEST,
     committed_steps,
@@ -109,7 +110,7 @@ def plan(
     """What `enforce` would delete under `root`, from the committed steps and the settings (by default
     those `fs` carries)."""
     s = s or fs_settings(fs)
-    ckpts = committed_steps(fs, join(root, "checkpoints"), "trainer")
+    ckpts = checkpoints.checkpoint_steps(fs, root)
     keep_c = checkpoints_to_keep(ckpts, s.keep_last_checkpoints, s.keep_every_checkpoints)
     newest = ckpts[-1] if ckpts else None
     versions = committed_steps(fs, join(root, "weights"))

@@ -56,7 +56,7 @@ class RolloutRow(BaseModel):
     completion_ids: list[Int32]
     completion_logprobs: list[Float32]
     reward: Float32
-    advantage: Float32
+    advantage: Float32 = 0.0  # set by the orchestrator from its group's rewards (environments only score)
     temperature: Float32
     finish_reason: str
     prompt_text: str

@@ -66,7 +66,8 @@ class Episode:
     text: str = ""  # the whole completion, decoded with special tokens (for reading shards)
 
     def row(self, task: Task, run_id: str, step: int, sample_id: str, group_id: str, **scored) -> RolloutRow:
-        """The episode's lake row; `scored`: reward, advantage, temperature and any other RolloutRow field."""
+        """The episode's lake row; `scored`: reward, temperature and any other RolloutRow field (the
+        orchestrator sets the advantage)."""
         return RolloutRow(
             run_id=run_id,
             step=step,
@@ -113,6 +114,38 @@ class Episode:
 
 # (request, session id) -> the one sampled choice; the orchestrator posts it to the inference server
 Sampler = Callable[[CompletionRequest, str], Awaitable[CompletionChoice]]
+# (context ids, room for new tokens, turn) -> that turn's request (sampling settings and seed)
+RequestBuilder = Callable[[list[int], int, int], CompletionRequest]
+
+
+class GroupSampler(Protocol):
+    """What an environment that runs a group's episodes itself samples through: the orchestrator's group
+    (engines/orchestrator/multiturn.py's `EpisodeGroup`), `group_size` episodes of one task."""
+
+    tok: Tokenizer
+    group_size: int
+    temperature: float
+    max_seq_len: int
+
+    def request(self, step: int, group: int, k: int) -> RequestBuilder:
+        """Episode `k`'s request builder: its seeds are a pure function of (run seed, step, group, k, turn)."""
+        ...
+
+    async def sample(self, request: CompletionRequest, session_id: str) -> CompletionChoice: ...
+
+
+@runtime_checkable
+class GroupEnvironment(Protocol):
+    """An environment that runs a group's episodes itself (verifiers environments). It returns the group's
+    rows scored (reward, metrics); the orchestrator sets their advantages, as for every environment."""
+
+    name: str
+
+    def sample(self, rng: random.Random) -> Task: ...
+
+    async def run_group(
+        self, sampler: GroupSampler, task: Task, run_id: str, step: int, group: int
+    ) -> list[RolloutRow]: ...
 
 
 async def run_episode(
@@ -120,7 +153,7 @@ async def run_episode(
     task: Task,
     tok: Tokenizer,
     sample: Sampler,
-    request: Callable[[list[int], int, int], CompletionRequest],
+    request: RequestBuilder,
     session_id: str,
     max_seq_len: int,
 ) -> Episode:

@@ -5,8 +5,9 @@ trace id as `session_id`. `TokenClient` keeps one `engines.environments.episodes
 token ids only: turn 1 renders the request's messages with the chat template; later turns append the
 messages that followed the last reply (tool results, a user turn) through `Tokenizer.render_continuation`
 to the ids already sampled, never re-rendering the conversation. It samples through the orchestrator's
-`EpisodeGroup` (one request per turn to `/v1/completions` with the session's id, a seed that
-is a pure function of run seed, step, group, episode and turn) and returns a verifiers `Response` whose
+group (a `GroupSampler`, engines/environments/episodes.py: one request per turn to `/v1/completions` with
+the session's id in the configured session header, a seed that is a pure function of run seed, step, group,
+episode and turn) and returns a verifiers `Response` whose
 `tokens` are the server's ids and logprobs, with tool calls parsed by the environment's `tool_parser`.
 """
 
@@ -24,7 +25,7 @@ from verifiers.v1.dialects import ChatDialect
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.types import AssistantMessage, Response, ToolCall, TurnTokens, Usage
 
-from engines.environments.episodes import Episode
+from engines.environments.episodes import Episode, GroupSampler
 from storage import rollouts
 
 
@@ -58,9 +59,11 @@ def _content(message: dict) -> dict:
 
 
 class TokenClient(Client):
-    def __init__(self, group: Any, tool_parser: Callable[[str], list[tuple[str, str]]] | None, record: str | None):
+    def __init__(
+        self, group: GroupSampler, tool_parser: Callable[[str], list[tuple[str, str]]] | None, record: str | None
+    ):
         self.group, self.tool_parser, self.record = group, tool_parser, record
-        self.tok, self.temperature = group.tok, group.ocfg.temperature
+        self.tok, self.temperature = group.tok, group.temperature
         self.sessions: dict[str, _Session] = {}
         self._call_ids = itertools.count()
 
@@ -111,8 +114,8 @@ class TokenClient(Client):
         room = self.group.max_seq_len - len(before)
         if room < 1:
             raise RuntimeError(f"episode {s.sample_id}: no room in model.max_seq_len for turn {turn_no + 1}")
-        build = self.group._request(s.step, s.group, s.k)
-        choice = await self.group._sample(build(before, room, turn_no), s.header)
+        build = self.group.request(s.step, s.group, s.k)
+        choice = await self.group.sample(build(before, room, turn_no), s.header)
         e.add_turn(choice)
         s.seen = len(messages) + 1
         if self.record:

@@ -12,7 +12,8 @@ logprobs). So each episode is an `engines.environments.episodes.Episode` built t
 `completion_mask` 1 on sampled tokens, 0 on tool/user tokens, the server's logprobs, each turn's policy
 versions. The client also hands verifiers the turn's ids (`Response.tokens`) so its trace records them.
 Rewards are the rubric's (`Trace.reward`, its weighted `@reward`s); its rewards and `@metric`s by name go
-into the row's `metric_names`/`metric_values`, which the trainer averages into metrics.jsonl.
+into the row's `metric_names`/`metric_values`, which the trainer averages into metrics.jsonl. `run_group`
+returns the group's rows scored; the orchestrator sets their advantages, as for every environment.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.environments.base import Task
-from engines.orchestrator.advantages import group_advantages
+from engines.environments.episodes import GroupSampler
 from engines.registry import PluginError, import_object
 from storage import rollouts
 from storage.rollouts import RolloutRow
@@ -41,7 +42,7 @@ class VerifiersTask(Task):
 
 class VerifiersEnvironment:
     """A verifiers Env behind rollflow's environment interface (`sample`) plus `run_group`, which the
-    orchestrator calls instead of its own sampling (engines/orchestrator/loop.py)."""
+    orchestrator calls instead of its own sampling (a `GroupEnvironment`, engines/environments/episodes.py)."""
 
     def __init__(self, name: str, env: Any, tool_parser: Parser | None, record: str | None):
         self.name, self.env, self.tool_parser, self.record = name, env, tool_parser, record
@@ -72,7 +73,10 @@ class VerifiersEnvironment:
             await self._stack.aclose()
             self._stack = None
 
-    async def run_group(self, group: Any, task: Task, run_id: str, step: int, group_idx: int) -> list[RolloutRow]:
+    async def run_group(
+        self, group: GroupSampler, task: Task, run_id: str, step: int, group_idx: int
+    ) -> list[RolloutRow]:
+        """The group's `group_size` episodes of `task`, one scored row each (reward and the rubric's scores)."""
         from engines.environments.verifiers_client import TokenClient
 
         async with self._starting:  # a step's groups start together: one of them brings the env up
@@ -81,7 +85,7 @@ class VerifiersEnvironment:
         client: TokenClient = self.ctx.client_object
         assert isinstance(task, VerifiersTask)
         group_id = rollouts.group_id(step, group_idx)
-        slots = self.env.slots(self.tasks[task.index], group.ocfg.group_size)
+        slots = self.env.slots(self.tasks[task.index], group.group_size)
 
         def bind(k: int) -> Callable[[Any], None]:
             def on_trace(trace: Any) -> None:
@@ -92,11 +96,7 @@ class VerifiersEnvironment:
         episodes = await asyncio.gather(
             *(self.env.run_slot(slot, self.ctx.model_context, on_trace=bind(k)) for k, slot in enumerate(slots))
         )
-        rows = [self._row(client, run_id, step, group_id, k, task, ep) for k, ep in enumerate(episodes)]
-        advantages = group_advantages([r.reward for r in rows], group.ocfg.normalize_advantages)
-        for row, adv in zip(rows, advantages, strict=True):
-            row.advantage = adv
-        return rows
+        return [self._row(client, run_id, step, group_id, k, task, ep) for k, ep in enumerate(episodes)]
 
     def _row(self, client: Any, run_id: str, step: int, group_id: str, k: int, task: Task, ep: Any) -> RolloutRow:
         sample_id = rollouts.sample_id(group_id, k)
@@ -115,7 +115,6 @@ class VerifiersEnvironment:
             sample_id,
             group_id,
             reward=float(trace.reward),
-            advantage=0.0,  # set per group by the caller
             temperature=client.temperature,
             metric_names=list(scores) or None,
             metric_values=list(scores.values()) or None,

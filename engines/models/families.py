@@ -3,15 +3,21 @@
 A family maps a Hugging Face `config.json` (its `model_type`) to `ModelConfig` fields, says which
 configs the custom code cannot run (then `impl = "auto"` falls back to transformers), and writes the
 `config.json` of a publication back. Parameter names are the family's Hugging Face names, so weights
-load by name in both directions. To add a family: define its `Family` (here or in any module) and add
-its import path to config/registry.py's MODEL_FAMILIES; `model.family` and `model.impl` accept it from
-then on (docs/models.md). Pure Python: no torch import.
+load by name in both directions.
+
+Everything that resolves a family goes through `registered()`: `model.family` at load (config/model.py,
+by name from installed metadata), a directory's config.json `model_type` (`unsupported`, `model_fields`,
+picking `model.impl`), and a publication's config.json (`hf_config`). To add a family without editing
+rollflow: define its `Family` in any package and register it as an entry point in the
+`rollflow.model_families` group under its `model_type` (tests/plugins/pkg/toyfamilies is one; docs/models.md).
+Pure Python: no torch import.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from config import registry as config_registry
 from config.model import ModelConfig
@@ -32,13 +38,29 @@ class Family:
     # extra checks of a config.json beyond the shared ones: return a reason the custom code cannot run it
     check: Callable[[dict], str | None] = lambda hf: None
     extra_fields: dict[str, str] = field(default_factory=dict)  # config.json key -> ModelConfig field
+    constants: dict[str, Any] = field(default_factory=dict)  # config.json keys a publication writes as given
 
 
 def registered() -> dict[str, Family]:
     """model_type -> Family: rollflow's own (config/registry.py MODEL_FAMILIES) and every installed package's
     entry point in the `rollflow.model_families` group."""
     names = config_registry.registered(MODEL_FAMILY_GROUP, MODEL_FAMILIES)
-    return {name: registry.import_object(path) for name, path in names.items()}
+    return {name: _family(name, path) for name, path in names.items()}
+
+
+def _family(name: str, path: str) -> Family:
+    family = registry.import_object(path)
+    if not isinstance(family, Family):
+        raise registry.PluginError(
+            f"model family {name!r} ({path}, entry-point group {MODEL_FAMILY_GROUP!r}) is a "
+            f"{type(family).__name__}, not an engines.models.families.Family"
+        )
+    if family.name != name:
+        raise registry.PluginError(
+            f"model family {name!r} ({path}) is registered under another name than its model_type "
+            f"{family.name!r}; register it as {family.name!r}"
+        )
+    return family
 
 
 def get(name: str) -> Family:
@@ -139,8 +161,7 @@ def hf_config(cfg: ModelConfig, vocab_size: int, special: dict[str, int | None])
     for key, name in {**SHARED_FIELDS, **family.extra_fields}.items():
         data[key] = getattr(cfg, name)
     data["vocab_size"] = vocab_size
-    if family.name == "llama":
-        data["mlp_bias"] = False
+    data |= family.constants
     if family.moe:
         data["moe_intermediate_size"] = cfg.moe_intermediate_size or cfg.intermediate_size
     return data
@@ -150,7 +171,7 @@ def _llama_check(hf: dict) -> str | None:
     return "pretraining_tp > 1" if hf.get("pretraining_tp", 1) != 1 else None
 
 
-LLAMA = Family("llama", "LlamaForCausalLM", qk_norm=False, check=_llama_check)
+LLAMA = Family("llama", "LlamaForCausalLM", qk_norm=False, check=_llama_check, constants={"mlp_bias": False})
 QWEN3 = Family("qwen3", "Qwen3ForCausalLM", qk_norm=True)
 # The sparse block itself lives with the MoE layer; this entry maps its config fields.
 QWEN3_MOE = Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True, extra_fields=MOE_FIELDS)

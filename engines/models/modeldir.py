@@ -118,8 +118,8 @@ def check_tokenizer_files(directory: Path) -> None:
         raise ModelDirError(f"{directory}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)} is needed)")
 
 
-def pick_impl(cfg: ModelConfig, hf: dict, config_path: Path, import_model_code: bool = True) -> str:
-    reason = families.unsupported(hf) or (_moe_reason(hf) if import_model_code else None)
+def pick_impl(cfg: ModelConfig, hf: dict, config_path: Path) -> str:
+    reason = families.unsupported(hf)
     if cfg.impl == "custom" and reason:
         raise ModelDirError(
             f"{config_path}: model.impl='custom' cannot run it: {reason}; registered families: "
@@ -132,44 +132,20 @@ def pick_impl(cfg: ModelConfig, hf: dict, config_path: Path, import_model_code: 
     return cfg.impl
 
 
-def sparse_block_available() -> bool:
-    """Whether engines/models/decoder.py's `build_mlp` builds something other than the dense MLP for an MoE layer."""
-    from engines.models import decoder as model
-
-    probe = ModelConfig(
-        hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=8, num_experts=2,
-        num_experts_per_tok=1, qk_norm=True,
-    )  # fmt: skip
-    return not isinstance(model.build_mlp(probe, 0), model.MLP)
-
-
-def _moe_reason(hf: dict) -> str | None:
-    family = families.registered().get(str(hf.get("model_type")))
-    if family is not None and family.moe and not sparse_block_available():
-        return "the sparse (MoE) block is not available in engines/models/decoder.py"
-    return None
-
-
-def resolve(cfg: ModelConfig, import_model_code: bool = True) -> ModelSource:
-    """Check the model directory (if any) and settle the architecture and implementation.
-    `import_model_code=False` (the CLI's load step) leaves out the probe of the MoE block, which imports torch."""
+def resolve(cfg: ModelConfig) -> ModelSource:
+    """Check the model directory (if any) and settle the architecture and implementation."""
     if cfg.path is None:
         if cfg.impl == "hf":
             raise ModelDirError(
                 "model.impl='hf' needs model.path (a Hugging Face directory); without it "
                 "rollflow builds its own model (impl 'auto' or 'custom')"
             )
-        if import_model_code and families.get(cfg.family_name).moe and not sparse_block_available():
-            raise ModelDirError(
-                f"model.family={cfg.family_name!r} (model.num_experts={cfg.num_experts}) needs the sparse (MoE) "
-                "block, which engines/models/decoder.py does not build yet"
-            )
         return ModelSource(cfg, "custom")
     directory = resolve_dir(cfg.path)
     hf = read_config(directory)
     weight_files(directory)
     check_tokenizer_files(directory)
-    impl = pick_impl(cfg, hf, directory / "config.json", import_model_code)
+    impl = pick_impl(cfg, hf, directory / "config.json")
     if impl == "custom":
         filled = cfg.model_copy(update=families.model_fields(hf))
     else:

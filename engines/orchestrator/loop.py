@@ -2,12 +2,14 @@
 
 Per step N not yet committed: wait until the engine serves a policy no older than N-1-async_level, draw `batch_size`
 prompts (a pure function of seed and step), request `group_size` samples each over HTTP, score them,
-compute group advantages, drop samples older than `max_off_policy_steps`, and commit
+compute group advantages (here, for every environment kind: environments return scored rows), drop samples
+older than `max_off_policy_steps`, and commit
 `rollouts/step=N/`. A background task follows `weights/` and pushes each new publication to the engine
 while generation runs, so one rollout may span two policy versions. Requests and responses are the
 inference API's own types (engines/protocol.py); each sample becomes a typed `RolloutRow`, carrying
 the engine's `routed_experts` when it returns them (MoE with inference.enable_return_routed_experts).
-Multi-turn environments run `group_size` episodes per prompt instead (engines/orchestrator/multiturn.py);
+Multi-turn environments run `group_size` episodes per prompt instead (engines/orchestrator/multiturn.py),
+and an environment that runs its own episodes (verifiers) samples through the same `EpisodeGroup`;
 a step's episodes are committed together with its other samples, so an episode is in the lake whole or not
 at all.
 Every request names its session in the configured session header (inference.router.session_header,
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from collections import Counter
 
@@ -28,9 +31,9 @@ import httpx
 from config.process import OrchestratorProcessConfig
 from engines.entry import read_process_config
 from engines.environments.base import EnvMix, Task
-from engines.environments.episodes import MultiTurnEnvironment, is_multi_turn
+from engines.environments.episodes import GroupEnvironment, MultiTurnEnvironment, is_multi_turn
 from engines.models import modeldir
-from engines.orchestrator.advantages import group_advantages
+from engines.orchestrator.advantages import with_group_advantages
 from engines.orchestrator.multiturn import EpisodeGroup, post_completion
 from engines.protocol import (
     ADMIN_TOKEN_ENV,
@@ -134,11 +137,14 @@ class Orchestrator:
         )
 
     async def sample_group(self, step: int, group: int) -> list[RolloutRow]:
+        """One group's rows, scored by its environment, with the group's advantages."""
+        rows = await self.scored_group(step, group)
+        return with_group_advantages(rows, self.ocfg.normalize_advantages)
+
+    async def scored_group(self, step: int, group: int) -> list[RolloutRow]:
         task = self.mix.task(f"step={step}/group={group}")
         env = self.mix.envs[task.env]
-        if hasattr(
-            env, "run_group"
-        ):  # it runs its own episodes (verifiers environments, engines/environments/verifiers_env.py)
+        if isinstance(env, GroupEnvironment):  # it runs its own episodes (engines/environments/verifiers_env.py)
             return await env.run_group(self.episodes, task, self.cfg.run.run_id, step, group)
         if is_multi_turn(env):
             assert isinstance(env, MultiTurnEnvironment)
@@ -162,7 +168,6 @@ class Orchestrator:
         self, group_id: str, step: int, task: Task, prompt_ids: list[int], choices: list[CompletionChoice]
     ) -> list[RolloutRow]:
         rewards = [self.mix.reward(task, c.text) for c in choices]
-        advantages = group_advantages(rewards, self.ocfg.normalize_advantages)
         return [
             RolloutRow(
                 run_id=self.cfg.run.run_id,
@@ -176,14 +181,13 @@ class Orchestrator:
                 completion_ids=_required(c.token_ids, "token_ids"),
                 completion_logprobs=_required(c.logprobs, "logprobs").token_logprobs,
                 reward=reward,
-                advantage=adv,
                 temperature=self.ocfg.temperature,
                 finish_reason=c.finish_reason,
                 prompt_text=task.prompt,
                 completion_text=c.text,
                 routed_experts=c.routed_experts,
             )
-            for k, (c, reward, adv) in enumerate(zip(choices, rewards, advantages, strict=True))
+            for k, (c, reward) in enumerate(zip(choices, rewards, strict=True))
         ]
 
     async def run_step(self, step: int) -> None:
@@ -233,6 +237,17 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
     log.info("all rollout steps committed")
 
 
+def forbid_torch() -> None:
+    """Make torch unimportable in this process (a None entry in sys.modules), unless it is already loaded.
+
+    Nothing the orchestrator runs needs torch, but transformers imports it whenever it is installed, also just
+    to load a tokenizer (seconds and hundreds of MB per process; tokenizing never touches it). Hidden, torch
+    reads as not installed to transformers, and anything that would really use it fails at its import.
+    """
+    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+
+
 def main(argv: list[str] | None = None) -> None:
+    forbid_torch()
     cfg = OrchestratorProcessConfig.model_validate(read_process_config("engines.orchestrator", __doc__, argv))
     asyncio.run(run(cfg))

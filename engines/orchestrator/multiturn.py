@@ -1,6 +1,8 @@
 """A group of multi-turn episodes for one task: `group_size` episodes run concurrently, each a sequence
 of single-sample requests to the inference server under its own session id, scored by the
 environment and turned into one `RolloutRow` per episode (engines/environments/episodes.py describes the columns).
+`EpisodeGroup` is also the `GroupSampler` an environment that runs its own episodes samples through
+(verifiers environments); the orchestrator's loop sets every group's advantages (engines/orchestrator/loop.py).
 """
 
 from __future__ import annotations
@@ -11,9 +13,8 @@ import httpx
 
 from config.orchestrator import OrchestratorConfig
 from engines.environments.base import Task
-from engines.environments.episodes import Episode, MultiTurnEnvironment, run_episode
+from engines.environments.episodes import Episode, MultiTurnEnvironment, RequestBuilder, run_episode
 from engines.models.tokenizer import Tokenizer
-from engines.orchestrator.advantages import group_advantages
 from engines.protocol import SESSION_HEADER, CompletionChoice, CompletionRequest, CompletionResponse
 from engines.seeds import derive_seed
 from storage import rollouts
@@ -42,7 +43,7 @@ async def post_completion(
 
 
 class EpisodeGroup:
-    """The shared pieces of one group: where to send requests and how to build them."""
+    """The shared pieces of one group: where to send requests and how to build them (a `GroupSampler`)."""
 
     def __init__(
         self,
@@ -56,8 +57,9 @@ class EpisodeGroup:
     ):
         self.client, self.limit, self.tok, self.ocfg = client, limit, tok, ocfg
         self.seed, self.max_seq_len, self.session_header = seed, max_seq_len, session_header
+        self.group_size, self.temperature = ocfg.group_size, ocfg.temperature
 
-    def _request(self, step: int, group: int, k: int):
+    def request(self, step: int, group: int, k: int) -> RequestBuilder:
         def build(context: list[int], room: int, turn: int) -> CompletionRequest:
             return CompletionRequest(
                 prompt=context,
@@ -71,11 +73,12 @@ class EpisodeGroup:
 
         return build
 
-    async def _sample(self, request: CompletionRequest, session_id: str) -> CompletionChoice:
+    async def sample(self, request: CompletionRequest, session_id: str) -> CompletionChoice:
         (choice,) = (await post_completion(self.client, self.limit, request, session_id, self.session_header)).choices
         return choice
 
     async def run(self, env: MultiTurnEnvironment, task: Task, run_id: str, step: int, group: int) -> list[RolloutRow]:
+        """The group's episodes, scored by the environment (the advantages are the caller's)."""
         group_id = rollouts.group_id(step, group)
         episodes = await asyncio.gather(
             *(
@@ -83,24 +86,19 @@ class EpisodeGroup:
                     env,
                     task,
                     self.tok,
-                    self._sample,
-                    self._request(step, group, k),
+                    self.sample,
+                    self.request(step, group, k),
                     f"{run_id}/{rollouts.sample_id(group_id, k)}",
                     self.max_seq_len,
                 )
                 for k in range(self.ocfg.group_size)
             )
         )
-        rewards = [env.score(task, e.replies) for e in episodes]
-        advantages = group_advantages(rewards, self.ocfg.normalize_advantages)
-        return [
-            self._row(run_id, step, group_id, k, task, e, reward, adv)
-            for k, (e, reward, adv) in enumerate(zip(episodes, rewards, advantages, strict=True))
-        ]
+        scores = [env.score(task, e.replies) for e in episodes]
+        pairs = zip(episodes, scores, strict=True)
+        return [self._row(run_id, step, group_id, k, task, e, reward) for k, (e, reward) in enumerate(pairs)]
 
-    def _row(
-        self, run_id: str, step: int, group_id: str, k: int, task: Task, e: Episode, reward: float, adv: float
-    ) -> RolloutRow:
+    def _row(self, run_id: str, step: int, group_id: str, k: int, task: Task, e: Episode, reward: float) -> RolloutRow:
         return e.row(
             task,
             run_id,
@@ -108,6 +106,5 @@ class EpisodeGroup:
             rollouts.sample_id(group_id, k),
             group_id,
             reward=reward,
-            advantage=adv,
             temperature=self.ocfg.temperature,
         )

@@ -1,10 +1,10 @@
 """Trainer checkpoints: everything a resumed trainer needs to continue as if never stopped.
 
-`checkpoints/step=N/trainer/` holds the weights (safetensors, with the publication's config.json and
-tokenizer files, so it is a Hugging Face directory too), the optimizer, scheduler and RNG states
-(`trainer_state.pt`) and `run_state.json`, the run-level progress at that point: committed rollout
-steps, where the orchestrator's prompt cursor stands, and the MLflow run. A manifest with checksums is
-written last, so a checkpoint is complete or ignored.
+`checkpoints/step=N/trainer/` (its file names are defined once, in storage/checkpoints.py) holds the
+weights (safetensors, with the publication's config.json and tokenizer files, so it is a Hugging Face
+directory too), the optimizer, scheduler and RNG states (`trainer_state.pt`) and `run_state.json`, the
+run-level progress at that point: committed rollout steps, where the orchestrator's prompt cursor stands,
+and the MLflow run. A manifest with checksums is written last, so a checkpoint is complete or ignored.
 
 The optimizer goes through torch.distributed.checkpoint (DCP, `optimizer/` beside the weights, written by
 every rank, keyed by parameter name), so a checkpoint written by N ranks restores on M (engines/trainer/dcp.py).
@@ -23,8 +23,8 @@ from typing import Any, Protocol
 import fsspec
 import torch
 
-from engines.trainer import dcp, parallel
-from engines.trainer.parallel import Dist
+from engines.trainer import dcp, distributed, parallel
+from engines.trainer.distributed import Dist
 from storage import checkpoints, rollouts
 from storage.fs import read_verified
 
@@ -64,14 +64,14 @@ def save(fs: fsspec.AbstractFileSystem, root: str, step: int, state: TrainerStat
     from safetensors.torch import save as st_save
 
     d = d or Dist()
-    directory = checkpoints.step_path(root, step, "trainer")
+    directory = checkpoints.step_path(root, step, checkpoints.TRAINER)
     if d.is_main:
         checkpoints.uncommit(fs, directory)  # rewriting: no reader may pair an old manifest with new files
-    parallel.barrier(d)
+    distributed.barrier(d)
     weights = parallel.full_state_dict(state.model, d)
     written, staged = dcp.save_optimizer(fs, directory, state.model, state.parts["optimizer"], d)
     if not d.is_main:
-        parallel.barrier(d)
+        distributed.barrier(d)
         return None
     buf = io.BytesIO()
     kept = {name: part.state_dict() for name, part in state.parts.items() if name != "optimizer"}
@@ -86,14 +86,14 @@ def save(fs: fsspec.AbstractFileSystem, root: str, step: int, state: TrainerStat
         "orchestrator": {"prompt_cursor": (committed[-1] + 1) if committed else 1, "seed": state.seed},
     }
     files = {
-        "model.safetensors": st_save(weights),
-        "trainer_state.pt": buf.getvalue(),
-        "run_state.json": json.dumps(run_state, indent=1).encode(),
+        checkpoints.WEIGHTS_FILE: st_save(weights),
+        checkpoints.TRAINER_STATE_FILE: buf.getvalue(),
+        checkpoints.RUN_STATE_FILE: json.dumps(run_state, indent=1).encode(),
         **state.files,
         **staged,
     }
-    checkpoints.save(fs, root, step, "trainer", files, written)
-    parallel.barrier(d)
+    checkpoints.save(fs, root, step, checkpoints.TRAINER, files, written)
+    distributed.barrier(d)
     return directory
 
 
@@ -101,17 +101,19 @@ def restore_weights(fs: fsspec.AbstractFileSystem, root: str, step: int, model: 
     """Load checkpoint `step`'s weights (checksum-verified) into the model, before it is sharded."""
     from safetensors.torch import load as st_load
 
-    manifest = checkpoints.manifest(fs, root, step, "trainer")
-    directory = checkpoints.step_path(root, step, "trainer")
-    model.load_published(st_load(read_verified(fs, directory, "model.safetensors", manifest)))
+    manifest = checkpoints.manifest(fs, root, step, checkpoints.TRAINER)
+    directory = checkpoints.step_path(root, step, checkpoints.TRAINER)
+    model.load_published(st_load(read_verified(fs, directory, checkpoints.WEIGHTS_FILE, manifest)))
 
 
 def restore(fs: fsspec.AbstractFileSystem, root: str, step: int, state: TrainerState, d: Dist | None = None) -> None:
     """Load checkpoint `step`'s parts (checksum-verified); the weights were loaded by `restore_weights`."""
     d = d or Dist()
-    manifest = checkpoints.manifest(fs, root, step, "trainer")
-    directory = checkpoints.step_path(root, step, "trainer")
-    saved = torch.load(io.BytesIO(read_verified(fs, directory, "trainer_state.pt", manifest)), weights_only=True)
+    manifest = checkpoints.manifest(fs, root, step, checkpoints.TRAINER)
+    directory = checkpoints.step_path(root, step, checkpoints.TRAINER)
+    saved = torch.load(
+        io.BytesIO(read_verified(fs, directory, checkpoints.TRAINER_STATE_FILE, manifest)), weights_only=True
+    )
     if saved["step"] != step:
         raise RuntimeError(f"checkpoint step={step} holds trainer state for step {saved['step']}")
     if "rng" not in saved and "torch_rng" in saved:  # checkpoints written before parts had names

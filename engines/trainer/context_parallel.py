@@ -15,7 +15,7 @@ rank holds the whole row's K/V of one layer at a time (activations still split 1
 
 The loss needs nothing more: every rank divides by the step's global completion-token count and FSDP
 (whose `fsdp` mesh axis is dp_shard x cp) sums the gradients, so the cp ranks' partial losses add up to
-the one-process loss. Statistics (loss, masked tokens, KL sums) are summed over cp (`parallel.all_reduce`).
+the one-process loss. Statistics (loss, masked tokens, KL sums) are summed over cp (`distributed.all_reduce`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +30,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from config.trainer_parallel import TrainerParallelConfig, check_cp
+from engines.trainer import compat
 from engines.trainer.batch import Batch, PackedBatch
-
-if TYPE_CHECKING:
-    from engines.trainer.parallel import Dist
+from engines.trainer.distributed import Dist
 
 PAD_ID = 0  # any valid token id: padded positions are never scored and attend only to themselves
 
@@ -104,9 +102,7 @@ def shard(mb: Batch | PackedBatch, d: Dist) -> Batch | PackedBatch:
     unchanged without context parallelism."""
     if d.cp == 1:
         return mb
-    from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
-
-    # (its module imports torchtitan's GPU EP kernels by name: on a CPU they come from parallel.init's stub)
+    # (its module imports torchtitan's GPU EP kernels by name: on a CPU they come from compat.torchtitan_on_cpu)
     from torchtitan.distributed.context_parallel.api import cp_shard
 
     if mb.routes is not None:
@@ -118,7 +114,7 @@ def shard(mb: Batch | PackedBatch, d: Dist) -> Batch | PackedBatch:
     index = torch.arange(length, device=full.input_ids.device).expand(rows, length)
     local, _ = cp_shard(mesh, (*[getattr(full, n) for n in names], index), None, "headtail")
     # the all-gather concatenates the ranks' chunks in rank order: the load balancer's order of the row
-    order = _HeadTailLoadBalancer(length, d.cp, mesh.device_type)._generate_indices()[0].to(index.device)
+    order = compat.head_tail_order(length, d.cp, mesh.device_type).to(index.device)
     if not torch.equal(local[-1][0], order.view(d.cp, -1)[mesh.get_local_rank()]):
         raise RuntimeError("cp_shard's split differs from the head-tail order the K/V all-gather assumes")
     return CPShard(
@@ -140,10 +136,8 @@ class _GatherKV(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            from torch.distributed.tensor.experimental._context_parallel._cp_custom_ops import flex_cp_allgather
-
             q, k, v, *rest = args
-            k, v = flex_cp_allgather(k.contiguous(), v.contiguous(), 2, self.group_name)
+            k, v = compat.flex_cp_allgather(k.contiguous(), v.contiguous(), 2, self.group_name)
             args = (q, k, v, *rest)
         return func(*args, **kwargs)
 
@@ -154,7 +148,5 @@ def gathered_kv(d: Dist) -> Iterator[None]:
     if d.cp == 1:
         yield
         return
-    import torch.distributed as dist
-
-    with _GatherKV(dist._get_process_group_name(d.dims.get_mesh("cp").get_group())):
+    with _GatherKV(compat.process_group_name(d.dims.get_mesh("cp").get_group())):
         yield

@@ -17,10 +17,9 @@ from typing import Any
 
 import fsspec
 
-from engines.trainer.parallel import Dist
+from engines.trainer.distributed import Dist
+from storage.checkpoints import OPTIMIZER_DIR
 from storage.fs import is_local, join, read_verified
-
-PREFIX = "optimizer"
 
 
 def _shared_tmp(d: Dist) -> str:
@@ -42,15 +41,15 @@ def save_optimizer(
 
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
     local = is_local(fs)
-    target = join(directory, PREFIX) if local else _shared_tmp(d)
+    target = join(directory, OPTIMIZER_DIR) if local else _shared_tmp(d)
     Path(target).mkdir(parents=True, exist_ok=True)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(target), no_dist=not d.enabled)
     if not d.is_main:
         return [], {}
     names = sorted(p.name for p in Path(target).iterdir() if p.is_file())
     if local:
-        return [f"{PREFIX}/{n}" for n in names], {}
-    staged = {f"{PREFIX}/{n}": (Path(target) / n).read_bytes() for n in names}
+        return [f"{OPTIMIZER_DIR}/{n}" for n in names], {}
+    staged = {f"{OPTIMIZER_DIR}/{n}": (Path(target) / n).read_bytes() for n in names}
     shutil.rmtree(target, ignore_errors=True)
     return [], staged
 
@@ -66,12 +65,12 @@ def load_optimizer(
         set_optimizer_state_dict,
     )
 
-    names = [n for n in manifest["files"] if n.startswith(f"{PREFIX}/")]
+    names = [n for n in manifest["files"] if n.startswith(f"{OPTIMIZER_DIR}/")]
     if not names:
-        raise RuntimeError(f"{directory}: the checkpoint holds no optimizer state ({PREFIX}/ files)")
+        raise RuntimeError(f"{directory}: the checkpoint holds no optimizer state ({OPTIMIZER_DIR}/ files)")
     data = {n: read_verified(fs, directory, n, manifest) for n in names}  # every rank checks what it reads
     if is_local(fs):
-        source = join(directory, PREFIX)
+        source = join(directory, OPTIMIZER_DIR)
     else:
         source = tempfile.mkdtemp(prefix="rollflow-dcp-")
         for n, b in data.items():

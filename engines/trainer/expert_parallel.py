@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from engines.models.moe import SparseMoeBlock
+from engines.trainer.distributed import Dist
 
 
 class Elsewhere(nn.Module):
@@ -66,7 +67,7 @@ def moe_blocks(root: nn.Module) -> list[SparseMoeBlock]:
     return [m for m in root.modules() if isinstance(m, SparseMoeBlock)]
 
 
-def apply_ep(root: nn.Module, d: Any, fsdp_kwargs: dict[str, Any]) -> None:
+def apply_ep(root: nn.Module, d: Dist, fsdp_kwargs: dict[str, Any]) -> None:
     """Keep this rank's contiguous share of each MoE layer's experts, route through the all-to-all exchange,
     and shard the local experts (one FSDP2 unit per layer) over the expert data-parallel mesh."""
     from torch.distributed.fsdp import fully_shard
@@ -90,7 +91,7 @@ def is_expert_param(name: str) -> bool:
     return ".mlp.experts." in f".{name}"
 
 
-def gather_experts(root: nn.Module, d: Any) -> dict[str, torch.Tensor]:
+def gather_experts(root: nn.Module, d: Dist) -> dict[str, torch.Tensor]:
     """Every expert's full weights (CPU) on rank 0, under their global names; {} elsewhere. A collective:
     full tensors over the expert data-parallel mesh, then a gather over each `ep` group (whose rank r holds
     experts r * n ... r * n + n - 1 of every layer)."""
@@ -114,14 +115,14 @@ def gather_experts(root: nn.Module, d: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def expert_mesh(d: Any) -> Any:
+def expert_mesh(d: Dist) -> Any:
     """The ranks an expert's gradient is reduced over: with EP, the expert data-parallel axis `efsdp` (x
     `dp_replicate` for HSDP); without, FSDP2's data-parallel axes (MoE models run no tp or cp)."""
     shard = "efsdp" if d.dims.ep_enabled else "fsdp"
     return d.dims.get_mesh(["dp_replicate", shard] if d.dims.dp_replicate > 1 else shard)
 
 
-def drop_unrouted_grads(root: nn.Module, d: Any) -> None:
+def drop_unrouted_grads(root: nn.Module, d: Dist) -> None:
     """After the step's backward passes: no gradient for an expert no token reached in the step on any rank
     sharing its gradient. On one process such an expert is never called, so AdamW leaves it alone (no weight
     decay, no step count); here it ran on no tokens (to keep the ranks' collectives in step) and holds a
@@ -143,7 +144,7 @@ def drop_unrouted_grads(root: nn.Module, d: Any) -> None:
         block.routed.zero_()
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, d: Any) -> float:
+def clip_grad_norm(model: nn.Module, max_norm: float, d: Dist) -> float:
     """Global gradient norm with EP: the dense gradients' norm over `fsdp`, the experts' over `efsdp` and then
     summed over the `ep` group (each rank holds different experts, so each expert counts once). Runs after
     the step's backward passes, so it first drops the gradients of experts no token reached."""

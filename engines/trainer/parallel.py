@@ -1,135 +1,28 @@
-"""The trainer under torchrun: process group, torchtitan's device mesh, FSDP2 sharding, each rank's data.
+"""The trainer's model over torchtitan's device mesh: tensor, expert and data parallelism (FSDP2), clipping, gathering.
 
-Data flow: `trainer.parallel` + torchrun's env (RANK, WORLD_SIZE) -> `init` (gloo on CPU, NCCL on GPU;
-torchtitan's `ParallelDims` builds the mesh) -> `parallelize` (tensor parallelism first, over `tp`; MoE
-experts spread over `ep` (engines/trainer/expert_parallel.py); then torch's FSDP2 `fully_shard` per decoder
-layer and at the root, over the mesh's `fsdp` (dp_shard x cp, + `dp_replicate` for HSDP) axes; torchtitan's
+Data flow: a model and the `Dist` of engines/trainer/distributed.py (its mesh built by `init`) ->
+`parallelize` (tensor parallelism first, over `tp`; MoE experts spread over `ep`
+(engines/trainer/expert_parallel.py); then torch's FSDP2 `fully_shard` per decoder layer and at the root,
+over the mesh's `fsdp` (dp_shard x cp, + `dp_replicate` for HSDP) axes; torchtitan's
 `disable_fsdp_gradient_division`, so gradients are summed: every rank's loss is already divided by the
-step's global token count) -> `local_share` (the rows of the step's batch this rank trains on; with cp,
+step's global token count) -> the step runs on each rank's rows (distributed.py; with cp,
 engines/trainer/context_parallel.py splits each row's tokens) -> `clip_grad_norm` (first completes the
 gradients that need it: q/k norms over tp, unrouted experts dropped) -> `full_state_dict` (all ranks
 gather, rank 0 keeps the weights to publish).
 
-With `world_size = 1` nothing here touches torch.distributed: the trainer is the plain process it was.
+With `world_size = 1` every function here is the plain one-process operation.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import signal
-import sys
-import types
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from config.trainer_parallel import TrainerParallelConfig, check_against_model, check_tp
-from engines.trainer.batch import Batch
-
-
-@dataclass
-class Dist:
-    """This rank's place: `dp_rank` of `dp_size` picks its rows of each step's batch."""
-
-    rank: int = 0
-    world: int = 1
-    dp_rank: int = 0
-    dp_size: int = 1
-    device: torch.device = torch.device("cpu")
-    dims: Any = None  # torchtitan ParallelDims (mesh built) when world > 1
-    cp: int = 1  # context parallel ranks splitting each row's tokens (engines/trainer/context_parallel.py)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world > 1
-
-
-def _torchtitan_on_cpu() -> None:
-    """torchtitan 0.3.0 imports its GPU kernels module (triton) and picks its device at import time:
-    stub the one and point the other at the CPU before anything of torchtitan is imported."""
-    name = "torchtitan.distributed.minimal_async_ep.kernels"
-    if name not in sys.modules:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            sys.modules[name] = stub = types.ModuleType(name)
-            stub.__getattr__ = _no_kernel  # type: ignore[method-assign]  # names imported by its EP dispatchers
-    # torchtitan's mesh gives size-1 axes the "fake" backend, which only this torch module registers.
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401
-    import torchtitan.tools.utils as tt_utils
-
-    tt_utils.device_type, tt_utils.device_module = "cpu", torch.cpu
-
-
-def _no_kernel(attr: str) -> Any:
-    """A name of the stubbed triton kernels module: importable (the all-to-all dispatcher's module imports the
-    symmetric-memory dispatcher's kernels), failing only if a GPU-only dispatcher calls it."""
-    if attr.startswith("__"):
-        raise AttributeError(attr)
-
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"torchtitan's triton kernel {attr} needs triton (a GPU); not available here")
-
-    return kernel
-
-
-def _die_with_launcher() -> None:
-    """torchrun starts each rank in a session of its own: without this a SIGKILLed agent (the flow's
-    supervised child) would leave its ranks running, still writing to the run."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return  # not Linux/glibc
-    if os.getppid() == 1:  # the agent died before the call above
-        raise SystemExit("torchrun's agent is gone")
-
-
-def backend_for(p: TrainerParallelConfig) -> str:
-    if p.c10d_backend != "auto":
-        return p.c10d_backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def init(p: TrainerParallelConfig) -> Dist:
-    """Join torchrun's process group and build torchtitan's mesh; a plain `Dist` for one process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != p.world_size:
-        raise SystemExit(
-            f"trainer.parallel.world_size={p.world_size} but this process runs with WORLD_SIZE={world}; "
-            "the rl flow starts the trainer with torchrun --nproc-per-node world_size"
-        )
-    if world == 1:
-        return Dist()
-    _die_with_launcher()
-    import torch.distributed as dist
-
-    backend = backend_for(p)
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(device)
-    else:
-        _torchtitan_on_cpu()
-    dist.init_process_group(backend)
-    from torchtitan.distributed import ParallelDims
-
-    dims = ParallelDims(
-        dp_replicate=p.dp_replicate, dp_shard=p.shard_size, cp=p.cp, tp=p.tp, pp=1, ep=p.ep, world_size=world,
-        spmd_backend="partial_dtensor",
-    )  # fmt: skip
-    dims.build_mesh()
-    # Ranks are laid out (batch, cp, tp) row-major: cp and tp neighbours share a data-parallel rank.
-    return Dist(rank, world, rank // (p.cp * p.tp), p.dp_size, device, dims, p.cp)
+from engines.trainer import context_parallel, expert_parallel
+from engines.trainer.distributed import Dist
 
 
 def parallelize(model: nn.Module, d: Dist, p: TrainerParallelConfig, impl: str = "custom") -> None:
@@ -159,8 +52,6 @@ def _apply_fsdp(model: nn.Module, d: Dist, p: TrainerParallelConfig) -> None:
     if d.device.type == "cuda":  # bf16 compute, fp32 master weights and gradient reduction
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     root = model.weights_module()  # type: ignore[operator]
-    from engines.trainer import expert_parallel
-
     if p.ep > 1:  # the local experts first: their own FSDP units, excluded from their layer's
         expert_parallel.apply_ep(root, d, kwargs)
     for block in expert_parallel.moe_blocks(root):
@@ -178,8 +69,6 @@ def _apply_fsdp(model: nn.Module, d: Dist, p: TrainerParallelConfig) -> None:
 def _refuse_unsupported(p: TrainerParallelConfig, model: nn.Module) -> None:
     """What the mesh could express but this trainer does not run (yet): TP on MoE layers (so also TP with
     EP), CP with TP or on MoE models (so also CP with EP); the config's rules, refused at load too."""
-    from engines.trainer import context_parallel
-
     context_parallel.refuse_unsupported(p, model)
     try:
         check_tp(p, model.cfg)  # type: ignore[arg-type]
@@ -229,52 +118,6 @@ def decoder_layers(root: nn.Module) -> list[nn.Module]:
     raise ValueError(f"{type(root).__name__}: no `layers` ModuleList to shard per block")
 
 
-def local_share(batch: Batch, d: Dist) -> tuple[Batch, float]:
-    """This rank's contiguous slice of the step's rows, weight 1; with fewer rows than data-parallel ranks,
-    the ranks left over get the first row as a stand-in, weight 0 (they must still run forward/backward)."""
-    if not d.enabled:
-        return batch, 1.0
-    rows, weight = local_rows(batch.input_ids.shape[0], d)
-    return batch.select(rows), weight
-
-
-def local_rows(n: int, d: Dist) -> tuple[torch.Tensor, float]:
-    """The indices of this rank's share of `n` rows and its loss weight (see `local_share`)."""
-    rows = torch.tensor_split(torch.arange(n), d.dp_size)[d.dp_rank]
-    return (rows, 1.0) if len(rows) else (torch.arange(1), 0.0)
-
-
-def even_micro_batches(mbs: Sequence[Any], weight: float, d: Dist) -> Iterator[tuple[Any, float]]:
-    """Each micro-batch with its loss weight, then zero-weight repeats until every rank has run as many as
-    the busiest one: FSDP's all-gathers and reduce-scatters pair up across ranks call by call."""
-    count = int(all_reduce([float(len(mbs))], d, "max")[0]) if d.enabled else len(mbs)
-    for i in range(count):
-        mb = to_device(mbs[min(i, len(mbs) - 1)], d.device)
-        yield (mb, weight) if i < len(mbs) else (mb, 0.0)
-
-
-def to_device(mb: Any, device: torch.device) -> Any:
-    """A (packed) micro-batch with its tensors on the ranks' device (GPU ranks); unchanged on the CPU."""
-    if device.type == "cpu":
-        return mb
-    moved = {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb)}
-    return dataclasses.replace(mb, **{k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
-
-
-def all_reduce(values: list[float], d: Dist, op: str = "sum") -> list[float]:
-    """Sum (or max) plain numbers over the ranks; tp neighbours hold the same rows and count once, cp
-    neighbours hold different tokens of them and add up. Identity for one process."""
-    if not d.enabled:
-        return values
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    if op != "max":
-        t /= d.world // (d.dp_size * d.cp)
-    return t.tolist()
-
-
 def full_state_dict(model: nn.Module, d: Dist) -> dict[str, torch.Tensor]:
     """The publishable weights: on one process the model's own; sharded, gathered by every rank (a collective),
     kept on rank 0 only (the other ranks get an empty dict)."""
@@ -285,8 +128,6 @@ def full_state_dict(model: nn.Module, d: Dist) -> dict[str, torch.Tensor]:
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     sd = get_model_state_dict(model.weights_module(), options=opts)  # type: ignore[operator]
     if d.dims.ep_enabled:  # each rank holds its share of the experts: gather them all to rank 0
-        from engines.trainer import expert_parallel
-
         sd |= expert_parallel.gather_experts(model.weights_module(), d)  # type: ignore[operator]
     if model.cfg.tie_word_embeddings:  # type: ignore[union-attr]
         sd.pop("lm_head.weight", None)
@@ -301,8 +142,6 @@ def clip_grad_norm(model: nn.Module, max_norm: float, d: Dist) -> float:
         sum_head_norm_grads(model, d)  # the gradients are whole only after this
         return _clip_mixed(list(model.parameters()), max_norm)
     from torchtitan.distributed.utils import clip_grad_norm_
-
-    from engines.trainer import expert_parallel
 
     if d.dims.ep_enabled:  # torchtitan's EP variant expects its own DTensor experts on an `ep` mesh
         return expert_parallel.clip_grad_norm(model, max_norm, d)
@@ -326,17 +165,3 @@ def _clip_mixed(params: list[nn.Parameter], max_norm: float) -> float:
         if g:
             torch.nn.utils.clip_grads_with_norm_(g, max_norm, total)
     return float(total)
-
-
-def barrier(d: Dist) -> None:
-    if d.enabled:
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
-def shutdown(d: Dist) -> None:
-    if d.enabled:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()

@@ -13,8 +13,9 @@ import time
 import torch
 
 from config.process import TrainerProcessConfig
+from config.tracking import resolve_tracking_uri
 from engines.models import lora, modeldir
-from engines.trainer import checkpoint, context_parallel, parallel
+from engines.trainer import checkpoint, context_parallel, distributed, parallel
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
 from engines.trainer.common import log, routing_for, seed_everything, train_logprobs
 from engines.trainer.loss import policy_loss
@@ -38,7 +39,7 @@ def _scoring(mb: Batch | PackedBatch) -> torch.Tensor:
 class RLTrainer:
     def __init__(self, cfg: TrainerProcessConfig):
         self.cfg, self.tcfg = cfg, cfg.trainer
-        self.dist = parallel.init(self.tcfg.parallel)  # torchrun ranks; a plain Dist for one process
+        self.dist = distributed.init(self.tcfg.parallel)  # torchrun ranks; a plain Dist for one process
         seed_everything(cfg.seed, self.tcfg.num_threads)
         self.fs, self.root = Storage(cfg.run.storage).open(cfg.run.output_dir)
         self.publisher = weights.Publisher(self.fs, self.root)
@@ -70,7 +71,9 @@ class RLTrainer:
         if cfg.resume_step is not None:
             checkpoint.restore(self.fs, self.root, cfg.resume_step, self.state, self.dist)
             log.info(f"resumed from checkpoint step={cfg.resume_step}")
-        self.tracker = Tracker(self.fs, self.root, cfg.tracking.tracking_uri, cfg.mlflow_run_id)
+        # the flow's URI: trainer.json holds it redacted, MLFLOW_TRACKING_URI in full (config/tracking.py)
+        uri = resolve_tracking_uri(cfg.tracking.tracking_uri, cfg.run.output_dir) if cfg.mlflow_run_id else None
+        self.tracker = Tracker(self.fs, self.root, uri, cfg.mlflow_run_id)
         self.sender = None
         if cfg.weight_broadcast.type == "collective" and self.dist.is_main:  # rank 0 holds the gathered weights
             from engines.weight_transport import Sender
@@ -126,7 +129,7 @@ class RLTrainer:
         n_tokens = n_tokens or float(batch.loss_mask.sum().clamp(min=1))
         loss_sum = masked = kl_sum = nonfinite = replayed = 0.0
         lc = self.tcfg.loss
-        for full, w in parallel.even_micro_batches(self.train_micro_batches(batch), weight, self.dist):
+        for full, w in distributed.even_micro_batches(self.train_micro_batches(batch), weight, self.dist):
             mb = context_parallel.shard(full, self.dist)  # with cp: this rank's tokens of every row
             routing = routing_for(mb, self.tcfg.enable_router_replay)
             if routing is not None and routing.replay is not None:
@@ -154,7 +157,7 @@ class RLTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.model.eval()
-        loss_sum, masked, kl_sum, nonfinite, replayed = parallel.all_reduce(
+        loss_sum, masked, kl_sum, nonfinite, replayed = distributed.all_reduce(
             [loss_sum, masked, kl_sum, nonfinite, replayed], self.dist
         )
         return {
@@ -180,7 +183,7 @@ class RLTrainer:
             if self.history
             else Mismatch(None, 0, None)
         )
-        share, weight = parallel.local_share(batch, self.dist)
+        share, weight = distributed.local_share(batch, self.dist)
         stats = self.train_on(share, float(batch.loss_mask.sum().clamp(min=1)), weight)
         t2 = time.perf_counter()
         published = parallel.full_state_dict(self.model, self.dist)  # a collective; rank 0 keeps the weights
@@ -234,14 +237,14 @@ class RLTrainer:
             if self.dist.is_main:
                 self._report(step, row)
             # every rank must checkpoint at the same step: SIGUSR1 may reach them a step apart
-            nudged = parallel.all_reduce([float(CHECKPOINT_NOW.is_set())], self.dist, "max")[0]
+            nudged = distributed.all_reduce([float(CHECKPOINT_NOW.is_set())], self.dist, "max")[0]
             if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.max_steps or nudged:
                 CHECKPOINT_NOW.clear()
                 written = checkpoint.save(self.fs, self.root, step, self.state, self.dist)
                 if self.dist.is_main:
                     log.info(f"checkpoint written: {written}")
                     retention.enforce(self.fs, self.root, bases=self.publisher.bases)
-        parallel.shutdown(self.dist)
+        distributed.shutdown(self.dist)
 
     def _report(self, step: int, row: dict) -> None:
         self.tracker.record(row)

@@ -14,7 +14,7 @@ from engines.environments.base import EnvMix
 from engines.environments.episodes import demonstration_ids, is_multi_turn
 from engines.models import lora, modeldir
 from engines.models.tokenizer import Tokenizer
-from engines.trainer import expert_parallel, parallel
+from engines.trainer import distributed, expert_parallel, parallel
 from engines.trainer.batch import right_pad
 from engines.trainer.common import log, seed_everything
 from storage import weights
@@ -47,7 +47,7 @@ def run_sft(cfg: SFTProcessConfig) -> None:
     """The warm-up, in one process or on torchrun's ranks (`cfg.parallel`: FSDP2 over all of them, each
     rank a slice of every batch; rank 0 publishes)."""
     seed_everything(cfg.seed, cfg.num_threads)
-    dist = parallel.init(cfg.parallel)
+    dist = distributed.init(cfg.parallel)
     fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
     loaded = modeldir.load(cfg.model, pretrained=True)
     tok, model = loaded.tokenizer, loaded.model
@@ -61,20 +61,20 @@ def run_sft(cfg: SFTProcessConfig) -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft.lr)
     for step in range(1, cfg.sft.steps + 1):
         ids, mask = sft_batch(mix, tok, step, cfg.sft.batch_size)  # the whole batch, the same on every rank
-        rows, weight = parallel.local_rows(ids.shape[0], dist)
+        rows, weight = distributed.local_rows(ids.shape[0], dist)
         loss = weight * sft_loss(model, ids[rows].to(dist.device), mask[rows].to(dist.device), mask.sum())
         opt.zero_grad(set_to_none=True)
         loss.backward()  # gradients summed over the ranks: each loss is already over the whole batch's tokens
         expert_parallel.drop_unrouted_grads(model.weights_module(), dist)
         opt.step()
         if step % 10 == 0 or step == cfg.sft.steps:
-            total_loss = parallel.all_reduce([loss.item()], dist)[0]
+            total_loss = distributed.all_reduce([loss.item()], dist)[0]
             log.info(f"warm-up step {step}/{cfg.sft.steps} | loss {total_loss:.3f}")
     state = parallel.full_state_dict(model, dist) if adapters is None else {}  # a collective with ranks
     if dist.is_main:
         publish_version_0(model, loaded, adapters, state, fs, root)
-    parallel.barrier(dist)
-    parallel.shutdown(dist)
+    distributed.barrier(dist)
+    distributed.shutdown(dist)
 
 
 def sft_loss(model, ids: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 
 from storage.metrics import MetricsLog
@@ -13,11 +12,13 @@ log = logging.getLogger("rollflow.trainer")
 
 
 class Tracker:
+    """`tracking_uri`: the resolved URI (config/tracking.py's `resolve_tracking_uri`); None or no
+    `mlflow_run_id`: metrics.jsonl only."""
+
     def __init__(self, fs, output_root: str, tracking_uri: str | None, mlflow_run_id: str | None):
         self.metrics = MetricsLog(fs, output_root)
         self.client = None
         self.run_id = mlflow_run_id
-        tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or tracking_uri  # the flow passes the full URI here
         if tracking_uri and mlflow_run_id:
             from mlflow.tracking import MlflowClient
 

@@ -62,12 +62,12 @@ def rank_main(tokens: int) -> None:
     from config.model import ModelConfig
     from config.trainer_parallel import TrainerParallelConfig
     from engines.models.decoder import CausalLM
-    from engines.trainer import parallel
+    from engines.trainer import distributed, parallel
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     p = TrainerParallelConfig(world_size=world, cp=world)
-    d = parallel.init(p)
+    d = distributed.init(p)
     torch.manual_seed(0)
     model = CausalLM(ModelConfig(**SHAPE, max_seq_len=tokens), 512)  # type: ignore[arg-type]
     parallel.parallelize(model, d, p)
@@ -87,7 +87,7 @@ def rank_main(tokens: int) -> None:
     if d.is_main:
         print(json.dumps({"world": world, "cp": world, "tokens": tokens, "step_peak_mib": round(float(result[0]), 1),
                           "step_s": round(float(result[1]), 2)}))  # fmt: skip
-    parallel.shutdown(d)
+    distributed.shutdown(d)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,7 +13,7 @@ import sys
 import torch
 
 from config.process import TrainerProcessConfig
-from engines.trainer import checkpoint, parallel
+from engines.trainer import checkpoint, distributed, parallel
 from engines.trainer.batch import Batch
 from engines.trainer.rl import RLTrainer
 from storage.fs import read_json
@@ -67,7 +67,7 @@ def main(config: str, steps: int, checkpoint_at: int, out: str, varied: bool = F
     routes = (m.num_layers, m.num_experts_per_tok) if trainer.tcfg.enable_router_replay else None
     for step in range(trainer.version + 1, steps + 1):
         batch = synthetic_batch(step, trainer.model.vocab_size, varied=varied, routes=routes)
-        share, weight = parallel.local_share(batch, d)
+        share, weight = distributed.local_share(batch, d)
         stats = trainer.train_on(share, float(batch.loss_mask.sum()), weight)
         losses.append(stats["loss"])
         norms.append(stats["grad_norm"])
@@ -76,7 +76,7 @@ def main(config: str, steps: int, checkpoint_at: int, out: str, varied: bool = F
     weights = parallel.full_state_dict(trainer.model, d)
     if d.is_main:
         torch.save({"losses": losses, "grad_norms": norms, "weights": weights, "world": d.world}, out)
-    parallel.shutdown(d)
+    distributed.shutdown(d)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from engines.orchestrator.advantages import group_advantages
-from storage.rollouts import staleness
+from engines.orchestrator.advantages import group_advantages, with_group_advantages
+from storage.rollouts import RolloutRow, staleness
 
 
 @pytest.mark.parametrize("rewards", [[0.0, 1.0], [0.1, 0.5, 0.9, 0.2], [1.0, 1.0, 1.0, 0.0, 0.3, 0.7, 0.25, 0.6]])
@@ -55,3 +55,22 @@ def test_staleness():
     assert staleness(5, 3) == 1
     assert staleness(5, 2) == 2
     assert staleness(10, 0) == 9
+
+
+def _scored(k: int, reward: float) -> RolloutRow:
+    """A row as an environment returns it: scored, no advantage given."""
+    return RolloutRow(
+        run_id="r", step=1, sample_id=f"s-{k}", group_id="g", env="e", policy_version=0, policy_version_end=0,
+        prompt_ids=[1], completion_ids=[2], completion_logprobs=[-0.5], reward=reward, temperature=1.0,
+        finish_reason="stop", prompt_text="p", completion_text="c",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_orchestrator_sets_a_scored_groups_advantages_from_its_rewards(normalize):
+    rewards = [0.25, 1.0, 0.0, 0.6]
+    rows = [_scored(k, r) for k, r in enumerate(rewards)]
+    assert {r.advantage for r in rows} == {0.0}
+    assert with_group_advantages(rows, normalize) is rows
+    assert [r.advantage for r in rows] == group_advantages(rewards, normalize)
+    assert [r.reward for r in rows] == rewards

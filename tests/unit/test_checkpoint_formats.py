@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from engines.trainer import checkpoint
-from engines.trainer.parallel import Dist
+from engines.trainer.distributed import Dist
 from storage import checkpoints
 from storage.fs import get_fs
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
 from config.model import ModelConfig
 from engines.models.decoder import CausalLM
+from engines.trainer import compat
 from engines.trainer.batch import Batch, PackedBatch, pack_batch
 from engines.trainer.common import batch_logprobs, packed_logprobs
 from engines.trainer.context_parallel import CPShard, _padded, to_packed_layout
@@ -29,7 +29,7 @@ def _batch(rows: int = 5, length: int = 11) -> Batch:
 
 def _local(full: PackedBatch, cp: int, rank: int) -> CPShard:
     """Rank `rank`'s shard as `shard` builds it (torch's head-tail order, chunk `rank` of it)."""
-    order = _HeadTailLoadBalancer(full.input_ids.shape[1], cp, "cpu")._generate_indices()[0]
+    order = compat.head_tail_order(full.input_ids.shape[1], cp, "cpu")
     mine = order.view(cp, -1)[rank]
     return CPShard(
         input_ids=full.input_ids[:, mine], positions=full.positions[:, mine], segments=full.segments[:, mine],

@@ -18,9 +18,9 @@ def ep_mesh():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from engines.trainer.parallel import _torchtitan_on_cpu
+    from engines.trainer import compat
 
-    _torchtitan_on_cpu()
+    compat.torchtitan_on_cpu()
     from torchtitan.distributed import utils as tt_dist
 
     tt_dist.set_spmd_backend("partial_dtensor")

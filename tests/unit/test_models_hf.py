@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from config.model import ModelConfig  # noqa: E402
 from engines.inference.embedded.generate import generate  # noqa: E402
-from engines.models import families, modeldir  # noqa: E402
+from engines.models import modeldir  # noqa: E402
 from engines.models.decoder import token_logprobs  # noqa: E402
 from engines.models.tokenizer import CharTokenizer  # noqa: E402
 from storage import weights  # noqa: E402
@@ -84,18 +84,9 @@ def _hf_logprobs(hf, ids: torch.Tensor) -> torch.Tensor:
         return token_logprobs(hf(input_ids=ids).logits[:, :-1], ids[:, 1:], 1.0)
 
 
-def _custom_available(kind: str) -> bool:
-    return (
-        families.unsupported(CONFIGS[kind]().to_dict()) is None
-        and modeldir._moe_reason(CONFIGS[kind]().to_dict()) is None
-    )
-
-
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 @pytest.mark.parametrize("impl", ["custom", "hf"])
 def test_logprobs_match_transformers(tmp_path, kind, impl):
-    if impl == "custom" and not _custom_available(kind):
-        pytest.skip(f"{kind}: the custom sparse block is not in engines/models/decoder.py yet (impl=hf runs it)")
     hf = make_dir(tmp_path, kind)
     loaded = modeldir.load(ModelConfig(path=str(tmp_path), impl=impl), pretrained=True)
     assert loaded.source.impl == impl
@@ -273,10 +264,11 @@ def test_fetch_names_what_is_known(tmp_path, monkeypatch):
     assert modeldir.resolve(ModelConfig(path="mine")).directory == tmp_path / "models" / "mine"
 
 
-def test_a_built_in_moe_model_needs_the_sparse_block():
-    cfg = ModelConfig(num_experts=4, num_experts_per_tok=2, qk_norm=True)
-    if modeldir.sparse_block_available():
-        assert modeldir.resolve(cfg).cfg.family_name == "qwen3_moe"
-    else:  # never a dense model silently built for an MoE config
-        with pytest.raises(modeldir.ModelDirError, match=r"model.family='qwen3_moe' .* needs the sparse"):
-            modeldir.resolve(cfg)
+def test_a_built_in_moe_model_is_built_with_sparse_blocks():
+    from engines.models.moe import SparseMoeBlock
+
+    cfg = ModelConfig(num_experts=4, num_experts_per_tok=2, qk_norm=True, hidden_size=32, num_layers=2)
+    source = modeldir.resolve(cfg)
+    assert source.cfg.family_name == "qwen3_moe"
+    model = modeldir.build_model(source, TOK, pretrained=False)  # never a dense model for an MoE config
+    assert sum(isinstance(m, SparseMoeBlock) for m in model.modules()) == 2

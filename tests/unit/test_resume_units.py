@@ -146,7 +146,9 @@ def test_repair_resamples_a_corrupt_rollout_step_and_rewrites_corrupt_weights_fr
     fs, root = get_fs(str(tmp_path))
     good = {"w": torch.arange(3.0)}
     weights.publish(fs, root, 2, good)
-    checkpoints.save(fs, root, 2, "trainer", {"model.safetensors": save(good), "trainer_state.pt": b"s"})
+    files = {"model.safetensors": save(good), "trainer_state.pt": b"s", "run_state.json": b"{}"}
+    hf = {"config.json": b"{}", "tokenizer.json": b"t"}  # what the checkpoint keeps beside the weights
+    checkpoints.save(fs, root, 2, "trainer", {**files, **hf, "optimizer/.metadata": b"m"})
     for step in (1, 2, 3, 4):
         rollouts.write_step(fs, root, step, rollouts.to_table([]), {})
     shard = tmp_path / "rollouts" / "step=000003" / "part-00000.arrow"
@@ -159,6 +161,8 @@ def test_repair_resamples_a_corrupt_rollout_step_and_rewrites_corrupt_weights_fr
     assert any(str(shard) in s and "sampled again" in s for s in said)
     assert any(str(wfile) in s and "rewriting it from checkpoint step=2" in s for s in said)
     assert torch.equal(weights.load(fs, weights.version_dir(root, 2))["w"], good["w"])
+    rewritten = tmp_path / "weights" / "step=000002"
+    assert {p.name for p in rewritten.iterdir()} == {"model.safetensors", "_manifest.json", *hf}
     said.clear()
     repair(fs, root, 2, said.append)
     assert said == []

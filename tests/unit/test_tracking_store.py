@@ -1,7 +1,11 @@
-"""The run's MLflow sqlite store is created whole or not at all (tasks/tracking.initialize_store)."""
+"""The run's MLflow sqlite store is created whole or not at all (runtime/tracking.initialize_store); which
+tracking URI the flow and the trainer use is one rule (config/tracking.resolve_tracking_uri)."""
 
 from __future__ import annotations
 
+import pytest
+
+from config.tracking import resolve_tracking_uri
 from runtime.tracking import initialize_store
 
 
@@ -27,3 +31,22 @@ def test_other_stores_are_left_to_mlflow(tmp_path):
     initialize_store("http://127.0.0.1:5000")
     initialize_store(f"file://{tmp_path}/mlruns")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_configured_uri_wins_over_the_environment_which_wins_over_the_run_directory(tmp_path):
+    env = {"MLFLOW_TRACKING_URI": "http://env:5000"}
+    assert resolve_tracking_uri("http://cfg:5000", str(tmp_path), env) == "http://cfg:5000"
+    assert resolve_tracking_uri(None, str(tmp_path), env) == "http://env:5000"
+    assert resolve_tracking_uri(None, str(tmp_path), {}) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    assert resolve_tracking_uri(None, f"file://{tmp_path}", {}) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    assert resolve_tracking_uri(None, "s3://bucket/run", {}) is None  # no MLflow beside an object-store run
+    assert resolve_tracking_uri(None, "s3://bucket/run", env) == "http://env:5000"
+
+
+def test_a_redacted_configured_uri_is_completed_from_the_environment_only_when_it_is_the_same_uri(tmp_path):
+    full = {"MLFLOW_TRACKING_URI": "https://user:secret@mlflow.example/x"}
+    # the trainer: trainer.json holds the flow's URI redacted, its environment the same URI in full
+    assert resolve_tracking_uri("https://***@mlflow.example/x", str(tmp_path), full) == full["MLFLOW_TRACKING_URI"]
+    for env, said in [({}, "is not set"), ({"MLFLOW_TRACKING_URI": "https://u:p@other/x"}, "holds another URI")]:
+        with pytest.raises(ValueError, match=rf"credentials redacted and MLFLOW_TRACKING_URI {said}"):
+            resolve_tracking_uri("https://***@mlflow.example/x", str(tmp_path), env)

@@ -52,8 +52,8 @@ def test_token_client_extends_the_sampled_ids_and_refuses_rewritten_history():
     from engines.environments.verifiers_client import TokenClient, _Session
 
     tok = CharTokenizer()
-    group = SimpleNamespace(tok=tok, ocfg=SimpleNamespace(temperature=1.0))
-    client = TokenClient(group, None, None)
+    group = SimpleNamespace(tok=tok, temperature=1.0)
+    client = TokenClient(group, None, None)  # type: ignore[arg-type]
     s = _Session(0, "g", 1, 0, "run/g-00")
     client._extend(s, [{"role": "user", "content": "get:ab"}])
     assert s.episode is not None and s.episode.prompt_ids == tok.render_prompt("get:ab")
