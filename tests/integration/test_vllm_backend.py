@@ -75,7 +75,9 @@ def served(tmp_path_factory):
             assert time.monotonic() - t0 < 900, "vLLM did not start in 900 s"
             time.sleep(1)
         print(f"vLLM backend ready in {time.monotonic() - t0:.1f} s")
-        yield {"url": url, "loaded": loaded, "tmp": tmp, "proc": proc}
+        # the weights of each version published here: a test compares with whatever version is served
+        states = {0: {k: v.clone() for k, v in loaded.model.state_dict().items()}}
+        yield {"url": url, "loaded": loaded, "tmp": tmp, "proc": proc, "states": states}
     finally:
         proc.terminate()
         try:
@@ -95,15 +97,19 @@ def complete(url: str, seed: int = 1) -> dict:
     return r.json()
 
 
-def test_generates_token_ids_and_logprobs_under_version_0(served):
+def served_version(served: dict) -> int:
+    return httpx.get(served["url"] + "/health").json()["policy_version"]
+
+
+def test_generates_token_ids_and_logprobs_under_the_served_version(served):
+    version = served_version(served)
     out = complete(served["url"])
     assert len(out["choices"]) == 2
     for c in out["choices"]:
-        assert c["policy_version"] == 0 and c["policy_version_end"] == 0
+        assert c["policy_version"] == version and c["policy_version_end"] == version
         assert 1 <= len(c["token_ids"]) <= 8
         assert len(c["logprobs"]["token_logprobs"]) == len(c["token_ids"])
         assert all(lp <= 0 for lp in c["logprobs"]["token_logprobs"])
-    assert httpx.get(served["url"] + "/health").json()["policy_version"] == 0
 
 
 def logprob_gap(url: str, model, seed: int) -> tuple[float, dict]:
@@ -123,8 +129,13 @@ def logprob_gap(url: str, model, seed: int) -> tuple[float, dict]:
 
 def test_vllm_logprobs_match_rollflows_model(served):
     """The same weights in two implementations: vLLM's sampled-token logprobs ~ rollflow's forward."""
-    gap, _ = logprob_gap(served["url"], served["loaded"].model, seed=3)
-    assert gap < 1e-3
+    import copy
+
+    model = copy.deepcopy(served["loaded"].model)
+    model.load_state_dict(served["states"][served_version(served)])
+    gap, _ = logprob_gap(served["url"], model, seed=3)
+    print(f"vLLM vs rollflow logprobs: largest gap {gap:.1e}")
+    assert gap < 1e-5  # fp32 on both sides, different kernels: measured 4.8e-7 (9.5e-7 after an update)
 
 
 def test_streamed_and_chat_answers_through_the_openai_client(served):
@@ -169,6 +180,7 @@ def test_update_weights_serves_the_new_policy(served):
         for p in loaded.model.parameters():
             p.mul_(-1.5)  # a different policy: its logprobs for the same tokens differ
     publish_hf(tmp / "run", 1, loaded)
+    served["states"][1] = {k: v.clone() for k, v in loaded.model.state_dict().items()}
     headers = {"Authorization": f"Bearer {TOKEN}"}
     t0 = time.perf_counter()
     r = httpx.post(url + "/update_weights", json={"version": 1}, headers=headers, timeout=600)
@@ -179,8 +191,9 @@ def test_update_weights_serves_the_new_policy(served):
     assert body["policy_version"] == 1 and body["workers"][0]["version"] == 1
     assert httpx.get(url + "/health").json()["policy_version"] == 1
     gap, after = logprob_gap(url, loaded.model, seed=5)
+    print(f"after the update: largest logprob gap {gap:.1e}")
     assert after["policy_version"] == 1 and after["policy_version_end"] == 1
-    assert gap < 1e-3, f"vLLM does not serve the published weights (largest logprob gap {gap:.3g})"
+    assert gap < 1e-5, f"vLLM does not serve the published weights (largest logprob gap {gap:.3g})"
     loaded.model.load_state_dict(old)
     stale_gap, _ = logprob_gap(url, loaded.model, seed=5)
     assert stale_gap > 1e-2  # and it no longer serves the old ones

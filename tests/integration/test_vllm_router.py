@@ -226,10 +226,12 @@ def test_consistent_hash_keeps_sessions_on_a_replica_and_a_killed_replica_is_sur
     assert json.loads((out / "state.json").read_text())["status"] == "finished"
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics][-1] == 8
-    # vLLM's sampler logprobs against the trainer's: fp32 on both sides, so only kernel rounding separates them.
+    # vLLM's sampler logprobs against the trainer's: fp32 on both sides, so only kernel rounding separates them:
+    # measured 0 to 3.2e-10 per step behind the router, up to 3.5e-9 with one server (docs/inference.md).
     # Not measurable for a step sampled by a policy the restart rolled back (published after the checkpoint).
     measured = [m["mismatch_kl"] for m in metrics if m["mismatch_kl"] is not None]
-    assert len(measured) >= len(metrics) - 2 and max(measured) < 1e-3, metrics
+    print(f"mismatch_kl: {measured}")
+    assert len(measured) >= len(metrics) - 2 and max(measured) < 1e-7, metrics
     check_affinity(served_by(out), killed_at, last_ready_line(out))
 
 
