@@ -271,7 +271,7 @@ def _server(ctx: Context, name: str, node: str, flags: list[str], env: dict[str,
     ctx.next_server += 1
     port = ctx.vllm.deployment.server_port + k
     argv = [ctx.python, "-m", API_SERVER, *flags, "--host", bind or node, "--port", str(port)]
-    # dev mode serves /pause, /resume and /collective_rpc, which the proxy's weight updates use
+    # dev mode serves /pause, /resume and /collective_rpc, which the vLLM backend's weight updates use
     full_env = {**ctx.vllm.env, "PYTHONPATH": ctx.worker_path, "VLLM_SERVER_DEV_MODE": "1", **env}
     if (offload := ctx.vllm.kv_cache_offload) is not None and offload.type == "mooncake":
         full_env["MOONCAKE_CONFIG_PATH"] = f"{{config_dir}}/mooncake-{name.split('-')[0]}.json"

@@ -60,12 +60,12 @@ class VLLMServer:
     def __init__(self, model_dir: Path, max_model_len: int, log: Path):
         from config.inference import InferenceConfig
         from engines.inference.vllm import processes as vllm
-        from launch import vllm as vllm_render
+        from launch import vllm as vllm_launch
 
         port = free_port()
         shape = {"type": "single_node", "backend_port": port}
         cfg = InferenceConfig(backend="vllm", deployment=shape, vllm_extra={"enforce_eager": True})
-        (replica,) = vllm_render.render(
+        (replica,) = vllm_launch.render(
             cfg, str(model_dir), max_model_len, ["127.0.0.1"], vllm.vllm_python(cfg), False, str(vllm.WORKER_DIR)
         )
         (proc,) = replica.processes

@@ -16,7 +16,7 @@ from config.loader import stored_with_sources
 from config.process import component_configs
 from config.resume import resume_changes
 from config.run import RunConfig
-from launch import vllm as vllm_render
+from launch import vllm as vllm_launch
 from rollflow.cli import main
 from runtime.rundir import RunDirError, check_resumable, stored_config, write_run_config
 from storage import checkpoints, rollouts, runstate, weights
@@ -192,5 +192,5 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
     added = {"orchestrator": {"session_header": "X-Session-ID"}}
     for name, sub in slices.items():
         assert sub.model_dump(mode="json") == {**_stored(f"{name}.json", out), **added.get(name, {})}, name
-    script = vllm_render.plan_script(vllm_render.render(cfg.inference, max_model_len=64, under_slurm=True))
+    script = vllm_launch.plan_script(vllm_launch.render(cfg.inference, max_model_len=64, under_slurm=True))
     assert script.splitlines()[1:] == (STORED / "vllm-commands.sh").read_text().splitlines()[1:]

@@ -18,7 +18,7 @@ from config.run import RunConfig
 from engines.inference.backend import check, launch_plan
 from engines.inference.vllm.processes import check_local
 from engines.registry import PluginError
-from launch import vllm as vllm_render
+from launch import vllm as vllm_launch
 
 GOLDEN = Path(__file__).parent / "golden" / "vllm"
 
@@ -71,8 +71,8 @@ def inference(**keys) -> InferenceConfig:
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_rendered_commands_match_golden(shape):
-    replicas = vllm_render.render(inference(**SHAPES[shape]), under_slurm=True)
-    text = vllm_render.plan_script(replicas)
+    replicas = vllm_launch.render(inference(**SHAPES[shape]), under_slurm=True)
+    text = vllm_launch.plan_script(replicas)
     path = GOLDEN / f"{shape}.sh"
     if os.environ.get("ROLLFLOW_UPDATE_GOLDEN"):
         path.write_text(text)
@@ -80,7 +80,7 @@ def test_rendered_commands_match_golden(shape):
 
 
 def test_node_and_process_counts_follow_the_seed():
-    count = {k: vllm_render.render(inference(**v), under_slurm=True) for k, v in SHAPES.items()}
+    count = {k: vllm_launch.render(inference(**v), under_slurm=True) for k, v in SHAPES.items()}
     # disaggregated: 2x2 prefill + 1x2 decode = 6 nodes per replica, 3 replicas, one router each
     dis = count["disaggregated"]
     assert [len(r.nodes) for r in dis] == [6, 6, 6]
@@ -96,24 +96,24 @@ def test_node_and_process_counts_follow_the_seed():
 
 
 def test_single_node_binds_loopback_and_ports_are_unique():
-    (rep,) = vllm_render.render(inference())
+    (rep,) = vllm_launch.render(inference())
     (server,) = rep.processes
     assert server.argv[server.argv.index("--host") + 1] == "127.0.0.1"
-    many = vllm_render.render(inference(**SHAPES["disaggregated"]), under_slurm=True)
+    many = vllm_launch.render(inference(**SHAPES["disaggregated"]), under_slurm=True)
     ports = [p.url for r in many for p in r.processes]
     assert len(ports) == len(set(ports))
 
 
 def test_local_nodes_put_every_server_on_this_host():
     cfg = inference(deployment={"type": "multi_node", "num_nodes": 2, "backend_port": 9100})
-    (rep,) = vllm_render.render(cfg, model="/m", nodes=["127.0.0.1"] * 2, python="/v/bin/python")
+    (rep,) = vllm_launch.render(cfg, model="/m", nodes=["127.0.0.1"] * 2, python="/v/bin/python")
     router = rep.processes[-1]
     assert router.argv[0] == "/v/bin/vllm-router"
     assert router.argv[router.argv.index("--worker-urls") + 1 :] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
 
 
 def test_kv_transfer_config_is_valid_json_for_vllm():
-    (rep,) = vllm_render.render(inference(**SHAPES["kv_offload_cpu_disk"]))
+    (rep,) = vllm_launch.render(inference(**SHAPES["kv_offload_cpu_disk"]))
     argv = rep.processes[0].argv
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert kv["kv_connector"] == "OffloadingConnector"
@@ -159,8 +159,8 @@ def test_router_replay_with_kv_offload_is_refused():
 
 def test_mooncake_runs_only_under_slurm():
     cfg = inference(kv_cache_offload={"type": "mooncake", "cpu": {"num_bytes": 1}})
-    with pytest.raises(vllm_render.RenderError, match="only under Slurm"):
-        vllm_render.render(cfg, under_slurm=False)
+    with pytest.raises(vllm_launch.RenderError, match="only under Slurm"):
+        vllm_launch.render(cfg, under_slurm=False)
     with pytest.raises(SystemExit, match="mooncake"):
         check_local(cfg)
 

@@ -226,7 +226,7 @@ async def create(cfg) -> VLLMBackend:
     from pathlib import Path
 
     from engines.inference.vllm import processes
-    from launch import vllm as vllm_render
+    from launch import vllm as vllm_launch
     from storage import weights
     from storage.fs import Storage
 
@@ -241,9 +241,9 @@ async def create(cfg) -> VLLMBackend:
     cache = Path(tempfile.gettempdir()) / "rollflow-vllm" / cfg.run.run_id
     cache.mkdir(parents=True, exist_ok=True)
     model_dir = processes.materialize(fs, root, version, cache)
-    nodes = ["127.0.0.1"] * (vllm_render.nodes_per_replica(cfg.inference) * cfg.inference.vllm.num_infer_replicas)
+    nodes = ["127.0.0.1"] * (vllm_launch.nodes_per_replica(cfg.inference) * cfg.inference.vllm.num_infer_replicas)
     name, max_len = served_name(cfg), cfg.model.max_seq_len
-    replicas = vllm_render.render(
+    replicas = vllm_launch.render(
         cfg.inference, str(model_dir), max_len, nodes, python, False, str(processes.WORKER_DIR), name
     )
     procs = processes.launch(replicas)

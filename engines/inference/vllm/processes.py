@@ -29,7 +29,7 @@ from pathlib import Path
 
 from config.inference import InferenceConfig
 from config.vllm import DisaggregatedDeployment, MultiNodeDeployment
-from launch import vllm as vllm_render
+from launch import vllm as vllm_launch
 
 log = logging.getLogger("rollflow.inference.vllm")
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: inference.vllm.python is relative to it
@@ -99,7 +99,7 @@ def vllm_python(cfg: InferenceConfig) -> str:
 
 
 def _die_with_parent() -> None:
-    # A SIGKILLed proxy must not leave vLLM running: the kernel sends SIGTERM when the parent dies.
+    # A SIGKILLed inference process must not leave vLLM running: the kernel sends SIGTERM when the parent dies.
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
@@ -110,7 +110,7 @@ def _relay(name: str, stream) -> None:
         sys.stdout.buffer.flush()
 
 
-def launch(replicas: list[vllm_render.Replica]) -> list[subprocess.Popen]:
+def launch(replicas: list[vllm_launch.Replica]) -> list[subprocess.Popen]:
     procs = []
     for p in (p for r in replicas for p in r.processes):
         log.info(f"starting {p.name}: {p.shell()}")

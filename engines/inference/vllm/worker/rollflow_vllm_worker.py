@@ -1,8 +1,8 @@
 """vLLM worker extension (`--worker-extension-cls rollflow_vllm_worker.WeightLoader`): in-flight weight loads.
 
 Runs inside vLLM's worker processes, in vLLM's own environment, so it imports only torch and safetensors
-(nothing of rollflow): the launcher puts this directory, and only it, on the workers' PYTHONPATH. The
-rollflow proxy calls `rollflow_load` on every worker through vLLM's `/collective_rpc` while generation is
+(nothing of rollflow): the launcher puts this directory, and only it, on the workers' PYTHONPATH.
+rollflow's vLLM backend calls `rollflow_load` on every worker through vLLM's `/collective_rpc` while generation is
 paused; each worker reads the publication's safetensors (a local file) and hands the tensors to vLLM's
 in-place reload (`Worker.reload_weights`), which maps the Hugging Face names, shards for tensor
 parallelism and redoes the kernel-format processing (e.g. the CPU backend's repacked linear weights;
