@@ -124,6 +124,7 @@ def test_two_fsdp2_ranks_match_one_process(runs):
     assert r1["weights"]["model.layers.0.mlp.up_proj.weight"].shape == (128, 64)  # full, gathered on rank 0
 
 
+@pytest.mark.long  # 4 gloo ranks (~1 min): `make test-long`
 def test_hsdp_two_replicas_of_two_shards_match_one_process(runs, tmp_path):
     """HSDP on 4 ranks: dp_replicate = 2 copies of the model, each FSDP2-sharded over dp_shard = 2 ranks (the
     2-D mesh ("dp_replicate", "fsdp")), gradients reduce-scattered in a copy and summed across the copies."""

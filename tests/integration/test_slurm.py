@@ -207,6 +207,7 @@ def test_a_cancellation_in_prefect_leaves_no_job_step_or_process(tmp_path, slurm
     assert run.state.is_cancelled(), run.state
 
 
+@pytest.mark.long  # a 2-minute Slurm job plus its resumption (~4 min): `make test-long`
 def test_walltime_stops_the_job_and_resume_unfinished_carries_the_run_to_the_end(tmp_path, slurm_worker):
     runs = tmp_path / "runs"
     # Longer than the job's first minute even on an idle machine: a clean-clone CI run finished 80 steps (about

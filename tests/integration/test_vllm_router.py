@@ -209,6 +209,7 @@ def finish(cli, out: Path, timeout_s: float = 1800) -> str:
     return log
 
 
+@pytest.mark.long  # two vLLM replicas started twice (~4 min): `make test-long`
 def test_consistent_hash_keeps_sessions_on_a_replica_and_a_killed_replica_is_survived(tmp_path):
     out = tmp_path / "run"
     cli, ports = start_run(out, "consistent_hash", steps=8)
@@ -249,6 +250,7 @@ def check_affinity(sessions: dict[str, list[Served]], killed_at: int, back_at: i
     assert sum(len(v) for v in outside.values()) >= 0.8 * sum(len(v) for v in sessions.values())
 
 
+@pytest.mark.long  # two vLLM replicas (~2.5 min): `make test-long`
 def test_round_robin_spreads_a_run_over_both_replicas(tmp_path):
     out = tmp_path / "run"
     cli, _ = start_run(out, "round_robin", steps=3)
