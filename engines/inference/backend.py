@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from config.registry import INFERENCE_BACKEND_GROUP, INFERENCE_BACKENDS, registered
+from config.vllm import SHAPE_KEYS
 from engines import protocol as api
 from engines import registry
 from engines.registry import PluginError
@@ -34,9 +35,9 @@ if TYPE_CHECKING:
     from config.process import InferenceProcessConfig
     from config.transport import WeightBroadcastConfig
 
-# The `[inference]` keys that shape a deployment of servers (config/vllm.py); a backend
-# runs those it lists in `Capabilities.deployment_keys`, and any other one set is refused at load.
-DEPLOYMENT_KEYS = ("deployment", "parallel", "enable_expert_parallel", "kv_cache_offload", "router", "vllm_extra")
+# The `[inference]` keys that shape a deployment of servers (config/vllm.py's SHAPE_KEYS; replicas are their
+# own capability); a backend runs those it lists in `Capabilities.deployment_keys`, any other one set is refused.
+DEPLOYMENT_KEYS = tuple(key for key in SHAPE_KEYS if key != "num_infer_replicas")
 
 
 @dataclass(frozen=True)
