@@ -42,6 +42,14 @@ INFERENCE_BACKENDS: dict[str, str] = {
     "vllm": "engines.inference.vllm:BACKEND",
 }
 
+# `trainer.loss.type` -> the policy loss's `LossSpec` (engines/trainer/losses/base.py); its parameters are the
+# variant's model in config/loss.py. pyproject.toml registers these in the group too (tests keep them equal).
+LOSS_GROUP = "rollflow.losses"
+LOSSES: dict[str, str] = {
+    name: f"engines.trainer.losses.builtin:{name.upper()}"
+    for name in ("masked_is", "ppo_clip", "tis", "mis", "icepop", "cispo", "gspo", "ipo")
+}
+
 # component -> the module its process runs (`python -m MODULE --config FILE`); one each, whatever the backend.
 COMPONENT_MODULES: dict[str, str] = {
     "warmup": "engines.trainer",

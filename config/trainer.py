@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from config.base import Strict
+from config.loss import LossConfig, MaskedISLoss, ReferenceConfig, sequence_level, uses_proximal
 from config.trainer_parallel import TrainerParallelConfig
 
 
@@ -14,13 +15,6 @@ class OptimConfig(Strict):
     betas: tuple[float, float] = (0.9, 0.99)
     max_grad_norm: float = Field(1.0, gt=0)
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up over the first N RL steps")
-
-
-class LossConfig(Strict):
-    """Importance-weighted policy gradient with trust-region token masking (docs/algorithm.md)."""
-
-    mask_low: float = Field(0.5, gt=0, lt=1)
-    mask_high: float = Field(2.0, gt=1)
 
 
 class SFTConfig(Strict):
@@ -34,7 +28,10 @@ class SFTConfig(Strict):
 class TrainerConfig(Strict):
     optim: OptimConfig = OptimConfig()
     parallel: TrainerParallelConfig = TrainerParallelConfig()
-    loss: LossConfig = LossConfig()
+    loss: LossConfig = Field(MaskedISLoss(), description="the policy loss: `type` and its parameters")
+    reference: ReferenceConfig = ReferenceConfig()
+    mini_batches: int = Field(1, gt=0, description="optimizer steps per epoch over each rollout step's samples")
+    epochs: int = Field(1, gt=0, description="passes over each rollout step's samples")
     num_threads: int = Field(1, gt=0)
     micro_batch_size: int = Field(64, gt=0)
     packing: bool = Field(
@@ -48,6 +45,27 @@ class TrainerConfig(Strict):
         description="MoE: route each token to the experts the sampler chose (R3), recomputing only the gate "
         "weights; turns on inference.enable_return_routed_experts",
     )
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps per rollout step."""
+        return self.mini_batches * self.epochs
+
+    @model_validator(mode="after")
+    def _loss_fits_schedule(self) -> TrainerConfig:
+        if uses_proximal(self.loss) and self.optimizer_steps == 1:
+            raise ValueError(
+                f"loss.old_policy = 'proximal' with one optimizer step per rollout step (mini_batches = "
+                f"{self.mini_batches}, epochs = {self.epochs}) makes the ratio 1 and the clip inert: raise "
+                "trainer.mini_batches or trainer.epochs, or use loss.old_policy = 'sampler'"
+            )
+        if sequence_level(self.loss) and self.parallel.cp > 1:
+            raise ValueError(
+                f"loss.type = {self.loss.type!r} with aggregation {self.loss.aggregation!r} reads whole samples, "
+                f"which context parallelism splits across ranks (parallel.cp = {self.parallel.cp}): use a "
+                "token-level variant with token_mean or constant aggregation, or cp = 1"
+            )
+        return self
 
 
 class CheckpointConfig(Strict):

@@ -190,3 +190,15 @@ B = TypeVar("B", Batch, PackedBatch)
 def micro_batches(batch: B, size: int) -> list[B]:
     """Consecutive slices of `size` rows (samples, or packed rows of several samples)."""
     return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
+
+
+def sample_index(mb: Batch | PackedBatch) -> torch.Tensor:
+    """[rows, T] long aligned with `loss_mask`: which sample of the micro-batch each position belongs to
+    (a padded row is one sample; a packed row's spans are samples numbered after the previous rows'), -1 on
+    padding. The sequence-level losses and the sequence_mean aggregation group tokens by it."""
+    rows, length = mb.loss_mask.shape
+    if not isinstance(mb, PackedBatch):
+        return torch.arange(rows)[:, None].expand(rows, length).clone()
+    per_row = mb.segments.max(dim=1).values + 1
+    offsets = torch.cumsum(per_row, 0) - per_row
+    return torch.where(mb.segments >= 0, mb.segments + offsets[:, None], -1)

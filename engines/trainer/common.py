@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+from typing import NamedTuple
 
 import torch
 
@@ -38,6 +39,26 @@ def train_logprobs(model: CausalLM, batch: Batch | PackedBatch, routing: Routing
     if isinstance(batch, PackedBatch):
         return packed_logprobs(model, batch, routing)
     return batch_logprobs(model, batch, routing)
+
+
+class Scored(NamedTuple):
+    logprobs: torch.Tensor  # [rows, T] of each target token
+    entropy: torch.Tensor | None  # [rows, T] of the distribution each target was drawn from; None unless asked
+
+
+def scored_tokens(
+    model: CausalLM, batch: Batch | PackedBatch, routing: Routing | None = None, entropy: bool = False
+) -> Scored:
+    """Logprobs (and with `entropy` the entropy) of every target, whichever layout the trainer chose."""
+    if isinstance(batch, PackedBatch):
+        logits = model(batch.input_ids, batch.positions, batch.attention_mask(), routing=routing)
+        temps = batch.temperatures[..., None]
+    else:
+        logits = model(batch.input_ids, routing=routing)[:, :-1]
+        temps = batch.temperatures.view(-1, 1, 1)
+    logp = torch.log_softmax(logits.float() / temps, dim=-1)
+    chosen = logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    return Scored(chosen, -(logp.exp() * logp).sum(-1) if entropy else None)
 
 
 def routing_for(batch: Batch | PackedBatch, replay: bool) -> Routing | None:

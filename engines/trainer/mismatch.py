@@ -21,7 +21,7 @@ import torch
 from engines.models.decoder import CausalLM
 from engines.trainer.batch import Batch, PackedBatch, micro_batches, pack_batch
 from engines.trainer.common import expert_disagreement, routing_for, train_logprobs
-from engines.trainer.loss import k3_kl
+from engines.trainer.losses.kl import k3_kl
 
 
 class Mismatch(NamedTuple):

@@ -9,7 +9,9 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from dataclasses import dataclass
 
+import pyarrow as pa
 import torch
 
 from config.process import TrainerProcessConfig
@@ -17,8 +19,8 @@ from config.tracking import resolve_tracking_uri
 from engines.models import lora, modeldir
 from engines.trainer import checkpoint, context_parallel, distributed, parallel
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
-from engines.trainer.common import log, routing_for, seed_everything, train_logprobs
-from engines.trainer.loss import policy_loss
+from engines.trainer.common import Scored, log, routing_for, scored_tokens, seed_everything
+from engines.trainer.losses.objective import MAX_STATS, Objective, StepCounts, step_metrics, token_scores
 from engines.trainer.mismatch import Mismatch, PolicyHistory
 from engines.trainer.tracking import Tracker
 from storage import retention, rollouts, weights
@@ -27,6 +29,30 @@ from storage.rollouts import staleness
 
 # Set by SIGUSR1, which the flow relays when Slurm's walltime warning arrives: checkpoint after this step.
 CHECKPOINT_NOW = threading.Event()
+
+
+@dataclass
+class Micro:
+    """A micro-batch of this rank with its loss weight, and the logprobs scored once per step for it."""
+
+    mb: Batch | PackedBatch
+    weight: float
+    proximal: torch.Tensor | None = None
+    reference: torch.Tensor | None = None
+
+
+def _add(into: dict[str, float], stats: dict[str, float]) -> None:
+    """Accumulate statistics: sums, except the maxima (MAX_STATS)."""
+    for key, value in stats.items():
+        into[key] = max(into.get(key, value), value) if key in MAX_STATS else into.get(key, 0.0) + value
+
+
+def zero_advantage_samples(table: pa.Table) -> torch.Tensor:
+    """[rows] bool: samples of groups whose advantages are all exactly 0 (they carry no policy gradient)."""
+    groups = table.column("group_id").to_pylist()
+    advantages = table.column("advantage").to_pylist()
+    nonzero = {g for g, a in zip(groups, advantages, strict=True) if a != 0}
+    return torch.tensor([g not in nonzero for g in groups], dtype=torch.bool)
 
 
 def _scoring(mb: Batch | PackedBatch) -> torch.Tensor:
@@ -52,6 +78,8 @@ class RLTrainer:
         self.publication_files = loaded.publication_files()  # config.json, tokenizer: same every version
         self.version = self._load_weights()
         self.history = self._build_history() if self.tcfg.measure_mismatch and self.dist.is_main else None
+        self.objective = Objective(self.tcfg)
+        self.reference = self._build_reference() if self.tcfg.reference.enabled else None
         parallel.parallelize(self.model, self.dist, self.tcfg.parallel, loaded.source.impl)
         self.optimizer, self.scheduler = self._build_optimizer()
         parts: dict[str, checkpoint.Stateful] = {
@@ -109,6 +137,23 @@ class RLTrainer:
         history.add(self.version, self.model)
         return history
 
+    def _build_reference(self) -> torch.nn.Module:
+        """The frozen policy the KL penalty measures against: `trainer.reference.model`, or version 0 (the
+        published start of this run, whatever checkpoint a resume loaded)."""
+        path = self.tcfg.reference.model
+        cfg = self.cfg.model.model_copy(update={"lora": None, **({"path": path} if path else {})})
+        ref = modeldir.load(cfg, pretrained=path is not None)
+        if ref.tokenizer.vocab_size != self.tok.vocab_size:
+            raise SystemExit(
+                f"trainer.reference.model={path!r} has a vocabulary of {ref.tokenizer.vocab_size} tokens, the "
+                f"policy {self.tok.vocab_size}: the reference must share the policy's tokenizer"
+            )
+        model = ref.model
+        if path is None:  # version 0 holds full weights, LoRA runs included (their adapters start at zero)
+            model.load_published(weights.load(self.fs, weights.version_dir(self.root, 0)))
+        log.info(f"reference policy for the KL penalty: {path or 'version 0'}")
+        return model.eval().requires_grad_(False)
+
     def wait_for_rollouts(self, step: int):
         directory = rollouts.step_path(self.root, step)
         while not is_committed(self.fs, directory):
@@ -121,55 +166,93 @@ class RLTrainer:
             return micro_batches(pack_batch(batch, self.tok.pad_id), self.tcfg.micro_batch_size)
         return micro_batches(batch, self.tcfg.micro_batch_size)
 
-    def train_on(self, batch: Batch, n_tokens: float | None = None, weight: float = 1.0) -> dict:
-        """One optimizer step on `batch` (under torchrun: this rank's share, `n_tokens` the whole step's count,
-        `weight` 0 for a rank whose share is a stand-in row)."""
+    def optimize(self, batch: Batch) -> dict:
+        """`trainer.epochs` passes over the step's samples in `trainer.mini_batches` mini-batches, an optimizer
+        step each; the proximal and reference logprobs the objective reads are scored first, without gradient.
+        Under torchrun each rank takes its share of every mini-batch."""
+        minis = torch.tensor_split(torch.arange(len(batch)), self.tcfg.mini_batches)
+        plan = [p for p in (self._plan(batch, rows) for rows in minis) if p[0]]
+        for micros, _ in plan:
+            self._score_fixed(micros)
+        stats: dict[str, float] = {}
+        losses, norms = [], []
+        for _ in range(self.tcfg.epochs):
+            for micros, counts in plan:
+                loss, norm = self._optimizer_step(micros, counts, stats)
+                losses.append(loss)
+                norms.append(norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()  # warm-up counts rollout steps, whatever the optimizer steps per step
+        self.model.eval()
+        return self._reduce(stats, losses, norms, lr, float(batch.loss_mask.sum().clamp(min=1)))
+
+    def _plan(self, batch: Batch, rows: torch.Tensor) -> tuple[list[Micro], StepCounts]:
+        """One mini-batch: this rank's micro-batches (context-parallel shards) and the counts it divides by."""
+        if len(rows) == 0:
+            return [], StepCounts(0.0, 0.0)
+        mini = batch.select(rows)
+        counts = StepCounts(float(mini.loss_mask.sum()), float((mini.loss_mask.sum(1) > 0).sum()))
+        share, weight = distributed.local_share(mini, self.dist)
+        micros = [
+            Micro(context_parallel.shard(full, self.dist), w)
+            for full, w in distributed.even_micro_batches(self.train_micro_batches(share), weight, self.dist)
+        ]
+        return micros, counts
+
+    @torch.no_grad()
+    def _score_fixed(self, micros: list[Micro]) -> None:
+        """The logprobs that stay fixed through the step's optimizer steps: the proximal policy's (the weights
+        before the first one) and the reference policy's."""
+        for m in micros:
+            if self.objective.needs_proximal:
+                self.model.eval()
+                m.proximal = self._score(self.model, m.mb).logprobs
+            if self.reference is not None:
+                m.reference = self._score(self.reference, m.mb).logprobs
+
+    def _score(self, model: torch.nn.Module, mb: Batch | PackedBatch, entropy: bool = False) -> Scored:
+        routing = routing_for(mb, self.tcfg.enable_router_replay)
+        with context_parallel.gathered_kv(self.dist):
+            return scored_tokens(model, mb, routing, entropy=entropy)
+
+    def _optimizer_step(self, micros: list[Micro], counts: StepCounts, stats: dict[str, float]) -> tuple[float, float]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        n_tokens = n_tokens or float(batch.loss_mask.sum().clamp(min=1))
-        loss_sum = masked = kl_sum = nonfinite = replayed = 0.0
-        lc = self.tcfg.loss
-        for full, w in distributed.even_micro_batches(self.train_micro_batches(batch), weight, self.dist):
-            mb = context_parallel.shard(full, self.dist)  # with cp: this rank's tokens of every row
+        loss_sum = 0.0
+        for m in micros:
+            mb = m.mb
             routing = routing_for(mb, self.tcfg.enable_router_replay)
-            if routing is not None and routing.replay is not None:
-                replayed += float(((routing.replay[..., 0, 0] >= 0) & (_scoring(mb) > 0)).sum())
+            if routing is not None and routing.replay is not None and m.weight:
+                _add(stats, {"replayed": float(((routing.replay[..., 0, 0] >= 0) & (_scoring(mb) > 0)).sum())})
             with context_parallel.gathered_kv(self.dist):
-                logprobs = train_logprobs(self.model, mb, routing)
-            out = policy_loss(
-                logprobs,
-                mb.sampler_logprobs,
-                mb.advantages,
-                mb.loss_mask,
-                lc.mask_low,
-                lc.mask_high,
-                n_tokens,
+                scored = scored_tokens(self.model, mb, routing, entropy=self.objective.needs_entropy)
+            loss, mb_stats = self.objective(
+                token_scores(mb, scored.logprobs, scored.entropy, m.proximal, m.reference), counts
             )
-            (out.loss * w).backward()  # w = 0: a stand-in that keeps the ranks' collectives in step
-            if not w:
-                continue
-            loss_sum += float(out.loss.detach())
-            masked += out.masked_tokens
-            kl_sum += out.sampler_kl_sum
-            nonfinite += out.nonfinite_tokens
+            (loss * m.weight).backward()  # weight 0: a stand-in that keeps the ranks' collectives in step
+            if m.weight:
+                loss_sum += float(loss.detach())
+                _add(stats, mb_stats)
         grad_norm = parallel.clip_grad_norm(self.model, self.tcfg.optim.max_grad_norm, self.dist)
-        lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
-        self.scheduler.step()
-        self.model.eval()
-        loss_sum, masked, kl_sum, nonfinite, replayed = distributed.all_reduce(
-            [loss_sum, masked, kl_sum, nonfinite, replayed], self.dist
-        )
+        return loss_sum, grad_norm
+
+    def _reduce(self, stats: dict, losses: list[float], norms: list[float], lr: float, tokens: float) -> dict:
+        """The step's metrics: statistics summed (maxima taken) over ranks, then normalised."""
+        keys = sorted(k for k in stats if k not in MAX_STATS)
+        summed = distributed.all_reduce([stats[k] for k in keys] + losses, self.dist)
+        maxima = distributed.all_reduce([stats.get(k, 0.0) for k in MAX_STATS], self.dist, "max")
+        total = {**dict(zip(keys, summed, strict=False)), **dict(zip(MAX_STATS, maxima, strict=True))}
+        step_losses = summed[len(keys) :]
         return {
-            "loss": loss_sum,
-            "grad_norm": grad_norm,
+            "loss": sum(step_losses) / len(step_losses),
+            "grad_norm": max(norms),
             "lr": lr,
-            "masked_fraction": masked / n_tokens,
-            "sampler_kl": kl_sum / n_tokens,
-            "sampler_nonfinite_tokens": int(nonfinite),
-            "tokens": int(n_tokens),
+            **step_metrics(total, self.tcfg.epochs),
+            "optimizer_steps": len(step_losses),
+            "tokens": int(tokens),
             # completion tokens scored through the sampler's experts (router replay); 0 without replay
-            "replayed_fraction": replayed / n_tokens,
+            "replayed_fraction": total.get("replayed", 0.0) / (tokens * self.tcfg.epochs),
         }
 
     def step(self, step: int) -> dict:
@@ -183,8 +266,11 @@ class RLTrainer:
             if self.history
             else Mismatch(None, 0, None)
         )
-        share, weight = distributed.local_share(batch, self.dist)
-        stats = self.train_on(share, float(batch.loss_mask.sum().clamp(min=1)), weight)
+        completion_tokens = float(batch.loss_mask.sum())
+        zero = zero_advantage_samples(table)
+        if self.tcfg.loss.zero_advantage == "filter":
+            batch.loss_mask[zero] = 0.0
+        stats = self.optimize(batch)
         t2 = time.perf_counter()
         published = parallel.full_state_dict(self.model, self.dist)  # a collective; rank 0 keeps the weights
         broadcast_s = None
@@ -212,7 +298,8 @@ class RLTrainer:
             "samples": len(rewards),
             "staleness_mean": sum(stale) / len(stale),
             "staleness_max": max(stale),
-            "completion_len_mean": stats["tokens"] / len(rewards),
+            "completion_len_mean": completion_tokens / len(rewards),
+            "zero_advantage_fraction": float(zero.float().mean()),
             "wait_s": t1 - t0,
             "train_s": t2 - t1,
             "publish_s": t3 - t2,
