@@ -177,6 +177,7 @@ class RunConfig(Strict):
                 f"{longest_prompt} tokens plus orchestrator.max_new_tokens={self.orchestrator.max_new_tokens}; "
                 f"set model.max_seq_len >= {need}"
             )
+        self._check_algorithm()
         if self.orchestrator.group_size > self.inference.max_batch_size:
             raise ValueError(
                 f"orchestrator.group_size={self.orchestrator.group_size} exceeds "
@@ -184,6 +185,21 @@ class RunConfig(Strict):
                 f"samples than one batch holds; set inference.max_batch_size >= {self.orchestrator.group_size}"
             )
         return self
+
+    def _check_algorithm(self) -> None:
+        """The trainer's loss schedule against the step's size and the trainer's process layout."""
+        samples = self.orchestrator.batch_size * self.orchestrator.group_size
+        if self.trainer.mini_batches > samples:
+            raise ValueError(
+                f"trainer.mini_batches={self.trainer.mini_batches} exceeds the samples per step "
+                f"(orchestrator.batch_size x group_size = {samples}): each mini-batch needs a sample"
+            )
+        if self.trainer.reference.enabled and self.trainer.parallel.world_size > 1:
+            raise ValueError(
+                f"trainer.reference.kl_coef > 0 runs the reference in the trainer process, which is not sharded: "
+                f"trainer.parallel.world_size = {self.trainer.parallel.world_size} is not supported with it; "
+                "set world_size = 1 or reference.kl_coef = 0"
+            )
 
 
 # Tokens an environment prompt adds around its payload: <bos>, a task tag of up to 4 chars, ':' and '='.

@@ -96,6 +96,7 @@ def check_loaded(cfg: RunConfig, env_sources: list[str]) -> None:
     check_envs(cfg, env_sources)
     check_model(cfg)
     check_backend(cfg)
+    check_loss(cfg)
 
 
 def check_envs(cfg: RunConfig, env_sources: list[str]) -> None:
@@ -128,6 +129,27 @@ def check_model(cfg: RunConfig) -> None:
         check_against_model(cfg.trainer.parallel, source.cfg, source.impl)
     except ValueError as exc:
         raise ConfigError(f"model.path={cfg.model.path!r} ({source.directory}/config.json): {exc}") from None
+
+
+def check_loss(cfg: RunConfig) -> None:
+    """Load a plugin `trainer.loss.type` (an entry point or an import path) and validate its `args` with the
+    plugin's own parameter model, exit code 2 on failure; built-in variants were validated with the config."""
+    from config.loss import BUILTIN_LOSSES
+
+    if cfg.trainer.loss.type in BUILTIN_LOSSES:
+        return
+    from engines.registry import PluginError
+    from engines.trainer.losses.registry import resolve
+
+    try:
+        spec, _ = resolve(cfg.trainer.loss)
+    except PluginError as exc:
+        raise ConfigError(str(exc)) from None
+    if spec.sequence_level and cfg.trainer.parallel.cp > 1:
+        raise ConfigError(
+            f"trainer.loss.type = {cfg.trainer.loss.type!r} reads whole samples, which context parallelism "
+            f"splits (trainer.parallel.cp = {cfg.trainer.parallel.cp}); use cp = 1"
+        )
 
 
 def check_backend(cfg: RunConfig) -> None:

@@ -2,7 +2,7 @@
 
 One step in-process, with the same code the processes run: `engines.inference.embedded.generate.generate` samples the
 completions (fixed lengths: no end-of-sequence, so length is the controlled variable), then the trainer's
-loss loop (`batch_logprobs`, `policy_loss`, backward over micro-batches of 64, AdamW step) trains on
+loss loop (`batch_logprobs`, the default `Objective`, backward over micro-batches of 64, AdamW step) trains on
 them. One factor changes at a time from the baseline; each point is compared with the baseline measured
 right before it.
 """
@@ -60,10 +60,11 @@ class Step:
         import pyarrow as pa
         import torch
 
+        from config.trainer import TrainerConfig
         from engines.inference.embedded.generate import generate
         from engines.trainer.batch import make_batch, micro_batches
         from engines.trainer.common import batch_logprobs
-        from engines.trainer.loss import policy_loss
+        from engines.trainer.losses.objective import Objective, StepCounts, token_scores
 
         n = len(self.prompts)
         t0 = time.perf_counter()
@@ -88,9 +89,10 @@ class Step:
         )
         self.model.train()
         tokens = float(batch.loss_mask.sum())
+        objective = Objective(TrainerConfig())
         for mb in micro_batches(batch, 64):
             lp = batch_logprobs(self.model, mb)
-            policy_loss(lp, mb.sampler_logprobs, mb.advantages, mb.loss_mask, 0.5, 2.0, tokens).loss.backward()
+            objective(token_scores(mb, lp), StepCounts(tokens, n))[0].backward()
         self.opt.step()
         self.opt.zero_grad()
         self.model.eval()

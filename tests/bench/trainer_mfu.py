@@ -42,8 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from config.model import ModelConfig
+    from config.trainer import TrainerConfig
     from engines.models.decoder import CausalLM
-    from engines.trainer.loss import policy_loss
+    from engines.trainer.losses.objective import Objective, StepCounts, TokenScores
 
     shape = QWEN3_0_6B if args.shape == "qwen3-0.6b" else TINY
     cfg = ModelConfig(**{k: v for k, v in shape.items() if k != "vocab_size"})
@@ -56,13 +57,15 @@ def main(argv: list[str] | None = None) -> None:
     mask = torch.ones(1, args.tokens - 1, device=device)
     adv = torch.ones(1, device=device)
 
+    objective = Objective(TrainerConfig())
+
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             logits = model(ids)[:, :-1]
         logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        out = policy_loss(logp, logp.detach(), adv, mask, 0.5, 2.0, float(mask.sum()))
-        out.loss.backward()
+        scores = TokenScores(logp, logp.detach(), adv[:, None].expand_as(mask), mask, torch.zeros_like(ids[:, 1:]))
+        objective(scores, StepCounts(float(mask.sum()), 1.0))[0].backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
