@@ -10,9 +10,9 @@ from __future__ import annotations
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Annotated, Any, get_args, get_origin
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Tag, ValidationError
 
 from config.base import field_named, flat_keys, profile_keys
 from config.run import SEED_SPELLINGS, RunConfig
@@ -99,9 +99,25 @@ def _walk(loc: Key) -> tuple[Key, type[BaseModel] | None, list[str]]:
         if get_origin(ann) is list and parts and parts[0].isdigit():  # envs.0 -> EnvSpec
             ann = get_args(ann)[0]
             out.append(parts.pop(0))
+        if parts and (member := _tagged_member(ann, parts[0])) is not None:  # a variant's tag: not a profile key
+            ann = member
+            parts.pop(0)
         model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
         keys = profile_keys(model, above) if model is not None else []
     return tuple(out), model, keys
+
+
+def _tagged_member(ann: Any, tag: str) -> Any:
+    """The member of a tagged union (`trainer.loss`: one model per `type`) that pydantic's error location
+    names by `tag`; None when `ann` is no such union or has no such tag."""
+    if get_origin(ann) is Annotated:
+        ann = get_args(ann)[0]
+    for member in get_args(ann):
+        if get_origin(member) is Annotated:
+            base, *meta = get_args(member)
+            if any(isinstance(m, Tag) and m.tag == tag for m in meta):
+                return base
+    return None
 
 
 def _describe(err: Any, sources: dict[Key, str]) -> str:
