@@ -10,7 +10,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 
 
-.PHONY: install run test test-fast test-long lint format bench clean smollm2 vllm
+.PHONY: install run test test-fast test-long lint format bench bench-algorithms clean smollm2 vllm
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PY) -m venv $(VENV)
@@ -59,6 +59,11 @@ lint: install
 # Runs every benchmark against its baseline (tests/bench/) and rewrites docs/benchmarks.md (~6-7 min on 2 cores).
 bench: install
 	ROLLFLOW_BENCH_COMMAND="make bench" $(BIN)/python -m tests.bench
+
+# Every policy-loss variant on the same seeds (tiny-cpu 100 steps, and async_level 4), the table in
+# docs/algorithm.md regenerated (~50 runs: about 1.5 h on 2 cores; an interrupted run continues where it stopped).
+bench-algorithms: install
+	$(BIN)/python -m tests.bench.algorithms
 
 format: install
 	$(BIN)/ruff check --fix .
