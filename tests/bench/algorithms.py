@@ -99,9 +99,8 @@ def table(setting: str, by_variant: dict[str, list[dict]]) -> str:
         )
     headers = ["loss", "reward rise (median)", "rise per seed", "final reward", "max mismatch_kl"]
     headers += ["masked", "clipped", "step s", "stable"]
-    return f"**{setting}** ({', '.join(f'{k} = {v}' for k, v in SETTINGS[setting].items()) or 'the profile as is'})" + (
-        "\n\n" + harness.table(headers, rows)
-    )
+    shape = ", ".join(f"{k} = {v}" for k, v in SETTINGS[setting].items()) or "the profile as is"
+    return f"**{setting}** ({shape})\n\n" + harness.table(headers, rows)
 
 
 def write_doc(sections: list[str], header: str) -> None:
