@@ -31,7 +31,7 @@ def config(out: Path, seed: int, steps: int, variant: str | None, setting: str):
     pairs = [("output_dir", str(out)), ("seed", str(seed)), ("max_steps", str(steps))]
     pairs += [("tracking.mlflow", "false")] + [(k, str(v)) for k, v in SETTINGS[setting].items()]
     if variant is not None:
-        pairs.append(("trainer.loss", json.dumps({"type": variant})))
+        pairs.append(("trainer.loss.type", variant))
     return load_run_config([harness.ROOT / "profiles/tiny-cpu.toml"], pairs)
 
 
@@ -74,9 +74,12 @@ def run_one(ws: Path, setting: str, seed: int, steps: int, variant: str, templat
     return result
 
 
-def _median(results: list[dict], key: str) -> float | None:
+def _median(results: list[dict], key: str, sci: bool = False) -> str:
+    """The median of `key` over the runs that have it, formatted; n/a when none has."""
     values = [r[key] for r in results if r.get(key) is not None]
-    return statistics.median(values) if values else None
+    if not values:
+        return "n/a"
+    return f"{statistics.median(values):.1e}" if sci else harness.num(statistics.median(values))
 
 
 def table(setting: str, by_variant: dict[str, list[dict]]) -> str:
@@ -87,13 +90,13 @@ def table(setting: str, by_variant: dict[str, list[dict]]) -> str:
         rows.append(
             [
                 f"`{variant}`",
-                harness.num(_median(ok, "rise") or float("nan")),
+                _median(ok, "rise"),
                 " / ".join(harness.num(r["rise"]) if r.get("error") is None else "failed" for r in results),
-                harness.num(_median(ok, "reward_last5") or float("nan")),
-                f"{_median(ok, 'mismatch_kl_max') or float('nan'):.1e}",
-                harness.num(_median(ok, "masked_fraction") or 0.0),
-                harness.num(_median(ok, "clipped_fraction") or 0.0),
-                harness.num(_median(ok, "step_s") or float("nan")),
+                _median(ok, "reward_last5"),
+                _median(ok, "mismatch_kl_max", sci=True),
+                _median(ok, "masked_fraction"),
+                _median(ok, "clipped_fraction"),
+                _median(ok, "step_s"),
                 "yes" if stable else "**no**",
             ]
         )
