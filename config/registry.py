@@ -42,6 +42,16 @@ INFERENCE_BACKENDS: dict[str, str] = {
     "vllm": "engines.inference.vllm:BACKEND",
 }
 
+# `[orchestrator.advantage] type` and `[[envs]] advantage.type` -> the estimator's `AdvantageSpec`
+# (engines/orchestrator/advantages.py: the function and its params class), or an import path `module:attribute`.
+# pyproject.toml registers these in the group too; tests/unit/test_advantage_plugins.py keeps the two equal.
+ADVANTAGE_GROUP = "rollflow.advantages"
+ADVANTAGES: dict[str, str] = {
+    "grpo": "engines.orchestrator.advantages:GRPO",
+    "rloo": "engines.orchestrator.advantages:RLOO",
+    "reinforce_pp": "engines.orchestrator.advantages:REINFORCE_PP",
+}
+
 # component -> the module its process runs (`python -m MODULE --config FILE`); one each, whatever the backend.
 COMPONENT_MODULES: dict[str, str] = {
     "warmup": "engines.trainer",
