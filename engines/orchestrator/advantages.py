@@ -73,7 +73,9 @@ def reinforce_pp(groups: Groups, params: ReinforcePPParams) -> Groups:
     flat = [a for group in centred for a in group]
     if min(flat) == max(flat):  # nothing to tell apart: exactly 0 (the normalisation divides 0 by eps)
         return [[0.0] * len(group) for group in centred]
-    mean, std = statistics.fmean(flat), statistics.pstdev(flat)
+    # With the group baseline every group sums to 0, so the batch mean is 0: taken as exactly 0, a zero-variance
+    # group keeps advantages of exactly 0 instead of the rounding error of a sum of zero-sum groups.
+    mean, std = 0.0 if params.group_baseline else statistics.fmean(flat), statistics.pstdev(flat)
     return [[(a - mean) / (std + params.eps) for a in group] for group in centred]
 
 
