@@ -81,9 +81,8 @@ class AdvantageConfig(Strict):
             )
         wrong = [k for k in flat if k not in takes]
         if wrong:
-            raise ValueError(
-                f"{', '.join(wrong)} does not apply to type = {self.type!r}; its parameters: {', '.join(takes) or '(none)'}"
-            )
+            takes_text = ", ".join(takes) or "(none)"
+            raise ValueError(f"{', '.join(wrong)} does not apply to type = {self.type!r}; its parameters: {takes_text}")
         return self
 
     def params(self) -> dict[str, Any]:

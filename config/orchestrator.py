@@ -32,6 +32,6 @@ class OrchestratorConfig(Strict):
         if self.overlong.buffer >= self.max_new_tokens:
             raise ValueError(
                 f"orchestrator.overlong.buffer={self.overlong.buffer} must be less than "
-                f"orchestrator.max_new_tokens={self.max_new_tokens} (the penalty ramps up over the last `buffer` tokens)"
+                f"orchestrator.max_new_tokens={self.max_new_tokens} (the penalty ramps up over the last `buffer`)"
             )
         return self

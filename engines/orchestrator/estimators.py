@@ -83,7 +83,9 @@ def load(cfg: AdvantageConfig) -> Estimator:
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(args)'}: {e['msg']}" for e in exc.errors())
         fields = ", ".join(spec.params.model_fields) or "(none)"
-        raise PluginError(f"bad parameters {cfg.params()}: {problems}; {spec.params.__name__} takes: {fields}") from None
+        raise PluginError(
+            f"bad parameters {cfg.params()}: {problems}; {spec.params.__name__} takes: {fields}"
+        ) from None
     return Estimator(cfg.type, spec, params)
 
 
@@ -98,7 +100,9 @@ def _smoke(estimator: Estimator) -> None:
 def check(default: AdvantageConfig, envs: Sequence[EnvSpec], sources: Sequence[str]) -> None:
     """Load every configured estimator and call it once; one PluginError naming each bad one's key."""
     where = [("orchestrator.advantage", default)]
-    where += [(f"{src}: envs[{i}].advantage", e.advantage) for i, (e, src) in enumerate(zip(envs, sources)) if e.advantage]
+    for i, (env, source) in enumerate(zip(envs, sources, strict=True)):
+        if env.advantage is not None:
+            where.append((f"{source}: envs[{i}].advantage", env.advantage))
     problems = []
     for key, cfg in where:
         try:

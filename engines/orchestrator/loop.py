@@ -207,7 +207,8 @@ class Orchestrator:
         if not kept:
             raise RuntimeError(f"step {step}: every sample exceeded max_off_policy_steps; nothing to commit")
         versions = Counter(r.policy_version for r in kept)
-        meta = {"gen_s": gen_s, "wait_s": waited, "dropped": len(rows) - len(kept), "versions": dict(versions), **counts}
+        meta = {"gen_s": gen_s, "wait_s": waited, "dropped": len(rows) - len(kept), "versions": dict(versions)}
+        meta |= counts
         await asyncio.to_thread(rollouts.write_step, self.fs, self.root, step, rollouts.to_table(kept), meta)
         reward = sum(r.reward for r in kept) / len(kept)
         log.info(

@@ -53,7 +53,9 @@ def _check_steps(out: Path, advantage: AdvantageConfig) -> list[float]:
         table, manifest = rollouts.read_step(fs, root, step)
         assert manifest["dropped"] == 0  # every group whole, so the estimator can be re-applied to the shard
         groups: dict[str, list[tuple[float, float]]] = {}
-        cols = [table.column(c).to_pylist() for c in ("group_id", "reward", "advantage", "metric_names", "metric_values")]
+        cols = [
+            table.column(c).to_pylist() for c in ("group_id", "reward", "advantage", "metric_names", "metric_values")
+        ]
         for group, reward, adv, names, values in zip(*cols, strict=True):
             shaped, penalty = _shaped(names, values, reward)
             penalties.append(penalty)

@@ -87,7 +87,8 @@ def _dry_run(tmp_path: Path, site: Path | None, *overrides: str) -> subprocess.C
 
 
 def test_plugin_by_entry_point_and_by_import_path_through_the_cli(site, tmp_path):
-    envs = '[{id = "reverse-text"}, {id = "sort-letters", advantage = {type = "toyalgos:Specs.rank", args = {scale = 3.0}}}]'
+    rank = '{type = "toyalgos:Specs.rank", args = {scale = 3.0}}'
+    envs = f'[{{id = "reverse-text"}}, {{id = "sort-letters", advantage = {rank}}}]'
     r = _dry_run(tmp_path, site, "--orchestrator.advantage", '{type = "rank", args = {scale = 2.0}}', "--envs", envs)
     assert r.returncode == 0, r.stderr
     stored = json.loads((tmp_path / "run" / "config" / "orchestrator.json").read_text())
@@ -112,11 +113,26 @@ BAD = {
     "unknown name": ('type = "rnak"', ["no advantage estimator named 'rnak'", "registered: grpo, rank, reinforce_pp"]),
     "missing module": ('type = "toyalgos_nowhere:RANK"', ["cannot import module 'toyalgos_nowhere'", "PYTHONPATH"]),
     "missing attribute": ('type = "toyalgos:RNK"', ["module 'toyalgos' has no attribute 'RNK'"]),
-    "not a spec": ('type = "toyalgos:NOT_A_SPEC"', ["names a function, not an AdvantageSpec", "AdvantageSpec(fn, params)"]),
-    "no params class": ('type = "toyalgos:NO_PARAMS_CLASS"', ["AdvantageSpec.params is <class 'dict'>, not a pydantic"]),
-    "bad value": ('type = "rank"\nargs = {scale = 0}', ["bad parameters {'scale': 0}", "scale: Input should be greater"]),
-    "unknown arg": ('type = "rank"\nargs = {scael = 2}', ["scael: Extra inputs are not permitted", "RankParams takes: scale"]),
-    "wrong shape": ('type = "short"', ["advantage estimator 'short' returned 2 values for group 0, which has 3 rewards"]),
+    "not a spec": (
+        'type = "toyalgos:NOT_A_SPEC"',
+        ["names a function, not an AdvantageSpec", "AdvantageSpec(fn, params)"],
+    ),
+    "no params class": (
+        'type = "toyalgos:NO_PARAMS_CLASS"',
+        ["AdvantageSpec.params is <class 'dict'>, not a pydantic"],
+    ),
+    "bad value": (
+        'type = "rank"\nargs = {scale = 0}',
+        ["bad parameters {'scale': 0}", "scale: Input should be greater"],
+    ),
+    "unknown arg": (
+        'type = "rank"\nargs = {scael = 2}',
+        ["scael: Extra inputs are not permitted", "RankParams takes: scale"],
+    ),
+    "wrong shape": (
+        'type = "short"',
+        ["advantage estimator 'short' returned 2 values for group 0, which has 3 rewards"],
+    ),
     "not finite": ('type = "toyalgos:NOT_FINITE"', ["returned nan for group 0", "must be finite"]),
     "raises": ('type = "toyalgos:RAISES"', ["'toyalgos:RAISES' raised ZeroDivisionError"]),
 }

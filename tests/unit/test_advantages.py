@@ -157,9 +157,10 @@ def test_zero_variance_and_a_batch_of_equal_rewards():
     for rewards in ([0.7] * 8, [1.0] * 5, [0.0, 0.0], [0.1] * 6):
         assert rloo([rewards], RlooParams()) == [[0.0] * len(rewards)]  # exactly, whatever the rounding
         for baseline in (True, False):  # nothing to normalise by: eps keeps it finite, and it is exactly 0
-            assert reinforce_pp([rewards, rewards], ReinforcePPParams(group_baseline=baseline)) == [
-                [0.0] * len(rewards)
-            ] * 2
+            assert (
+                reinforce_pp([rewards, rewards], ReinforcePPParams(group_baseline=baseline))
+                == [[0.0] * len(rewards)] * 2
+            )
     for rewards in ([0.7] * 8, [1.0] * 5, [0.0, 0.0]):  # where the mean is exact, as for 0/1 rewards
         assert grpo([rewards], GrpoParams()) == [[0.0] * len(rewards)]
     # a zero-variance group in a batch that does vary: rloo and grpo give it 0; reinforce_pp centres it at 0
