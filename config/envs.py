@@ -1,5 +1,6 @@
 """One environment of the task mix: which plugin to load (`id`), the arguments its factory gets
-(`args`), its label in the lake (`name`) and its share of the prompts (`weight`).
+(`args`), its label in the lake (`name`), its share of the prompts (`weight`) and, optionally, the advantage
+estimator of its groups (`advantage`, config/advantage.py; default: the orchestrator's).
 
 Only the syntax of `id` is checked here: resolving it imports the plugin's module, which the run-level
 load step does (engines/environments/plugins.py, called by the CLI), so this module stays import-light.
@@ -12,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from config.advantage import AdvantageConfig
 from config.base import Strict
 from config.registry import ENVIRONMENTS, STRING_TASKS
 
@@ -46,6 +48,9 @@ class EnvSpec(Strict):
         description="tag: `rev:abc` (the built-in model's format); instruct: a sentence for chat models; "
         "auto: what the tokenizer suits (tag for the character tokenizer, instruct for Hugging Face ones); "
         "passed as `prompt_style` to factories that take it",
+    )
+    advantage: AdvantageConfig | None = Field(
+        None, description="this environment's advantage estimator; default: [orchestrator.advantage]"
     )
 
     @model_validator(mode="before")

@@ -1,9 +1,13 @@
-"""The orchestrator's settings: batch shape, sampling, request concurrency."""
+"""The orchestrator's settings: batch shape, sampling, request concurrency, the advantage estimator and reward
+shaping (config/advantage.py)."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
 
+from pydantic import Field, model_validator
+
+from config.advantage import AdvantageConfig, OverlongConfig, with_legacy_normalize
 from config.base import Strict
 
 
@@ -13,6 +17,21 @@ class OrchestratorConfig(Strict):
     max_new_tokens: int = Field(12, gt=0)
     temperature: float = Field(1.0, gt=0)
     requests_in_flight: int = Field(16, gt=0, description="concurrent group requests to inference")
-    normalize_advantages: bool = Field(True, description="divide group-centred rewards by the group std")
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="the advantage estimator")
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig, description="DAPO soft overlong punishment")
     poll_interval_s: float = Field(0.05, gt=0)
     inference_timeout_s: float = Field(120.0, gt=0, description="how long to wait for the engine's /health")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_normalize(cls, data: Any) -> Any:
+        return with_legacy_normalize(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits(self) -> OrchestratorConfig:
+        if self.overlong.buffer >= self.max_new_tokens:
+            raise ValueError(
+                f"orchestrator.overlong.buffer={self.overlong.buffer} must be less than "
+                f"orchestrator.max_new_tokens={self.max_new_tokens} (the penalty ramps up over the last `buffer`)"
+            )
+        return self

@@ -46,8 +46,24 @@ INFERENCE_BACKENDS: dict[str, str] = {
 # variant's model in config/loss.py. pyproject.toml registers these in the group too (tests keep them equal).
 LOSS_GROUP = "rollflow.losses"
 LOSSES: dict[str, str] = {
-    name: f"engines.trainer.losses.builtin:{name.upper()}"
-    for name in ("masked_is", "ppo_clip", "tis", "mis", "icepop", "cispo", "gspo", "ipo")
+    "masked_is": "engines.trainer.losses.builtin:MASKED_IS",
+    "ppo_clip": "engines.trainer.losses.builtin:PPO_CLIP",
+    "tis": "engines.trainer.losses.builtin:TIS",
+    "mis": "engines.trainer.losses.builtin:MIS",
+    "icepop": "engines.trainer.losses.builtin:ICEPOP",
+    "cispo": "engines.trainer.losses.builtin:CISPO",
+    "gspo": "engines.trainer.losses.builtin:GSPO",
+    "ipo": "engines.trainer.losses.builtin:IPO",
+}
+
+# `[orchestrator.advantage] type` and `[[envs]] advantage.type` -> the estimator's `AdvantageSpec`
+# (engines/orchestrator/advantages.py: the function and its params class), or an import path `module:attribute`.
+# pyproject.toml registers these in the group too; tests/unit/test_advantage_plugins.py keeps the two equal.
+ADVANTAGE_GROUP = "rollflow.advantages"
+ADVANTAGES: dict[str, str] = {
+    "grpo": "engines.orchestrator.advantages:GRPO",
+    "rloo": "engines.orchestrator.advantages:RLOO",
+    "reinforce_pp": "engines.orchestrator.advantages:REINFORCE_PP",
 }
 
 # component -> the module its process runs (`python -m MODULE --config FILE`); one each, whatever the backend.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from config.envs import STRING_TASK_DEFAULTS, EnvSpec
+from config.orchestrator import OrchestratorConfig
 from config.registry import STRING_TASKS
 from config.run import resolve_seed_keys
 
@@ -37,9 +38,14 @@ def _current_envs(config: dict) -> dict:
 
 def _current_keys(config: dict) -> dict:
     """The seed's spellings as the keys stored now (`deployment.num_infer_replicas`, which earlier versions
-    stored beside `inference.num_infer_replicas`), so the same setting compares equal."""
+    stored beside `inference.num_infer_replicas`; `orchestrator.normalize_advantages`, now
+    `orchestrator.advantage`, with the keys added since at their defaults), so the same setting compares equal."""
     try:
-        return resolve_seed_keys(config)
+        config = resolve_seed_keys(config)
+        if isinstance(config.get("orchestrator"), dict):
+            orchestrator = OrchestratorConfig.model_validate(config["orchestrator"]).model_dump(mode="json")
+            config = {**config, "orchestrator": orchestrator}
+        return config
     except ValueError:  # not valid any more: compare as stored, which reports the difference
         return config
 

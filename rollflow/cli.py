@@ -91,9 +91,11 @@ def _load(profiles: list[str], overrides: list[tuple[str, str]]) -> RunConfig:
 
 
 def check_loaded(cfg: RunConfig, env_sources: list[str]) -> None:
-    """The load-time checks that need more than the config itself: the environments, the model directory and
-    the inference backend's capabilities; each refuses with exit code 2 before anything starts."""
+    """The load-time checks that need more than the config itself: the environments, the advantage estimators,
+    the model directory and the inference backend's capabilities; each refuses with exit code 2 before anything
+    starts."""
     check_envs(cfg, env_sources)
+    check_advantages(cfg, env_sources)
     check_model(cfg)
     check_backend(cfg)
     check_loss(cfg)
@@ -107,6 +109,19 @@ def check_envs(cfg: RunConfig, env_sources: list[str]) -> None:
 
     try:
         check(cfg.envs, env_sources, "tag" if cfg.model.path is None else "instruct")
+    except PluginError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_advantages(cfg: RunConfig, env_sources: list[str]) -> None:
+    """Load every configured advantage estimator (`[orchestrator.advantage]`, each `[[envs]] advantage`; built in,
+    entry point or import path), validate its parameters with its params class and call it once, so a bad one
+    fails here, exit code 2, naming the key, instead of in the orchestrator after the warm-up."""
+    from engines.orchestrator.estimators import check
+    from engines.registry import PluginError
+
+    try:
+        check(cfg.orchestrator.advantage, cfg.envs, env_sources)
     except PluginError as exc:
         raise ConfigError(str(exc)) from None
 

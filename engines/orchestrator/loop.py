@@ -2,8 +2,10 @@
 
 Per step N not yet committed: wait until the engine serves a policy no older than N-1-async_level, draw `batch_size`
 prompts (a pure function of seed and step), request `group_size` samples each over HTTP, score them,
-compute group advantages (here, for every environment kind: environments return scored rows), drop samples
-older than `max_off_policy_steps`, and commit
+shape the rewards (DAPO overlong punishment, engines/orchestrator/overlong.py) and compute the step's advantages
+once every group is in (here, for every environment kind: environments return scored rows; each env's groups by
+its configured estimator, engines/orchestrator/estimators.py), drop samples older than `max_off_policy_steps`,
+and commit
 `rollouts/step=N/`. A background task follows `weights/` and pushes each new publication to the engine
 while generation runs, so one rollout may span two policy versions. Requests and responses are the
 inference API's own types (engines/protocol.py); each sample becomes a typed `RolloutRow`, carrying
@@ -33,8 +35,9 @@ from engines.entry import read_process_config
 from engines.environments.base import EnvMix, Task
 from engines.environments.episodes import GroupEnvironment, MultiTurnEnvironment, is_multi_turn
 from engines.models import modeldir
-from engines.orchestrator.advantages import with_group_advantages
+from engines.orchestrator.estimators import StepEstimators
 from engines.orchestrator.multiturn import EpisodeGroup, post_completion
+from engines.orchestrator.overlong import shaped_rewards
 from engines.protocol import (
     ADMIN_TOKEN_ENV,
     CompletionChoice,
@@ -135,11 +138,14 @@ class Orchestrator:
         self.episodes = EpisodeGroup(
             client, self.limit, self.tok, self.ocfg, cfg.seed, cfg.model.max_seq_len, cfg.session_header
         )
+        self.estimators = StepEstimators(self.ocfg.advantage, cfg.envs)
 
-    async def sample_group(self, step: int, group: int) -> list[RolloutRow]:
-        """One group's rows, scored by its environment, with the group's advantages."""
-        rows = await self.scored_group(step, group)
-        return with_group_advantages(rows, self.ocfg.normalize_advantages)
+    def set_advantages(self, groups: list[list[RolloutRow]]) -> dict[str, int]:
+        """Every row's advantage from its group's (shaped) rewards, by its env's estimator, for the whole step;
+        returns the counts the step's manifest records."""
+        rewards, skipped = shaped_rewards(groups, self.ocfg.overlong, self.ocfg.max_new_tokens)
+        zero = self.estimators.apply(groups, rewards)
+        return {"zero_advantage_groups": zero, **({"overlong_skipped": skipped} if skipped else {})}
 
     async def scored_group(self, step: int, group: int) -> list[RolloutRow]:
         task = self.mix.task(f"step={step}/group={group}")
@@ -193,19 +199,22 @@ class Orchestrator:
     async def run_step(self, step: int) -> None:
         waited = await self.sync.wait_for(step - 1 - self.cfg.async_level)
         t0 = time.perf_counter()
-        groups = await asyncio.gather(*(self.sample_group(step, g) for g in range(self.ocfg.batch_size)))
+        groups = await asyncio.gather(*(self.scored_group(step, g) for g in range(self.ocfg.batch_size)))
         gen_s = time.perf_counter() - t0
+        counts = self.set_advantages(list(groups))  # before the staleness filter: over whole groups
         rows = [row for grp in groups for row in grp]
         kept = [r for r in rows if staleness(step, r.policy_version) <= self.cfg.max_off_policy_steps]
         if not kept:
             raise RuntimeError(f"step {step}: every sample exceeded max_off_policy_steps; nothing to commit")
         versions = Counter(r.policy_version for r in kept)
         meta = {"gen_s": gen_s, "wait_s": waited, "dropped": len(rows) - len(kept), "versions": dict(versions)}
+        meta |= counts
         await asyncio.to_thread(rollouts.write_step, self.fs, self.root, step, rollouts.to_table(kept), meta)
         reward = sum(r.reward for r in kept) / len(kept)
         log.info(
             f"step {step}/{self.cfg.max_steps}: {len(kept)} samples (dropped {meta['dropped']}), "
-            f"reward {reward:.3f}, policy versions {dict(sorted(versions.items()))}, "
+            f"reward {reward:.3f}, zero-advantage groups {counts['zero_advantage_groups']}/{len(groups)}, "
+            f"policy versions {dict(sorted(versions.items()))}, "
             f"gen {gen_s:.2f}s, waited {waited:.2f}s"
         )
 

@@ -187,10 +187,25 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
     assert cfg.placement.slurm.mem == "8G" and cfg.inference.enable_return_routed_experts
     assert check_resumable(cfg) == {}  # nothing differs from what the run stored
     # every process config is written as before (the orchestrator's gained the session header it sends, the
-    # router's configured one), and the vLLM servers are started with the same commands
+    # router's configured one, and reads `normalize_advantages` as the grpo estimator it always was; env entries
+    # got `advantage`), and the vLLM servers are started with the same commands
     slices = component_configs(cfg, stored_config(str(out))["run_id"], "http://127.0.0.1:0")
     added = {"orchestrator": {"session_header": "X-Session-ID"}}
     for name, sub in slices.items():
-        assert sub.model_dump(mode="json") == {**_stored(f"{name}.json", out), **added.get(name, {})}, name
+        stored = _stored(f"{name}.json", out)
+        for env in stored.get("envs", []):
+            env["advantage"] = None  # the orchestrator's estimator (an `[[envs]]` entry's own: none)
+        if name == "orchestrator":
+            section = stored["orchestrator"]
+            assert section.pop("normalize_advantages") is True
+            section["advantage"] = {
+                "type": "grpo",
+                "normalize_std": True,
+                "group_baseline": None,
+                "eps": None,
+                "args": {},
+            }
+            section["overlong"] = {"buffer": 0, "penalty": 1.0}
+        assert sub.model_dump(mode="json") == {**stored, **added.get(name, {})}, name
     script = vllm_launch.plan_script(vllm_launch.render(cfg.inference, max_model_len=64, under_slurm=True))
     assert script.splitlines()[1:] == (STORED / "vllm-commands.sh").read_text().splitlines()[1:]
