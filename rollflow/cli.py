@@ -154,12 +154,13 @@ def check_loss(cfg: RunConfig) -> None:
     if cfg.trainer.loss.type in BUILTIN_LOSSES:
         return
     from engines.registry import PluginError
-    from engines.trainer.losses.registry import resolve
+    from engines.trainer.losses.registry import probe, resolve
 
     try:
-        spec, _ = resolve(cfg.trainer.loss)
+        spec, params = resolve(cfg.trainer.loss)
+        probe(cfg.trainer.loss, spec, params)
     except PluginError as exc:
-        raise ConfigError(str(exc)) from None
+        raise ConfigError(f"invalid loss: {exc}") from None
     if spec.sequence_level and cfg.trainer.parallel.cp > 1:
         raise ConfigError(
             f"trainer.loss.type = {cfg.trainer.loss.type!r} reads whole samples, which context parallelism "

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from config.registry import ADVANTAGE_GROUP
+from config.registry import ADVANTAGE_GROUP, LOSS_GROUP
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "tests" / "plugins" / "pkg"
-ENTRIES: dict[str, list[str]] = {ADVANTAGE_GROUP: ["rank = toyalgos:RANK", "short = toyalgos:SHORT"]}
+ENTRIES: dict[str, list[str]] = {
+    ADVANTAGE_GROUP: ["rank = toyalgos:RANK", "short = toyalgos:SHORT"],
+    LOSS_GROUP: ["sign = toyalgos.losses:SIGN"],
+}
 
 
 def write_site(d: Path, entries: dict[str, list[str]] | None = None) -> Path:

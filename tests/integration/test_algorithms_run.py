@@ -23,7 +23,8 @@ SHORT = ("--sft.steps", "20", "--orchestrator.batch-size", "8", "--tracking.mlfl
 
 def _run(out: Path, api: str, *extra: str) -> list[dict]:
     args = ["rl", "@", str(TINY), "--output-dir", str(out), *SHORT, *extra]
-    proc = subprocess.run(cli_argv(*args), cwd=out.parent, env=cli_env(api), capture_output=True, text=True, timeout=600)
+    env = cli_env(api)
+    proc = subprocess.run(cli_argv(*args), cwd=out.parent, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
