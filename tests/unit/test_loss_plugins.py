@@ -43,7 +43,7 @@ def test_builtins_are_entry_points_in_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["entry-points"][LOSS_GROUP] == LOSSES
     assert set(LOSSES) == set(BUILTIN_LOSSES)
-    for name, model in BUILTIN_LOSSES.items():
+    for model in BUILTIN_LOSSES.values():
         spec, params = resolve(model())
         assert isinstance(spec, LossSpec) and spec.params is model and isinstance(params, model)
 
