@@ -59,11 +59,11 @@ class Step:
     def __call__(self) -> tuple[float, float]:
         import pyarrow as pa
         import torch
+        from engines.trainer.loss import policy_loss
 
         from engines.inference.embedded.generate import generate
         from engines.trainer.batch import make_batch, micro_batches
         from engines.trainer.common import batch_logprobs
-        from engines.trainer.loss import policy_loss
 
         n = len(self.prompts)
         t0 = time.perf_counter()

@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     import torch
+    from engines.trainer.loss import policy_loss
 
     from config.model import ModelConfig
     from engines.models.decoder import CausalLM
-    from engines.trainer.loss import policy_loss
 
     shape = QWEN3_0_6B if args.shape == "qwen3-0.6b" else TINY
     cfg = ModelConfig(**{k: v for k, v in shape.items() if k != "vocab_size"})

@@ -11,6 +11,7 @@ import torch
 
 from config.envs import EnvSpec
 from config.model import ModelConfig
+from config.trainer import TrainerConfig
 from engines.environments.base import EnvMix
 from engines.environments.episodes import demonstration_ids, run_episode
 from engines.environments.tools import ToolLookup
@@ -19,7 +20,7 @@ from engines.models.tokenizer import CharTokenizer
 from engines.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest
 from engines.trainer.batch import make_batch, pack_batch
 from engines.trainer.common import batch_logprobs, packed_logprobs
-from engines.trainer.loss import policy_loss
+from engines.trainer.losses.objective import Objective, counts_of, token_scores
 from storage import rollouts
 
 TOK = CharTokenizer()
@@ -167,13 +168,12 @@ def test_packed_loss_equals_padded_loss_with_environment_tokens():
     model = CausalLM(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=48), 50)
     batch = make_batch(rollouts.to_table(_rows()), TOK.pad_id)
     packed = pack_batch(batch, TOK.pad_id)
-    args = (0.0, float("inf"), float(batch.loss_mask.sum()))  # keep every token: the loss is non-zero
-    padded = policy_loss(batch_logprobs(model, batch), batch.sampler_logprobs, batch.advantages, batch.loss_mask, *args)
-    pk = policy_loss(
-        packed_logprobs(model, packed), packed.sampler_logprobs, packed.advantages, packed.loss_mask, *args
-    )
-    assert padded.tokens == pk.tokens == 7 and padded.loss != 0
-    assert torch.allclose(padded.loss, pk.loss, atol=1e-6)
+    objective = Objective(TrainerConfig(loss={"type": "tis", "cap": 1e9}))  # keeps every token: loss non-zero
+    counts = counts_of(batch)
+    padded, padded_stats = objective(token_scores(batch, batch_logprobs(model, batch)), counts)
+    pk, pk_stats = objective(token_scores(packed, packed_logprobs(model, packed)), counts)
+    assert padded_stats["tokens"] == pk_stats["tokens"] == 7 and padded != 0
+    assert torch.allclose(padded, pk, atol=1e-6)
 
 
 def test_sft_batch_trains_replies_of_multi_turn_envs():

@@ -176,7 +176,9 @@ def test_micro_batches_accumulate_to_the_full_batch(aggregation):
     loss, grad, stats = _loss(logprobs, sampler, adv, mask, counts, objective)
     total, grads, dropped = torch.zeros(()), [], 0.0
     for rows in (slice(0, 1), slice(1, 3)):
-        part_loss, part_grad, part_stats = _loss(logprobs[rows], sampler[rows], adv[rows], mask[rows], counts, objective)
+        part_loss, part_grad, part_stats = _loss(
+            logprobs[rows], sampler[rows], adv[rows], mask[rows], counts, objective
+        )
         total, dropped = total + part_loss, dropped + part_stats["dropped"]
         grads.append(part_grad)
     torch.testing.assert_close(total, loss, rtol=1e-6, atol=1e-7)

@@ -15,7 +15,6 @@ from pydantic import ValidationError
 
 from config.loss import BUILTIN_LOSSES, SEQUENCE_LEVEL
 from config.trainer import TrainerConfig
-from engines.trainer.losses import builtin
 from engines.trainer.losses.base import LossInputs
 from engines.trainer.losses.objective import Objective, StepCounts, TokenScores, step_metrics
 from engines.trainer.losses.registry import resolve
@@ -58,7 +57,6 @@ AGGREGATIONS: list[dict[str, Any]] = [
 ]
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tensors of a few dozen elements: intra-op threads only contend (on a busy host, 10x slower)."""
@@ -77,10 +75,10 @@ def _ppo(r: float, a: float, lo: float, hi: float) -> tuple[float, float]:
     return (unclipped, a) if unclipped <= clipped else (clipped, 0.0)
 
 
-def reference_terms(cfg: dict[str, Any], l, m, p, adv, mask) -> tuple[list[list[float]], list[list[float]]]:
+def reference_terms(cfg: dict[str, Any], lp, m, p, adv, mask) -> tuple[list[list[float]], list[list[float]]]:
     """Per-token term and d term / d l, from the papers' formulas (docs/algorithm.md) with Python floats."""
     kind, c = cfg["type"], BUILTIN_LOSSES[cfg["type"]](**cfg)
-    rows, cols = len(l), len(l[0])
+    rows, cols = len(lp), len(lp[0])
     value = [[0.0] * cols for _ in range(rows)]
     grad = [[0.0] * cols for _ in range(rows)]
     proximal = getattr(c, "old_policy", "sampler") == "proximal"
@@ -88,11 +86,11 @@ def reference_terms(cfg: dict[str, Any], l, m, p, adv, mask) -> tuple[list[list[
         tokens = [t for t in range(cols) if mask[i][t]]
         old = p[i] if proximal else m[i]
         seq_mean = {
-            "mis": sum(l[i][t] - m[i][t] for t in tokens) / max(len(tokens), 1),
-            "gspo": sum(l[i][t] - old[t] for t in tokens) / max(len(tokens), 1),
+            "mis": sum(lp[i][t] - m[i][t] for t in tokens) / max(len(tokens), 1),
+            "gspo": sum(lp[i][t] - old[t] for t in tokens) / max(len(tokens), 1),
         }.get(kind, 0.0)
         for t in tokens:
-            a, lt, mt = adv[i], l[i][t], m[i][t]
+            a, lt, mt = adv[i], lp[i][t], m[i][t]
             w = min(math.exp(p[i][t] - mt), c.behaviour_cap) if proximal and hasattr(c, "behaviour_cap") else 1.0
             if kind == "masked_is":
                 r = math.exp(lt - mt)
@@ -216,8 +214,9 @@ def test_objective_matches_the_published_formula_and_its_gradients(case, agg):
     lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
     value, dterm = reference_terms(cfg, lp.tolist(), sampler.tolist(), proximal.tolist(), ADV.tolist(), MASK.tolist())
     weights = reference_weights(cfg, MASK.tolist(), (float(MASK.sum()), 4.0))
-    expected = sum(w * v for wr, vr in zip(weights, value) for w, v in zip(wr, vr))
-    expected_grad = torch.tensor([[w * g for w, g in zip(wr, gr)] for wr, gr in zip(weights, dterm)], dtype=F64)
+    pairs = list(zip(weights, value, dterm, strict=True))
+    expected = sum(w * v for wr, vr, _ in pairs for w, v in zip(wr, vr, strict=True))
+    expected_grad = torch.tensor([[w * g for w, g in zip(wr, gr, strict=True)] for wr, _, gr in pairs], dtype=F64)
     assert math.isclose(float(loss), expected, rel_tol=1e-12, abs_tol=1e-14)
     torch.testing.assert_close(grad_l, expected_grad, rtol=1e-12, atol=1e-14)
     # through log_softmax to the model input: d loss / d logits = d loss / d l (onehot - softmax)
@@ -245,8 +244,15 @@ def test_the_ratio_reported_is_the_one_the_variant_weighs_with(case):
     cfg = case[1]
     _, targets, sampler, proximal = _data()
     lp = sampler + 0.1
-    inputs = LossInputs(lp, sampler, proximal, ADV[:, None].expand_as(MASK), MASK > 0, _scores(
-        _data()[0], targets, sampler, proximal).sequence, 5)
+    inputs = LossInputs(
+        lp,
+        sampler,
+        proximal,
+        ADV[:, None].expand_as(MASK),
+        MASK > 0,
+        _scores(_data()[0], targets, sampler, proximal).sequence,
+        5,
+    )
     objective = _objective(json.dumps(cfg, sort_keys=True))
     ratio = objective.spec.fn(inputs, objective.params).ratio
     on = MASK > 0
@@ -273,7 +279,13 @@ def test_accumulated_micro_batches_equal_the_full_batch(case, agg):
     total, grads = 0.0, []
     for rows in (slice(0, 2), slice(2, 5)):
         loss, _, g, _ = _run(
-            cfg, logits[rows], targets[rows], sampler[rows], proximal[rows], mask=MASK[rows], adv=ADV[rows],
+            cfg,
+            logits[rows],
+            targets[rows],
+            sampler[rows],
+            proximal[rows],
+            mask=MASK[rows],
+            adv=ADV[rows],
             counts=counts,
         )
         total += float(loss)
@@ -298,8 +310,9 @@ def test_the_sequence_level_variants_are_flagged_and_the_proximal_ones_read_it()
 def _fn_terms(cfg, lp, sampler, proximal, mask, adv):
     spec, params = _objective(json.dumps(cfg, sort_keys=True)).spec, _objective(json.dumps(cfg, sort_keys=True)).params
     seq = torch.arange(mask.shape[0])[:, None].expand_as(mask).clone()
-    x = LossInputs(lp, sampler, proximal, adv[:, None].expand_as(mask), mask > 0, torch.where(mask > 0, seq, -1),
-                   mask.shape[0])
+    x = LossInputs(
+        lp, sampler, proximal, adv[:, None].expand_as(mask), mask > 0, torch.where(mask > 0, seq, -1), mask.shape[0]
+    )
     return spec.fn(x, params)
 
 

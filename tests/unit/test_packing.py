@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from config.model import ModelConfig
+from config.trainer import TrainerConfig
 from engines.models.decoder import CausalLM
 from engines.models.tokenizer import CharTokenizer
 from engines.trainer.batch import make_batch, micro_batches, pack_batch, pack_rows, sample_lengths
 from engines.trainer.common import batch_logprobs, packed_logprobs
-from engines.trainer.loss import policy_loss
+from engines.trainer.losses.objective import Objective, StepCounts, token_scores
 
 TOK = CharTokenizer()
 CFG = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96, rope_theta=500.0)
@@ -89,9 +90,9 @@ def test_packed_loss_and_gradients_equal_padded():
         total = 0.0
         for mb in micro_batches(rows, 3):
             lp = packed_logprobs(model, mb) if packed else batch_logprobs(model, mb)
-            out = policy_loss(lp, mb.sampler_logprobs, mb.advantages, mb.loss_mask, 0.5, 2.0, n_tokens)
-            out.loss.backward()
-            total += float(out.loss.detach())
+            loss, _ = Objective(TrainerConfig())(token_scores(mb, lp), StepCounts(n_tokens, 1.0))
+            loss.backward()
+            total += float(loss.detach())
         return total, [p.grad.clone() for p in model.parameters()]
 
     loss_padded, g_padded = grads(False)
