@@ -27,6 +27,7 @@ _ENTRY_POINT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 class LossCommon(Strict):
     """What every variant shares: how per-token terms become the step's loss, and what joins them."""
 
+    type: str  # each variant's name (a Literal with its default there); a plugin's entry point or import path
     aggregation: Aggregation = Field(
         "token_mean",
         description="token_mean: sum over the optimizer step's tokens / their count; sequence_mean: mean over "

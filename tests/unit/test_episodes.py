@@ -20,7 +20,7 @@ from engines.models.tokenizer import CharTokenizer
 from engines.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest
 from engines.trainer.batch import make_batch, pack_batch
 from engines.trainer.common import batch_logprobs, packed_logprobs
-from engines.trainer.losses.objective import Objective, StepCounts, token_scores
+from engines.trainer.losses.objective import Objective, counts_of, token_scores
 from storage import rollouts
 
 TOK = CharTokenizer()
@@ -168,8 +168,8 @@ def test_packed_loss_equals_padded_loss_with_environment_tokens():
     model = CausalLM(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=48), 50)
     batch = make_batch(rollouts.to_table(_rows()), TOK.pad_id)
     packed = pack_batch(batch, TOK.pad_id)
-    objective = Objective(TrainerConfig(loss={"mask_low": 1e-9, "mask_high": 1e9}))  # every token kept: loss != 0
-    counts = StepCounts(float(batch.loss_mask.sum()), len(batch))
+    objective = Objective(TrainerConfig(loss={"type": "tis", "cap": 1e9}))  # keeps every token: loss non-zero
+    counts = counts_of(batch)
     padded, padded_stats = objective(token_scores(batch, batch_logprobs(model, batch)), counts)
     pk, pk_stats = objective(token_scores(packed, packed_logprobs(model, packed)), counts)
     assert padded_stats["tokens"] == pk_stats["tokens"] == 7 and padded != 0

@@ -5,11 +5,15 @@ Per micro-batch the trainer hands `Objective.__call__` its tensors; the inputs a
 with a non-finite sampler logprob leave the mask and are counted), the variant computes its terms, and
 each masked token t of sample i is weighed by the aggregation's weight w:
     token_mean:    w = 1 / N             N = the optimizer step's completion tokens
-    sequence_mean: w = 1 / (|y_i| S)     S = the optimizer step's samples, |y_i| sample i's tokens
+    sequence_mean: w = 1 / (|y_i| S)     S = the optimizer step's samples that have a completion token,
+                                         |y_i| sample i's completion tokens
     constant:      w = 1 / (C S)         C = loss.constant_tokens (Dr. GRPO)
     loss = sum_t w_t (term_t + kl_coef k(l_t, l_ref_t) - entropy_coef H_t)
 N and S are counted over the whole optimizer step (every micro-batch and rank), so accumulated micro-batch
-gradients equal the full mini-batch's. The statistics are sums the trainer adds over micro-batches and ranks.
+gradients equal the full mini-batch's; a sample without completion tokens adds nothing and is not counted in S.
+Tokens with a non-finite sampler logprob stay in N and |y_i| (counted) but get no term (no gradient); they
+count as dropped (masked_fraction) and as sampler_nonfinite_tokens. The statistics are sums the trainer adds
+over micro-batches and ranks.
 """
 
 from __future__ import annotations
@@ -72,8 +76,11 @@ def token_scores(
 
 
 def counts_of(mb: Batch | PackedBatch) -> StepCounts:
-    """The counts of `mb` taken as a whole optimizer step (tests and benchmarks; the trainer counts mini-batches)."""
-    return StepCounts(float(mb.loss_mask.sum()), float(int(sample_index(mb).max()) + 1))
+    """The counts of `mb` taken as a whole optimizer step (tests and benchmarks; the trainer counts mini-batches):
+    its completion tokens, and its samples that have at least one (as the trainer counts them)."""
+    index = sample_index(mb)
+    with_tokens = torch.unique(index[(mb.loss_mask > 0) & (index >= 0)])
+    return StepCounts(float(mb.loss_mask.sum()), float(with_tokens.numel()))
 
 
 class Objective:
@@ -99,7 +106,7 @@ class Objective:
             return mask / (max(counts.sequences, 1.0) * self.loss_cfg.constant_tokens)
         n = int(s.sequence.max()) + 1 if s.sequence.numel() else 0
         index = torch.where(mask > 0, s.sequence, 0).flatten()
-        lengths = torch.zeros(n, dtype=mask.dtype).index_add(0, index, mask.flatten())
+        lengths = torch.zeros(n, dtype=mask.dtype, device=mask.device).index_add(0, index, mask.flatten())
         per_token = lengths[s.sequence.clamp(min=0)].clamp(min=1)
         return mask / (per_token * max(counts.sequences, 1.0))
 
@@ -133,17 +140,19 @@ class Objective:
     def _stats(self, s: TokenScores, valid: torch.Tensor, terms) -> dict[str, float]:
         """Sums over this micro-batch (ratio_max / neg_ratio_min: maxima) of what the step reports."""
         ratio = terms.ratio.detach()
+        counted = s.loss_mask > 0
         kl_sum, _ = k3_kl(s.logprobs.detach(), s.sampler_logprobs, s.loss_mask)
         stats = {
             "tokens": float(s.loss_mask.sum()),
             "valid_tokens": float(valid.sum()),
-            "dropped": float((terms.dropped & valid).sum()),
+            # given no gradient: dropped by the variant, or by a non-finite sampler logprob
+            "dropped": float((terms.dropped & valid).sum() + (counted & ~valid).sum()),
             "clipped": float((terms.clipped & valid).sum()),
             "ratio_sum": float(masked(ratio, valid).sum()),
             "ratio_max": float(torch.where(valid, ratio, -torch.inf).max()) if valid.any() else 0.0,
             "neg_ratio_min": float(torch.where(valid, -ratio, -torch.inf).max()) if valid.any() else 0.0,
             "sampler_kl_sum": kl_sum,
-            "nonfinite": float(((s.loss_mask > 0) & ~torch.isfinite(s.sampler_logprobs)).sum()),
+            "nonfinite": float((counted & ~valid).sum()),
         }
         if s.entropy is not None:
             stats["entropy_sum"] = float(masked(s.entropy.detach(), s.loss_mask > 0).sum())
@@ -152,8 +161,9 @@ class Objective:
         return stats
 
 
-def step_metrics(stats: dict[str, float], optimizer_steps: int) -> dict[str, float | None]:
-    """The step's metrics from the statistics summed over every micro-batch, rank and optimizer step."""
+def step_metrics(stats: dict[str, float], passes: int) -> dict[str, float | None]:
+    """The step's metrics from the statistics summed over every micro-batch, rank and optimizer step; `passes`
+    is how often each token was seen (trainer.epochs), so sampler_nonfinite_tokens counts each token once."""
     valid = max(stats.get("valid_tokens", 0.0), 1.0)
     tokens = max(stats.get("tokens", 0.0), 1.0)
     out: dict[str, float | None] = {
@@ -163,7 +173,7 @@ def step_metrics(stats: dict[str, float], optimizer_steps: int) -> dict[str, flo
         "ratio_max": stats.get("ratio_max", 0.0),
         "ratio_min": -stats.get("neg_ratio_min", 0.0),
         "sampler_kl": stats.get("sampler_kl_sum", 0.0) / tokens,
-        "sampler_nonfinite_tokens": stats.get("nonfinite", 0.0) / optimizer_steps,
+        "sampler_nonfinite_tokens": stats.get("nonfinite", 0.0) / passes,
         "entropy": stats["entropy_sum"] / tokens if "entropy_sum" in stats else None,
         "ref_kl": stats["ref_kl_sum"] / tokens if "ref_kl_sum" in stats else None,
     }
