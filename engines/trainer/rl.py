@@ -17,6 +17,7 @@ import torch
 from config.process import TrainerProcessConfig
 from config.tracking import resolve_tracking_uri
 from engines.models import lora, modeldir
+from engines.models.decoder import CausalLM
 from engines.trainer import checkpoint, context_parallel, distributed, parallel
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
 from engines.trainer.common import Scored, log, routing_for, scored_tokens, seed_everything
@@ -137,7 +138,7 @@ class RLTrainer:
         history.add(self.version, self.model)
         return history
 
-    def _build_reference(self) -> torch.nn.Module:
+    def _build_reference(self) -> CausalLM:
         """The frozen policy the KL penalty measures against: `trainer.reference.model`, or version 0 (the
         published start of this run, whatever checkpoint a resume loaded)."""
         path = self.tcfg.reference.model
@@ -181,7 +182,7 @@ class RLTrainer:
                 loss, norm = self._optimizer_step(micros, counts, stats)
                 losses.append(loss)
                 norms.append(norm)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])
         self.scheduler.step()  # warm-up counts rollout steps, whatever the optimizer steps per step
         self.model.eval()
         return self._reduce(stats, losses, norms, lr, float(batch.loss_mask.sum().clamp(min=1)))
@@ -210,7 +211,7 @@ class RLTrainer:
             if self.reference is not None:
                 m.reference = self._score(self.reference, m.mb).logprobs
 
-    def _score(self, model: torch.nn.Module, mb: Batch | PackedBatch, entropy: bool = False) -> Scored:
+    def _score(self, model: CausalLM, mb: Batch | PackedBatch, entropy: bool = False) -> Scored:
         routing = routing_for(mb, self.tcfg.enable_router_replay)
         with context_parallel.gathered_kv(self.dist):
             return scored_tokens(model, mb, routing, entropy=entropy)
