@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from config.advantage import AdvantageConfig
 from config.registry import ADVANTAGE_GROUP, LOSS_GROUP
+from engines.orchestrator.estimators import load
+from storage import rollouts
+from storage.fs import get_fs
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "tests" / "plugins" / "pkg"
@@ -26,3 +32,32 @@ def write_site(d: Path, entries: dict[str, list[str]] | None = None) -> Path:
     text = "".join(f"[{group}]\n" + "".join(f"{line}\n" for line in lines) + "\n" for group, lines in groups.items())
     (info / "entry_points.txt").write_text(text)
     return d
+
+
+def _shaped(names: list[str] | None, values: list[float] | None, reward: float) -> tuple[float, float | None]:
+    metrics = dict(zip(names or [], values or [], strict=True))
+    penalty = metrics.get("overlong_penalty")
+    return reward + (penalty or 0.0), penalty
+
+
+def check_steps(out: Path, advantage: AdvantageConfig, steps: int) -> list[float | None]:
+    """Each step's advantages are the estimator's on its shaped rewards; returns every row's penalty (if shaped)."""
+    estimator, (fs, root) = load(advantage), get_fs(str(out))
+    penalties: list[float | None] = []
+    for step in range(1, steps + 1):
+        table, manifest = rollouts.read_step(fs, root, step)
+        assert manifest["dropped"] == 0  # every group whole, so the estimator can be re-applied to the shard
+        groups: dict[str, list[tuple[float, float]]] = {}
+        cols = [
+            table.column(c).to_pylist() for c in ("group_id", "reward", "advantage", "metric_names", "metric_values")
+        ]
+        for group, reward, adv, names, values in zip(*cols, strict=True):
+            shaped, penalty = _shaped(names, values, reward)
+            penalties.append(penalty)
+            groups.setdefault(group, []).append((shaped, adv))
+        expected = estimator([[s for s, _ in rows] for rows in groups.values()])
+        for rows, want in zip(groups.values(), expected, strict=True):
+            assert [a for _, a in rows] == pytest.approx(want, rel=1e-5, abs=1e-5)  # the column is float32
+        zero = sum(all(a == 0.0 for _, a in rows) for rows in groups.values())
+        assert manifest["zero_advantage_groups"] == zero
+    return penalties

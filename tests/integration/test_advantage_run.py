@@ -1,7 +1,8 @@
 """Advantage estimators end to end: short real runs through the `rollflow` CLI, each with another estimator, and
 every committed shard checked against that estimator applied to its own rows.
 
-The `make test` run uses rloo with DAPO's overlong shaping (a barely warmed-up model writes long completions, so
+`make test` runs rloo with DAPO's overlong shaping, together with other algorithm settings, in
+tests/integration/test_algorithms_run.py; this module's run of it (a barely warmed-up model writes long completions, so
 the penalty is non-zero); the runs of the other built-ins and of the plugin estimator (tests/plugins/pkg/toyalgos,
 by entry point) are `long`. Every step's `advantage` column must equal the estimator applied, per group, to the
 step's shaped rewards (`reward` + the row's `overlong_penalty` metric), the manifest must count the groups whose
@@ -19,10 +20,7 @@ import pytest
 from conftest import cli_argv, cli_env
 
 from config.advantage import AdvantageConfig
-from engines.orchestrator.estimators import load
-from storage import rollouts
-from storage.fs import get_fs
-from tests.algo_fixture import PKG, ROOT, write_site
+from tests.algo_fixture import PKG, ROOT, check_steps, write_site
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -40,41 +38,14 @@ def _run(tmp_path: Path, *overrides: str) -> Path:
     return out
 
 
-def _shaped(names: list[str] | None, values: list[float] | None, reward: float) -> tuple[float, float | None]:
-    metrics = dict(zip(names or [], values or [], strict=True))
-    penalty = metrics.get("overlong_penalty")
-    return reward + (penalty or 0.0), penalty
-
-
-def _check_steps(out: Path, advantage: AdvantageConfig) -> list[float]:
-    """Each step's advantages are the estimator's on its shaped rewards; returns every row's penalty (if shaped)."""
-    estimator, (fs, root), penalties = load(advantage), get_fs(str(out)), []
-    for step in range(1, STEPS + 1):
-        table, manifest = rollouts.read_step(fs, root, step)
-        assert manifest["dropped"] == 0  # every group whole, so the estimator can be re-applied to the shard
-        groups: dict[str, list[tuple[float, float]]] = {}
-        cols = [
-            table.column(c).to_pylist() for c in ("group_id", "reward", "advantage", "metric_names", "metric_values")
-        ]
-        for group, reward, adv, names, values in zip(*cols, strict=True):
-            shaped, penalty = _shaped(names, values, reward)
-            penalties.append(penalty)
-            groups.setdefault(group, []).append((shaped, adv))
-        expected = estimator([[s for s, _ in rows] for rows in groups.values()])
-        for rows, want in zip(groups.values(), expected, strict=True):
-            assert [a for _, a in rows] == pytest.approx(want, rel=1e-5, abs=1e-5)  # the column is float32
-        zero = sum(all(a == 0.0 for _, a in rows) for rows in groups.values())
-        assert manifest["zero_advantage_groups"] == zero
-    return penalties
-
-
 def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.long  # make test runs rloo with overlong shaping in tests/integration/test_algorithms_run.py
 def test_rloo_with_overlong_shaping(tmp_path):
     out = _run(tmp_path, "--orchestrator.advantage.type", "rloo", "--orchestrator.overlong.buffer", "4")
-    penalties = _check_steps(out, AdvantageConfig(type="rloo"))
+    penalties = check_steps(out, AdvantageConfig(type="rloo"), STEPS)
     assert all(p is not None and -1.0 <= p <= 0.0 for p in penalties)
     assert any(p < 0 for p in penalties), "a 5-step warm-up writes long completions: some must be penalised"
     metrics = _metrics(out)
@@ -102,5 +73,5 @@ def test_each_estimator_end_to_end(tmp_path, monkeypatch, case):
     out = _run(tmp_path, *overrides)
     monkeypatch.syspath_prepend(str(PKG))  # the plugin's module, for re-applying it here
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    assert set(_check_steps(out, advantage)) == {None}  # no shaping: no penalty recorded
+    assert set(check_steps(out, advantage, STEPS)) == {None}  # no shaping: no penalty recorded
     assert "env/overlong_penalty" not in _metrics(out)[-1]

@@ -1,61 +1,85 @@
-"""Each policy-loss variant through the real CLI: `[trainer.loss] type = ...`, several optimizer steps per
-rollout step against the proximal policy, the reference KL and the entropy term, read back from metrics.jsonl.
+"""The algorithm settings through the real CLI: a policy-loss variant (`[trainer.loss] type = ...`) with several
+optimizer steps per rollout step against the proximal policy, the reference KL, the entropy term and the
+zero-advantage filter, and on the orchestrator's side the rloo estimator with DAPO's overlong shaping; read back
+from metrics.jsonl and the committed shards.
 
-One combined run is in `make test`; one short run per variant is marked `long` (`make test-long`).
+That one combined run is in `make test`; a short run per loss variant and the plugin loss are `long`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 from conftest import TINY, cli_argv, cli_env
 
+from config.advantage import AdvantageConfig
 from config.loss import BUILTIN_LOSSES
+from engines.models.tokenizer import CharTokenizer
+from tests.algo_fixture import PKG, ROOT, check_steps, write_site
 
 pytestmark = pytest.mark.slow
 
-SHORT = ("--sft.steps", "20", "--orchestrator.batch-size", "8", "--tracking.mlflow", "false", "--async-level", "0")
+STEPS = 3
+SHORT = ("--sft.steps", "5", "--orchestrator.batch-size", "8", "--tracking.mlflow", "false", "--async-level", "0")
 
 
 def _run(out: Path, api: str, *extra: str) -> list[dict]:
-    args = ["rl", "@", str(TINY), "--output-dir", str(out), *SHORT, *extra]
+    args = ["rl", "@", str(TINY), "--output-dir", str(out), "--max-steps", str(STEPS), *SHORT, *extra]
     env = cli_env(api)
+    site = write_site(out.parent / "site")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(PKG), str(site)])  # the plugin loss, for the long test
     proc = subprocess.run(cli_argv(*args), cwd=out.parent, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_decoupled_ppo_with_reference_kl_and_entropy(tmp_path, prefect_api):
+def test_algorithm_settings_end_to_end(tmp_path, prefect_api):
+    out = tmp_path / "run"
     rows = _run(
-        tmp_path / "run",
+        out,
         prefect_api,
-        "--max-steps", "4", "--trainer.loss.type", "ppo_clip", "--trainer.loss.old-policy", "proximal",
+        "--trainer.loss.type", "ppo_clip", "--trainer.loss.old-policy", "proximal",
         "--trainer.mini-batches", "2", "--trainer.epochs", "2", "--trainer.loss.aggregation", "sequence_mean",
         "--trainer.reference.kl-coef", "0.01", "--trainer.loss.entropy-coef", "0.001",
         "--trainer.loss.zero-advantage", "filter",
+        "--orchestrator.advantage.type", "rloo", "--orchestrator.overlong.buffer", "4",
     )  # fmt: skip
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["optimizer_steps"] == 4 for r in rows)  # 2 mini-batches x 2 epochs
     # the first optimizer step's ratio against the proximal policy is exactly 1; later ones move and get clipped
     assert all(r["ratio_min"] < 1 < r["ratio_max"] for r in rows)
     assert any(r["clipped_fraction"] > 0 for r in rows)
     # the policy leaves version 0, the reference, as it trains: its KL grows from the first step's
     assert 0 < rows[0]["ref_kl"] < rows[-1]["ref_kl"]
-    assert all(0 < r["entropy"] < math.log(64) for r in rows)
+    assert all(0 < r["entropy"] < math.log(CharTokenizer().vocab_size) for r in rows)  # at most uniform
     assert all(0 <= r["zero_advantage_fraction"] <= 1 for r in rows)
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+    # the orchestrator's side: every shard's advantages are rloo's of its (overlong-shaped) rewards
+    penalties = check_steps(out, AdvantageConfig(type="rloo"), STEPS)
+    assert all(p is not None and -1.0 <= p <= 0.0 for p in penalties)
+    assert any(p < 0 for p in penalties), "a 5-step warm-up writes long completions: some must be penalised"
+    assert all(-1.0 <= r["env/overlong_penalty"] <= 0.0 for r in rows)
 
 
 @pytest.mark.long
 @pytest.mark.parametrize("variant", sorted(BUILTIN_LOSSES))
 def test_each_loss_variant_runs(tmp_path, prefect_api, variant):
-    rows = _run(tmp_path / "run", prefect_api, "--max-steps", "3", "--trainer.loss.type", variant)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    rows = _run(tmp_path / "run", prefect_api, "--trainer.loss.type", variant)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
         assert math.isfinite(r["loss"]) and r["optimizer_steps"] == 1
         assert r["mismatch_kl"] is not None and r["mismatch_kl"] <= 1e-7  # same fp32 weights: rounding only
         assert 0 <= r["masked_fraction"] <= 1 and 0 <= r["clipped_fraction"] <= 1
+
+
+@pytest.mark.long
+def test_the_plugin_loss_runs(tmp_path, prefect_api):
+    rows = _run(tmp_path / "run", prefect_api, "--trainer.loss", '{type = "sign", args = {scale = 0.5}}')
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    # the plugin's own metric: the share of tokens in positive-advantage samples, of every trained token
+    assert all(0 < r["loss/positive"] < 1 and math.isfinite(r["loss"]) for r in rows)
