@@ -34,7 +34,7 @@ from engines.environments.base import EnvMix, Task
 from engines.environments.episodes import GroupEnvironment, MultiTurnEnvironment, is_multi_turn
 from engines.models import modeldir
 from engines.orchestrator.advantages import with_group_advantages
-from engines.orchestrator.multiturn import EpisodeGroup, post_completion
+from engines.orchestrator.multiturn import EpisodeGroup, post_completion, truncation
 from engines.protocol import (
     ADMIN_TOKEN_ENV,
     CompletionChoice,
@@ -159,6 +159,7 @@ class Orchestrator:
             return_token_ids=True,
             # a pure function of (seed, step, group): a resumed run redraws exactly these samples
             seed=derive_seed(self.cfg.seed, step, group),
+            **truncation(self.ocfg),  # orchestrator.top_p / top_k, and the kept support sizes with them
         )
         group_id = rollouts.group_id(step, group)
         response = await post_completion(self.client, self.limit, request, group_id, self.cfg.session_header)
@@ -186,6 +187,7 @@ class Orchestrator:
                 prompt_text=task.prompt,
                 completion_text=c.text,
                 routed_experts=c.routed_experts,
+                completion_kept=c.kept_sizes,  # null without truncation (or from a backend that cannot say)
             )
             for k, (c, reward) in enumerate(zip(choices, rewards, strict=True))
         ]

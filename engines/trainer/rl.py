@@ -17,7 +17,7 @@ from config.tracking import resolve_tracking_uri
 from engines.models import lora, modeldir
 from engines.trainer import checkpoint, context_parallel, distributed, parallel
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
-from engines.trainer.common import log, routing_for, seed_everything, train_logprobs
+from engines.trainer.common import log, routing_for, scored_tokens, seed_everything
 from engines.trainer.loss import policy_loss
 from engines.trainer.mismatch import Mismatch, PolicyHistory
 from engines.trainer.tracking import Tracker
@@ -127,7 +127,7 @@ class RLTrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         n_tokens = n_tokens or float(batch.loss_mask.sum().clamp(min=1))
-        loss_sum = masked = kl_sum = nonfinite = replayed = 0.0
+        loss_sum = masked = kl_sum = nonfinite = replayed = support_mismatch = 0.0
         lc = self.tcfg.loss
         for full, w in distributed.even_micro_batches(self.train_micro_batches(batch), weight, self.dist):
             mb = context_parallel.shard(full, self.dist)  # with cp: this rank's tokens of every row
@@ -135,7 +135,8 @@ class RLTrainer:
             if routing is not None and routing.replay is not None:
                 replayed += float(((routing.replay[..., 0, 0] >= 0) & (_scoring(mb) > 0)).sum())
             with context_parallel.gathered_kv(self.dist):
-                logprobs = train_logprobs(self.model, mb, routing)
+                scored = scored_tokens(self.model, mb, routing)  # on the sampler's kept support, if recorded
+            logprobs = scored.logprobs
             out = policy_loss(
                 logprobs,
                 mb.sampler_logprobs,
@@ -152,13 +153,14 @@ class RLTrainer:
             masked += out.masked_tokens
             kl_sum += out.sampler_kl_sum
             nonfinite += out.nonfinite_tokens
+            support_mismatch += scored.support_mismatch_tokens
         grad_norm = parallel.clip_grad_norm(self.model, self.tcfg.optim.max_grad_norm, self.dist)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.model.eval()
-        loss_sum, masked, kl_sum, nonfinite, replayed = distributed.all_reduce(
-            [loss_sum, masked, kl_sum, nonfinite, replayed], self.dist
+        loss_sum, masked, kl_sum, nonfinite, replayed, support_mismatch = distributed.all_reduce(
+            [loss_sum, masked, kl_sum, nonfinite, replayed, support_mismatch], self.dist
         )
         return {
             "loss": loss_sum,
@@ -170,13 +172,15 @@ class RLTrainer:
             "tokens": int(n_tokens),
             # completion tokens scored through the sampler's experts (router replay); 0 without replay
             "replayed_fraction": replayed / n_tokens,
+            # kept-support tokens the trainer ranks outside its own top k (docs/algorithm.md "Keep sampling mask")
+            "support_mismatch_tokens": int(support_mismatch),
         }
 
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()
         table, manifest = self.wait_for_rollouts(step)
         t1 = time.perf_counter()
-        batch = make_batch(table, self.tok.pad_id)
+        batch = make_batch(table, self.tok.pad_id, self.tcfg.keep_sampling_mask)
         pack_pad = self.tok.pad_id if self.tcfg.packing else None
         mismatch = (
             self.history.mismatch_kl(batch, self.tcfg.micro_batch_size, pack_pad, self.tcfg.enable_router_replay)
