@@ -55,7 +55,8 @@ def summary(out: Path) -> dict:
 
 def table(results: dict[str, dict]) -> str:
     lines = [
-        "| run | steps | mismatch_kl max | mismatch_kl median | support_mismatch_tokens / tokens | reward first 5 | reward last 5 |",
+        "| run | steps | mismatch_kl max | mismatch_kl median | support_mismatch_tokens / tokens "
+        "| reward first 5 | reward last 5 |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, s in results.items():
