@@ -106,7 +106,7 @@ def make_batch(table: pa.Table, pad_id: int, keep_sampling_mask: bool = True) ->
         routes=routes_tensor(table.column("routed_experts").to_pylist(), ids.shape[1])
         if "routed_experts" in table.column_names
         else None,
-        kept=kept_tensor(table, tuple(mask.shape)) if keep_sampling_mask else None,
+        kept=kept_tensor(table, (mask.shape[0], mask.shape[1])) if keep_sampling_mask else None,
     )
 
 
