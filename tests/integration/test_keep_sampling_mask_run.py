@@ -17,7 +17,8 @@ from conftest import cli_argv, cli_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow
+# ~42 s of CPU; measured 130 s wall on 2 cores shared with other jobs, so kept out of `make test`
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def test_top_p_run_records_the_kept_support_and_keeps_mismatch_at_fp32(tmp_path):
@@ -36,7 +37,7 @@ def test_top_p_run_records_the_kept_support_and_keeps_mismatch_at_fp32(tmp_path)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     kls = [r["mismatch_kl"] for r in rows if r["mismatch_kl"] is not None]
     print(f"mismatch_kl: max {max(kls, default=float('nan')):.1e} over {len(kls)} steps")
-    # with the support applied only float rounding separates sampler and trainer (measured max 2e-9 here;
+    # with the support applied only float rounding separates sampler and trainer (measured <= 6.4e-10 here;
     # not applied, the same run measures ~1e-2: docs/algorithm.md)
     assert kls and max(kls) <= 1e-7
     assert all(r["support_mismatch_tokens"] >= 0 for r in rows)
