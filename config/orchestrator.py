@@ -16,6 +16,8 @@ class OrchestratorConfig(Strict):
     group_size: int = Field(8, gt=1, description="samples per prompt (G)")
     max_new_tokens: int = Field(12, gt=0)
     temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: 1.0 = off (docs/algorithm.md)")
+    top_k: int = Field(0, ge=0, description="sample among the k most likely tokens: 0 = off")
     requests_in_flight: int = Field(16, gt=0, description="concurrent group requests to inference")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="the advantage estimator")
     overlong: OverlongConfig = Field(default_factory=OverlongConfig, description="DAPO soft overlong punishment")

@@ -40,6 +40,11 @@ class TrainerConfig(Strict):
     measure_mismatch: bool = Field(
         True, description="keep recent policies in memory to measure mismatch_kl on stale samples"
     )
+    keep_sampling_mask: bool = Field(
+        True,
+        description="score each sampled token on the support the sampler's top-k / top-p kept (the lake's "
+        "completion_kept), so the importance ratio is unbiased; false: full vocabulary (docs/algorithm.md)",
+    )
     enable_router_replay: bool = Field(
         False,
         description="MoE: route each token to the experts the sampler chose (R3), recomputing only the gate "

@@ -43,6 +43,9 @@ class SamplingFields(BaseModel):
     n: int = Field(1, gt=0)
     seed: int | None = Field(None, ge=0)  # OpenAI field: same seed + prompt -> same samples, in any batch
     return_token_ids: bool = False  # vLLM extension: completion (and prompt) token ids
+    # rollflow extension: per sampled token, the size of the support top-k / top-p truncation kept (`kept_sizes`);
+    # None (not sent) or false: not returned. The vLLM backend does not return it (docs/algorithm.md)
+    return_kept_sizes: bool | None = None
     stream: bool = False  # server-sent events, one chunk per token of a choice
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id: accepted, not used
@@ -61,6 +64,8 @@ class SamplingFields(BaseModel):
             raise ValueError("stream_options needs stream=true")
         if isinstance(self.stop, list) and not all(self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.return_kept_sizes and self.stream:
+            raise ValueError("return_kept_sizes is not returned when streaming (stream=false)")
         return self
 
     def stops(self) -> list[str]:
@@ -156,6 +161,9 @@ class CompletionChoice(BaseModel):
     # rollflow extension (inference.enable_return_routed_experts, MoE models): [seq, layers, top_k] expert ids
     # for every position the engine ran, seq = prompt + completion - 1 (docs/rollouts.md)
     routed_experts: list[list[list[int]]] | None = None
+    # rollflow extension (return_kept_sizes): per completion token, how many tokens the sampler's truncated
+    # distribution kept (top-k / top-p after temperature; the vocabulary size when nothing was cut)
+    kept_sizes: list[int] | None = None
 
 
 class Usage(BaseModel):
@@ -200,6 +208,7 @@ class ChatChoice(BaseModel):
     policy_version: int
     policy_version_end: int
     routed_experts: list[list[list[int]]] | None = None
+    kept_sizes: list[int] | None = None  # as CompletionChoice's
 
 
 class ChatResponse(BaseModel):

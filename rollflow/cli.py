@@ -170,13 +170,13 @@ def check_loss(cfg: RunConfig) -> None:
 
 def check_backend(cfg: RunConfig) -> None:
     """Load `inference.backend`'s declaration (import-light: no torch) and refuse, exit code 2, the settings
-    its capabilities do not cover (replicas, collective weights, routed experts, deployment keys) here
-    instead of when the inference process starts."""
+    its capabilities do not cover (replicas, collective weights, routed experts, deployment keys, recording
+    the support top-k / top-p sampling kept) here instead of when the inference process starts."""
     from engines.inference.backend import check
     from engines.registry import PluginError
 
     try:
-        check(cfg.inference, cfg.weight_broadcast)
+        check(cfg.inference, cfg.weight_broadcast, cfg.orchestrator, cfg.trainer)
     except PluginError as exc:
         raise ConfigError(str(exc)) from None
 

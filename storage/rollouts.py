@@ -20,7 +20,9 @@ from storage.fs import commit_dir, committed_steps, join, read_manifest, read_ve
 
 # 2: multi-turn columns (completion_mask, turn_policy_versions[_end]); version-1 shards lack them and read as
 # single-turn samples (every completion token a model token).
-SCHEMA_VERSION = 2
+# 3: completion_kept (per completion token, the support size the sampler's top-k / top-p truncation kept);
+# version-2 shards lack it and read as sampled from the full vocabulary (the trainer scores them so).
+SCHEMA_VERSION = 3
 
 
 class ArrowType:
@@ -74,6 +76,10 @@ class RolloutRow(BaseModel):
     # as parallel lists; the trainer averages each name over the step into metrics.jsonl. Null: none.
     metric_names: list[str] | None = None
     metric_values: list[Float32] | None = None
+    # Per completion token, how many tokens the sampler's truncated distribution kept (top-k / top-p after
+    # temperature): the trainer scores the token on that support (trainer.keep_sampling_mask). 0 on environment
+    # tokens of multi-turn rows; null when the sampler did not truncate (full vocabulary).
+    completion_kept: list[Int32] | None = None
 
 
 _SCALARS: dict[type, pa.DataType] = {str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_()}
@@ -140,6 +146,9 @@ def to_table(rows: Sequence[RolloutRow | Mapping[str, Any]]) -> pa.Table:
     check_routed_experts(table)
     for r in typed:
         check_episode(r)
+        if r.completion_kept is not None and len(r.completion_kept) != len(r.completion_ids):
+            n, k = len(r.completion_ids), len(r.completion_kept)
+            raise ValueError(f"{r.sample_id}: completion_kept has {k} entries for {n} completion tokens")
     return table
 
 

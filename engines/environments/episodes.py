@@ -59,6 +59,10 @@ class Episode:
     completion_ids: list[int] = field(default_factory=list)
     completion_logprobs: list[float] = field(default_factory=list)
     completion_mask: list[int] = field(default_factory=list)
+    # per completion token, the sampler's kept support size (0 on environment tokens and on turns that did
+    # not return one); stored only when some turn returned them (top-p / top-k truncation)
+    completion_kept: list[int] = field(default_factory=list)
+    kept_returned: bool = False
     replies: list[str] = field(default_factory=list)
     turn_versions: list[int] = field(default_factory=list)
     turn_versions_end: list[int] = field(default_factory=list)
@@ -83,6 +87,7 @@ class Episode:
             prompt_text=task.prompt,
             completion_text=self.text,
             completion_mask=self.completion_mask,
+            completion_kept=self.completion_kept if self.kept_returned else None,
             turn_policy_versions=self.turn_versions,
             turn_policy_versions_end=self.turn_versions_end,
             **scored,
@@ -97,6 +102,11 @@ class Episode:
         self.completion_ids += ids
         self.completion_logprobs += lps
         self.completion_mask += [1] * len(ids)
+        kept = choice.kept_sizes
+        if kept is not None and len(kept) != len(ids):
+            raise RuntimeError(f"inference returned {len(ids)} token ids but {len(kept)} kept sizes")
+        self.completion_kept += kept if kept is not None else [0] * len(ids)
+        self.kept_returned |= kept is not None
         self.replies.append(choice.text)
         self.turn_versions.append(choice.policy_version)
         self.turn_versions_end.append(choice.policy_version_end)
@@ -106,6 +116,7 @@ class Episode:
         self.completion_ids += ids
         self.completion_logprobs += [0.0] * len(ids)
         self.completion_mask += [0] * len(ids)
+        self.completion_kept += [0] * len(ids)
 
     @property
     def context(self) -> list[int]:

@@ -32,7 +32,9 @@ from engines.registry import PluginError
 
 if TYPE_CHECKING:
     from config.inference import InferenceConfig
+    from config.orchestrator import OrchestratorConfig
     from config.process import InferenceProcessConfig
+    from config.trainer import TrainerConfig
     from config.transport import WeightBroadcastConfig
 
 # The `[inference]` keys that shape a deployment of servers (config/vllm.py's SHAPE_KEYS; replicas are their
@@ -48,6 +50,9 @@ class Capabilities:
     collective_weights: bool = False  # joins the trainer's collective group (weight_broadcast.type = "collective")
     routed_experts: bool = False  # returns `routed_experts` (inference.enable_return_routed_experts, MoE replay)
     deployment_keys: frozenset[str] = frozenset()  # which of DEPLOYMENT_KEYS it runs
+    # returns `kept_sizes` (return_kept_sizes): the support its top-k / top-p truncation kept per token, which
+    # the trainer scores on (trainer.keep_sampling_mask, docs/algorithm.md "Keep sampling mask")
+    kept_support: bool = False
     # `module:attribute` of (RunConfig) -> {file name: text}: what `--dry-run` and every attempt write to
     # OUTPUT_DIR/config/ besides the component configs (e.g. the vLLM commands); None: nothing
     launch_plan: str | None = None
@@ -146,10 +151,22 @@ def spec(name: str) -> BackendSpec:
 
 
 def needs(
-    inference: InferenceConfig, broadcast: WeightBroadcastConfig
+    inference: InferenceConfig,
+    broadcast: WeightBroadcastConfig,
+    orchestrator: OrchestratorConfig | None = None,
+    trainer: TrainerConfig | None = None,
 ) -> list[tuple[str, Callable[[Capabilities], bool]]]:
     """Each capability the run's settings need: what needs it (naming the key), and whether a backend has it."""
     found: list[tuple[str, Callable[[Capabilities], bool]]] = []
+    truncates = orchestrator is not None and (orchestrator.top_p < 1 or orchestrator.top_k > 0)
+    if truncates and orchestrator is not None and (trainer is None or trainer.keep_sampling_mask):
+        what = (
+            f"orchestrator.top_p = {orchestrator.top_p} / top_k = {orchestrator.top_k} with "
+            "trainer.keep_sampling_mask = true needs a backend that records the support its truncation kept "
+            "per token (the trainer scores each token on it; without it the importance ratio is biased). "
+            "--trainer.keep_sampling_mask false accepts the biased ratio (full-vocabulary logprobs)"
+        )
+        found.append((what, lambda c: c.kept_support))
     vllm = inference.vllm
     if vllm.num_infer_replicas > 1:
         what = f"inference.num_infer_replicas (or deployment.num_infer_replicas) = {vllm.num_infer_replicas}"
@@ -183,12 +200,18 @@ def _others(name: str) -> dict[str, Capabilities]:
     return caps
 
 
-def check(inference: InferenceConfig, broadcast: WeightBroadcastConfig) -> None:
+def check(
+    inference: InferenceConfig,
+    broadcast: WeightBroadcastConfig,
+    orchestrator: OrchestratorConfig | None = None,
+    trainer: TrainerConfig | None = None,
+) -> None:
     """Load the run's backend declaration and refuse (PluginError, one line per setting) what it cannot run,
-    naming the registered backends that can."""
+    naming the registered backends that can. The orchestrator's sampling and the trainer's settings are checked
+    when given (the CLI gives them; the inference process has neither)."""
     name = inference.backend
     caps = spec(name).capabilities
-    missing = [(what, has) for what, has in needs(inference, broadcast) if not has(caps)]
+    missing = [(what, has) for what, has in needs(inference, broadcast, orchestrator, trainer) if not has(caps)]
     if not missing:
         return
     others = _others(name)

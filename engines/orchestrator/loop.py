@@ -36,7 +36,7 @@ from engines.environments.base import EnvMix, Task
 from engines.environments.episodes import GroupEnvironment, MultiTurnEnvironment, is_multi_turn
 from engines.models import modeldir
 from engines.orchestrator.estimators import StepEstimators
-from engines.orchestrator.multiturn import EpisodeGroup, post_completion
+from engines.orchestrator.multiturn import EpisodeGroup, post_completion, truncation
 from engines.orchestrator.overlong import shaped_rewards
 from engines.protocol import (
     ADMIN_TOKEN_ENV,
@@ -165,6 +165,7 @@ class Orchestrator:
             return_token_ids=True,
             # a pure function of (seed, step, group): a resumed run redraws exactly these samples
             seed=derive_seed(self.cfg.seed, step, group),
+            **truncation(self.ocfg),  # orchestrator.top_p / top_k, and the kept support sizes with them
         )
         group_id = rollouts.group_id(step, group)
         response = await post_completion(self.client, self.limit, request, group_id, self.cfg.session_header)
@@ -192,6 +193,7 @@ class Orchestrator:
                 prompt_text=task.prompt,
                 completion_text=c.text,
                 routed_experts=c.routed_experts,
+                completion_kept=c.kept_sizes,  # null without truncation (or from a backend that cannot say)
             )
             for k, (c, reward) in enumerate(zip(choices, rewards, strict=True))
         ]

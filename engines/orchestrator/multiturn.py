@@ -21,6 +21,15 @@ from storage import rollouts
 from storage.rollouts import RolloutRow
 
 
+def truncation(ocfg: OrchestratorConfig) -> dict:
+    """The request fields of orchestrator.top_p / top_k, sent with every request the orchestrator makes. With
+    truncation it also asks for each token's kept support size (`return_kept_sizes`), which the lake stores as
+    `completion_kept` for the trainer (docs/algorithm.md "Keep sampling mask"); without, nothing is added."""
+    if ocfg.top_p >= 1 and ocfg.top_k == 0:
+        return {}
+    return {"top_p": ocfg.top_p, "top_k": ocfg.top_k, "return_kept_sizes": True}
+
+
 async def post_completion(
     client: httpx.AsyncClient,
     limit: asyncio.Semaphore,
@@ -69,6 +78,7 @@ class EpisodeGroup:
                 return_token_ids=True,
                 # a pure function of (seed, step, group, episode, turn): a resumed run redraws the same episodes
                 seed=derive_seed(self.seed, step, group, k + 1, turn),
+                **truncation(self.ocfg),
             )
 
         return build

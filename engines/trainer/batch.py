@@ -4,6 +4,9 @@
 when completion lengths vary. MoE routing payloads (`routed_experts`, [prompt + completion - 1, layers, k])
 become `routes` [B, T, layers, k] aligned with `input_ids`; positions without a payload (the last token,
 padding, samples without routes) hold -1, which router replay reads as "route afresh".
+The sampler's kept support sizes (`completion_kept`, top-k / top-p truncation) become `kept` aligned with
+`targets`: 0 where the target was not drawn from a truncated distribution (full vocabulary); None when no
+sample in the batch carries them (or trainer.keep_sampling_mask is off).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Batch:
     versions: torch.Tensor  # [B] policy_version
     versions_end: torch.Tensor  # [B] policy_version_end
     routes: torch.Tensor | None = None  # [B, T, layers, k] sampler's expert ids, -1 where none
+    kept: torch.Tensor | None = None  # [B, T-1] int64 sampler's kept support size per target, 0 = full vocabulary
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -59,7 +63,22 @@ def routes_tensor(payloads: list, length: int) -> torch.Tensor | None:
     return out
 
 
-def make_batch(table: pa.Table, pad_id: int) -> Batch:
+def kept_tensor(table: pa.Table, shape: tuple[int, int]) -> torch.Tensor | None:
+    """[B, T-1] kept support sizes aligned with the targets (0 elsewhere), from `completion_kept`; None when the
+    column is absent (a version-2 shard) or null in every row (no truncation)."""
+    if "completion_kept" not in table.column_names or table.column("completion_kept").null_count == table.num_rows:
+        return None
+    out = torch.zeros(shape, dtype=torch.long)
+    prompts = table.column("prompt_ids").to_pylist()
+    for i, (p, kept) in enumerate(zip(prompts, table.column("completion_kept").to_pylist(), strict=True)):
+        if kept:
+            out[i, len(p) - 1 : len(p) - 1 + len(kept)] = torch.tensor(kept, dtype=torch.long)
+    return out
+
+
+def make_batch(table: pa.Table, pad_id: int, keep_sampling_mask: bool = True) -> Batch:
+    """The step's samples as right-padded tensors; `keep_sampling_mask` false drops the kept support sizes
+    (every target scored on the full vocabulary)."""
     cols = table.select(
         ["prompt_ids", "completion_ids", "completion_logprobs", "advantage", "temperature"]
         + ["policy_version", "policy_version_end"]
@@ -87,6 +106,7 @@ def make_batch(table: pa.Table, pad_id: int) -> Batch:
         routes=routes_tensor(table.column("routed_experts").to_pylist(), ids.shape[1])
         if "routed_experts" in table.column_names
         else None,
+        kept=kept_tensor(table, (mask.shape[0], mask.shape[1])) if keep_sampling_mask else None,
     )
 
 
@@ -108,6 +128,7 @@ class PackedBatch:
     advantages: torch.Tensor  # [R, L] the sample's advantage on each of its tokens
     temperatures: torch.Tensor  # [R, L] the sample's temperature on each of its tokens
     routes: torch.Tensor | None = None  # [R, L, layers, k] sampler's expert ids, -1 where none
+    kept: torch.Tensor | None = None  # [R, L] sampler's kept support size per target, 0 = full vocabulary
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -165,6 +186,7 @@ def pack_batch(batch: Batch, pad_id: int, capacity: int | None = None) -> Packed
     floats = {k: torch.zeros(shape) for k in ("loss_mask", "sampler_logprobs", "advantages", "temperatures")}
     floats["temperatures"].fill_(1.0)
     routes = None if batch.routes is None else torch.full((*shape, *batch.routes.shape[2:]), -1, dtype=torch.long)
+    kept = None if batch.kept is None else torch.zeros(shape, dtype=torch.long)
     for r, members in enumerate(rows):
         start = 0
         for s, i in enumerate(members):
@@ -180,8 +202,12 @@ def pack_batch(batch: Batch, pad_id: int, capacity: int | None = None) -> Packed
             floats["temperatures"][r, span] = batch.temperatures[i]
             if routes is not None and batch.routes is not None:
                 routes[r, span] = batch.routes[i, :n]
+            if kept is not None and batch.kept is not None:
+                kept[r, start : start + n - 1] = batch.kept[i, : n - 1]
             start += n
-    return PackedBatch(input_ids=ids, positions=positions, segments=segments, targets=targets, routes=routes, **floats)
+    return PackedBatch(
+        input_ids=ids, positions=positions, segments=segments, targets=targets, routes=routes, kept=kept, **floats
+    )
 
 
 B = TypeVar("B", Batch, PackedBatch)

@@ -34,31 +34,91 @@ def packed_logprobs(model: CausalLM, batch: PackedBatch, routing: Routing | None
     return logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
 
 
-def train_logprobs(model: CausalLM, batch: Batch | PackedBatch, routing: Routing | None = None) -> torch.Tensor:
-    """Logprobs for the loss, whichever layout the trainer chose (`trainer.packing`)."""
-    if isinstance(batch, PackedBatch):
-        return packed_logprobs(model, batch, routing)
-    return batch_logprobs(model, batch, routing)
-
-
 class Scored(NamedTuple):
-    logprobs: torch.Tensor  # [rows, T] of each target token
-    entropy: torch.Tensor | None  # [rows, T] of the distribution each target was drawn from; None unless asked
+    """What the trainer's forward gives per target (read the fields by name)."""
+
+    logprobs: torch.Tensor  # [B, T-1] / [R, L]
+    entropy: torch.Tensor | None  # same shape: entropy of the distribution each logprob is taken from; if asked
+    # targets with a kept support whose sampled token the trainer ranks outside its own top k (a near tie at
+    # the boundary under other numerics): scored on the trainer's top k-1 plus that token instead
+    support_mismatch_tokens: int = 0
+
+
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    return -(logp.exp() * logp).sum(-1)
+
+
+def restricted_logprobs(
+    scaled: torch.Tensor, targets: torch.Tensor, kept: torch.Tensor, entropy: bool = False
+) -> Scored:
+    """Log-probability of each target under softmax(`scaled`) restricted to its sampler's kept support.
+
+    `scaled` [..., V] are temperature-scaled logits, `kept` [...] the number of most likely tokens the sampler
+    kept (top-k / top-p truncation; 0 or >= V: the full vocabulary). With z sorted descending and k kept:
+    logprob = z[y] - logcumsumexp(z)[k-1]. When the trainer ranks y outside its top k (more than k-1 tokens
+    score strictly higher), the support is the top k-1 plus y: logZ = logaddexp(logcumsumexp(z)[k-2], z[y])
+    (k = 1: logprob 0). Full-vocabulary positions get exactly `log_softmax(scaled)`'s value.
+    """
+    vocab = scaled.shape[-1]
+    k = torch.where(kept >= vocab, 0, kept).long()
+    full = torch.log_softmax(scaled, dim=-1)
+    lp_full = full.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not bool((k > 0).any()):
+        return Scored(lp_full, _entropy(full) if entropy else None)
+    ordered = scaled.sort(dim=-1, descending=True).values
+    cumulative = torch.logcumsumexp(ordered, dim=-1)
+    kk = torch.where(k > 0, k, vocab)
+    zy = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    inside = (scaled > zy.unsqueeze(-1)).sum(-1) < kk
+    logz_in = cumulative.gather(-1, (kk - 1).unsqueeze(-1)).squeeze(-1)
+    above = cumulative.gather(-1, (kk - 2).clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    logz_out = torch.where(kk >= 2, torch.logaddexp(above, zy), zy)
+    logz = torch.where(inside, logz_in, logz_out)
+    restricted = k > 0
+    logprobs = torch.where(restricted, zy - logz, lp_full)
+    ent = None
+    if entropy:
+        rank = torch.arange(vocab, device=scaled.device)
+        width = torch.where(inside, kk, kk - 1)  # sorted positions in the support (y added apart when outside)
+        lps = (ordered - logz.unsqueeze(-1)).clamp(max=0)  # <= 0 on the support
+        terms = torch.where(rank < width.unsqueeze(-1), lps.exp() * lps, torch.zeros_like(lps)).sum(-1)
+        lpy = (zy - logz).clamp(max=0)
+        terms = terms + torch.where(inside, torch.zeros_like(lpy), lpy.exp() * lpy)
+        ent = torch.where(restricted, -terms, _entropy(full))
+    return Scored(logprobs, ent, int((restricted & ~inside).sum()))
 
 
 def scored_tokens(
-    model: CausalLM, batch: Batch | PackedBatch, routing: Routing | None = None, entropy: bool = False
+    model: CausalLM,
+    batch: Batch | PackedBatch,
+    routing: Routing | None = None,
+    keep_support: bool = True,
+    entropy: bool = False,
 ) -> Scored:
-    """Logprobs (and with `entropy` the entropy) of every target, whichever layout the trainer chose."""
+    """The trainer's logprob of every target, whichever layout the trainer chose (`trainer.packing`): on the
+    support the sampler's truncation kept where the batch records one (`batch.kept` > 0, with `keep_support`),
+    else on the full vocabulary, bit for bit `batch_logprobs` / `packed_logprobs`; and with `entropy` the
+    entropy of the same distribution per position."""
+    kept = batch.kept if keep_support else None
+    restrict = kept is not None and bool((kept > 0).any())
+    if not restrict and not entropy:  # the plain path: nothing sorts, nothing slows down without truncation
+        if isinstance(batch, PackedBatch):
+            return Scored(packed_logprobs(model, batch, routing), None)
+        return Scored(batch_logprobs(model, batch, routing), None)
     if isinstance(batch, PackedBatch):
         logits = model(batch.input_ids, batch.positions, batch.attention_mask(), routing=routing)
-        temps = batch.temperatures[..., None]
+        scaled = logits.float() / batch.temperatures[..., None]
     else:
         logits = model(batch.input_ids, routing=routing)[:, :-1]
-        temps = batch.temperatures.view(-1, 1, 1)
-    logp = torch.log_softmax(logits.float() / temps, dim=-1)
-    chosen = logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
-    return Scored(chosen, -(logp.exp() * logp).sum(-1) if entropy else None)
+        scaled = logits.float() / batch.temperatures.view(-1, 1, 1)
+    zeros = torch.zeros_like(batch.targets)
+    return restricted_logprobs(scaled, batch.targets, kept if restrict and kept is not None else zeros, entropy)
+
+
+def train_logprobs(model: CausalLM, batch: Batch | PackedBatch, routing: Routing | None = None) -> torch.Tensor:
+    """Logprobs for the loss, whichever layout the trainer chose (`trainer.packing`), on the sampler's kept
+    support where the batch records one (`scored_tokens`)."""
+    return scored_tokens(model, batch, routing).logprobs
 
 
 def routing_for(batch: Batch | PackedBatch, replay: bool) -> Routing | None:

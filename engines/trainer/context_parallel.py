@@ -84,6 +84,7 @@ def to_packed_layout(mb: Batch | PackedBatch) -> PackedBatch:
         advantages=per_token(mb.advantages),
         temperatures=per_token(mb.temperatures),
         routes=None,
+        kept=None if mb.kept is None else F.pad(mb.kept, (0, 1)),
     )
 
 
@@ -94,6 +95,7 @@ def _padded(mb: PackedBatch, multiple: int) -> PackedBatch:
         return mb
     fills = {"segments": -1, "temperatures": 1.0, "input_ids": PAD_ID, "targets": PAD_ID}
     fields = {f.name: getattr(mb, f.name) for f in dataclasses.fields(PackedBatch) if f.name != "routes"}
+    fields = {k: v for k, v in fields.items() if v is not None}  # kept: None without truncation
     return PackedBatch(**{k: F.pad(v, (0, extra), value=fills.get(k, 0)) for k, v in fields.items()})
 
 
@@ -111,6 +113,7 @@ def shard(mb: Batch | PackedBatch, d: Dist) -> Batch | PackedBatch:
     rows, length = full.input_ids.shape
     mesh = d.dims.get_mesh("cp")
     names = [f.name for f in dataclasses.fields(PackedBatch) if f.name != "routes"]
+    names = [n for n in names if getattr(full, n) is not None]  # kept: None without truncation
     index = torch.arange(length, device=full.input_ids.device).expand(rows, length)
     local, _ = cp_shard(mesh, (*[getattr(full, n) for n in names], index), None, "headtail")
     # the all-gather concatenates the ranks' chunks in rank order: the load balancer's order of the row

@@ -9,6 +9,9 @@ sample is scored by exactly the weights that sampled it. Samples that span an in
 For MoE batches it also counts the scored tokens whose top-k expert set, chosen by the trainer's own
 router, differs from the sampler's in any layer; with router replay the forward uses the sampler's
 experts (as the loss does), so the KL then measures everything but the routing decision.
+
+With top-k / top-p sampling the trainer's logprobs are taken on the support the sampler kept (`batch.kept`,
+trainer.keep_sampling_mask), as the loss takes them, so the metric measures what the loss sees.
 """
 
 from __future__ import annotations

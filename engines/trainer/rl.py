@@ -226,14 +226,16 @@ class RLTrainer:
             if routing is not None and routing.replay is not None and m.weight:
                 _add(stats, {"replayed": float(((routing.replay[..., 0, 0] >= 0) & (_scoring(mb) > 0)).sum())})
             with context_parallel.gathered_kv(self.dist):
-                scored = scored_tokens(self.model, mb, routing, entropy=self.objective.needs_entropy)
-            loss, mb_stats = self.objective(
-                token_scores(mb, scored.logprobs, scored.entropy, m.proximal, m.reference), counts
+                scored = scored_tokens(self.model, mb, routing, entropy=True)  # on the sampler's kept support
+            # the entropy is always reported; it carries a gradient only as a loss term (loss.entropy_coef > 0)
+            entropy = (
+                scored.entropy if self.objective.needs_entropy or scored.entropy is None else scored.entropy.detach()
             )
+            loss, mb_stats = self.objective(token_scores(mb, scored.logprobs, entropy, m.proximal, m.reference), counts)
             (loss * m.weight).backward()  # weight 0: a stand-in that keeps the ranks' collectives in step
             if m.weight:
                 loss_sum += float(loss.detach())
-                _add(stats, mb_stats)
+                _add(stats, {**mb_stats, "support_mismatch": float(scored.support_mismatch_tokens)})
         grad_norm = parallel.clip_grad_norm(self.model, self.tcfg.optim.max_grad_norm, self.dist)
         self.optimizer.step()
         return loss_sum, grad_norm
@@ -254,13 +256,15 @@ class RLTrainer:
             "tokens": int(tokens),
             # completion tokens scored through the sampler's experts (router replay); 0 without replay
             "replayed_fraction": total.get("replayed", 0.0) / (tokens * self.tcfg.epochs),
+            # kept-support tokens the trainer ranks outside its own top k (docs/algorithm.md "Keep sampling mask")
+            "support_mismatch_tokens": int(total.get("support_mismatch", 0.0) / self.tcfg.epochs),
         }
 
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()
         table, manifest = self.wait_for_rollouts(step)
         t1 = time.perf_counter()
-        batch = make_batch(table, self.tok.pad_id)
+        batch = make_batch(table, self.tok.pad_id, self.tcfg.keep_sampling_mask)
         pack_pad = self.tok.pad_id if self.tcfg.packing else None
         mismatch = (
             self.history.mismatch_kl(batch, self.tcfg.micro_batch_size, pack_pad, self.tcfg.enable_router_replay)

@@ -45,6 +45,7 @@ def _rows(step: int, n: int = 3) -> list[dict]:
                 "turn_policy_versions_end": None,
                 "metric_names": ["reward/exact", "metric/len"] if k else None,
                 "metric_values": [0.5 * k, float(k)] if k else None,
+                "completion_kept": [40 - i for i in range(len(completion))] if k else None,
             }
         )
     return rows

@@ -39,6 +39,7 @@ class Request:
     ignore_eos: bool = False
     stop: Callable[[list[int]], bool] | None = None  # given a row's tokens, True ends it (stop strings)
     top_logprobs: int = 0  # also the k most likely (token, logprob) per position
+    kept_sizes: bool = False  # also each token's kept support size (top-k / top-p truncation)
     on_tokens: Callable[[TokenEvents], None] | None = None  # called from the engine thread after each step
     future: Future = field(default_factory=Future)
 
@@ -54,6 +55,7 @@ class Request:
                 ignore_eos=self.ignore_eos,
                 stop=self.stop,
                 top_logprobs=self.top_logprobs,
+                kept_sizes=self.kept_sizes,
             )
             for s in row_seeds(seed, self.n)
         ]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engines.inference.embedded.sampling import sample, truncate
+from engines.inference.embedded.sampling import sample, truncate_kept
 from engines.models.decoder import CausalLM
 from engines.models.moe import Routing
 
@@ -42,6 +42,8 @@ class Completion:
     finished: bool = False
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, with Sampling.top_logprobs
     routed_experts: torch.Tensor | None = None  # [seq, layers, top_k] int16, with record_routes
+    # per token, with Sampling.kept_sizes: how many tokens the truncated distribution it was drawn from kept
+    kept_sizes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -57,6 +59,7 @@ class Sampling:
     ignore_eos: bool = False  # end-of-sequence does not end the row
     stop: Callable[[list[int]], bool] | None = None  # True ends the row (stop strings), given its tokens
     top_logprobs: int = 0  # also record this many most likely (token, logprob) per position
+    kept_sizes: bool = False  # also record each token's kept support size (top-k / top-p truncation)
 
 
 class _RouteLog:
@@ -179,6 +182,7 @@ class Decoder:
         self._next_origin = 0
         self._filters = False  # some row has min_tokens, top_k or top_p: the sampler's slower path
         self.alternatives: dict[int, int] = {}  # origin -> how many top logprobs it records, for rows that do
+        self.kept_rows: set[int] = set()  # origins that record their tokens' kept support sizes
 
     @property
     def live(self) -> int:
@@ -214,6 +218,7 @@ class Decoder:
         self.out.update(made)
         self.stops.update({o: s.stop for o, s in zip(origins, params, strict=True) if s.stop is not None})
         self.alternatives.update({o: s.top_logprobs for o, s in zip(origins, params, strict=True) if s.top_logprobs})
+        self.kept_rows.update(o for o, s in zip(origins, params, strict=True) if s.kept_sizes)
         return made
 
     def _prefill(self, prompts: list[list[int]], origins: list[int], max_tokens: int):
@@ -234,16 +239,20 @@ class Decoder:
             cache.select_rows(expand)
         return logits[expand], cache, valid[expand], positions[expand, -1] + 1
 
-    def _distribution(self, rows: _Rows) -> torch.Tensor:
+    def _distribution(self, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[rows, vocab] log-probabilities each row draws from: temperature, then (rows that ask for them)
-        min_tokens' end-of-sequence mask and top-k / top-p truncation."""
+        min_tokens' end-of-sequence mask and top-k / top-p truncation. Also, when truncation ran or some
+        row records kept sizes, each row's count of tokens with non-zero probability ([rows]); else None."""
         scaled = self.logits.float() / rows.temps
         if self._filters and self.eos_id >= 0:
             scaled[:, self.eos_id] = scaled[:, self.eos_id].masked_fill(rows.steps < rows.min_tokens, float("-inf"))
         logp = torch.log_softmax(scaled, dim=-1)
+        kept = None
         if self._filters and bool((rows.top_k > 0).any() or (rows.top_p < 1).any()):
-            logp = truncate(logp, rows.top_k, rows.top_p)
-        return logp
+            logp, kept = truncate_kept(logp, rows.top_k, rows.top_p)
+        elif self.kept_rows:
+            kept = logp.isfinite().sum(-1)
+        return logp, kept
 
     @torch.no_grad()
     def sample(self, version: int) -> list[int]:
@@ -253,7 +262,7 @@ class Decoder:
         """
         rows = self.rows
         assert rows is not None
-        logp = self._distribution(rows)
+        logp, kept = self._distribution(rows)
         tokens = sample(logp, rows.seeds, rows.steps)  # noise depends on (seed, row's own step) only
         if self._filters and bool(rows.greedy.any()):
             tokens = torch.where(rows.greedy, logp.argmax(-1), tokens)
@@ -264,7 +273,8 @@ class Decoder:
         if self.alternatives:  # one topk for the batch, only while some row asks for it
             values, ids = logp.topk(min(max(self.alternatives.values()), logp.shape[-1]), dim=-1)
             alts = list(zip(ids.tolist(), values.tolist(), strict=True))
-        stepped = self._record(tokens.tolist(), chosen.tolist(), eos.tolist(), full.tolist(), version, alts)
+        sizes = kept.tolist() if kept is not None and self.kept_rows else None
+        stepped = self._record(tokens.tolist(), chosen.tolist(), eos.tolist(), full.tolist(), version, alts, sizes)
         rows.steps += 1
         self.tokens = tokens
         self._end([o for o in stepped if self.out[o].finished])
@@ -286,6 +296,7 @@ class Decoder:
             c = self.out.pop(o)
             self.stops.pop(o, None)
             self.alternatives.pop(o, None)
+            self.kept_rows.discard(o)
             if self.log:
                 self.log.finish(o, c)
         if not self.out:
@@ -293,7 +304,16 @@ class Decoder:
         elif (~rows.live).sum() >= max(1, COMPACT_FRACTION * len(rows.live)):
             self._compact()
 
-    def _record(self, tokens: list[int], logprobs: list[float], eos: list[bool], full: list[bool], version: int, alts):
+    def _record(
+        self,
+        tokens: list[int],
+        logprobs: list[float],
+        eos: list[bool],
+        full: list[bool],
+        version: int,
+        alts,
+        kept: list[int] | None = None,
+    ):
         """Append this step's token to every live row's completion (plain Python lists: no tensor indexing);
         returns the origins that got one. A row ends at end-of-sequence or a stop ("stop"), or full ("length")."""
         assert self.rows is not None
@@ -307,6 +327,8 @@ class Decoder:
             c.logprobs.append(lp)
             if alts is not None and (k := self.alternatives.get(origin)):
                 c.top_logprobs.append(list(zip(alts[j][0][:k], alts[j][1][:k], strict=True)))
+            if kept is not None and origin in self.kept_rows:
+                c.kept_sizes.append(kept[j])
             if c.policy_version < 0:
                 c.policy_version = version
             c.policy_version_end = version

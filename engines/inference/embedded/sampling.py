@@ -50,6 +50,13 @@ def truncate(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> to
 
     The most likely token always stays, so no row is left empty. Rows are independent of each other.
     """
+    return truncate_kept(logp, top_k, top_p)[0]
+
+
+def truncate_kept(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`truncate`'s distribution and, per row, the size of the support it kept: the number of tokens
+    with non-zero probability after truncation ([rows] int64). The trainer scores a sampled token on
+    exactly that support (the lake's `completion_kept`, docs/algorithm.md "Keep sampling mask")."""
     ordered, order = logp.sort(dim=-1, descending=True)
     rank = torch.arange(logp.shape[-1])[None, :]
     k = torch.where(top_k > 0, top_k, logp.shape[-1])[:, None]
@@ -57,4 +64,4 @@ def truncate(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> to
     drop = (rank >= k) | ((before >= top_p[:, None]) & (rank > 0))
     masked = ordered.masked_fill(drop, float("-inf"))
     out = torch.empty_like(logp).scatter_(-1, order, masked)
-    return torch.log_softmax(out, dim=-1)
+    return torch.log_softmax(out, dim=-1), masked.isfinite().sum(-1)

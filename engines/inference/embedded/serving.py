@@ -90,7 +90,7 @@ class Serving:
         request = Request(
             ids, body.n, limit, body.temperature, body.seed, top_k=max(body.top_k or 0, 0), top_p=body.top_p or 1.0,
             min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos), stop=stop_check(self.tok, body.stops()),
-            top_logprobs=_top_k(body),
+            top_logprobs=_top_k(body), kept_sizes=bool(body.return_kept_sizes),
         )  # fmt: skip
         return Prepared(body, ids, request, gen.chat, gen.id, gen.created)
 
@@ -122,6 +122,7 @@ class Serving:
             "policy_version": c.policy_version,
             "policy_version_end": c.policy_version_end,
             "routed_experts": None if c.routed_experts is None else c.routed_experts.tolist(),
+            "kept_sizes": c.kept_sizes if body.return_kept_sizes else None,
         }
 
     def completion(self, p: Prepared, outs: list[Completion]) -> api.CompletionResponse:

@@ -14,6 +14,9 @@ BACKEND = BackendSpec(
     Capabilities(
         replicas=True,
         routed_experts=True,  # vLLM's GPU build (Model Runner V2); the CPU build is refused at launch
+        # kept_support: no. vLLM returns the sampled token's logprob (raw, or with --logprobs-mode
+        # processed_logprobs renormalised over the kept set) and at most --max-logprobs alternatives, never
+        # the size of the support top-k / top-p kept (docs/algorithm.md "Keep sampling mask")
         deployment_keys=frozenset(DEPLOYMENT_KEYS),
         launch_plan="launch.vllm:plan_files",
     ),

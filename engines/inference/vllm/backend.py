@@ -142,6 +142,9 @@ class VLLMBackend(Backend):
         await self.up.open_gate.wait()  # no request starts under a version that is being replaced
         start = self.up.version
         body = {**gen.body.model_dump(exclude_none=True), "cache_salt": salt(start)}
+        # vLLM cannot report the support its top-k / top-p kept: the choices come back without `kept_sizes`
+        # (a run that needs them is refused at load, engines/inference/backend.py `kept_support`)
+        body.pop("return_kept_sizes", None)
         path = "/v1/chat/completions" if gen.chat else "/v1/completions"
         return self.up.entry(gen.session) + path, body, upstream_headers(gen), start
 
