@@ -6,6 +6,7 @@ from config.envs import STRING_TASK_DEFAULTS, EnvSpec
 from config.orchestrator import OrchestratorConfig
 from config.registry import STRING_TASKS
 from config.run import resolve_seed_keys
+from config.trainer import TrainerConfig
 
 # Changing these mid-run would mix incompatible data in one run: other weights shapes, other prompts
 # or token ids, another group structure. Everything else (learning rate, max_steps, ...) may change.
@@ -39,12 +40,13 @@ def _current_envs(config: dict) -> dict:
 def _current_keys(config: dict) -> dict:
     """The seed's spellings as the keys stored now (`deployment.num_infer_replicas`, which earlier versions
     stored beside `inference.num_infer_replicas`; `orchestrator.normalize_advantages`, now
-    `orchestrator.advantage`, with the keys added since at their defaults), so the same setting compares equal."""
+    `orchestrator.advantage`; `trainer.loss` without a `type`, now `masked_is`), with the keys added since at
+    their defaults, so the same setting compares equal."""
     try:
         config = resolve_seed_keys(config)
-        if isinstance(config.get("orchestrator"), dict):
-            orchestrator = OrchestratorConfig.model_validate(config["orchestrator"]).model_dump(mode="json")
-            config = {**config, "orchestrator": orchestrator}
+        for name, model in (("orchestrator", OrchestratorConfig), ("trainer", TrainerConfig)):
+            if isinstance(config.get(name), dict):
+                config = {**config, name: model.model_validate(config[name]).model_dump(mode="json")}
         return config
     except ValueError:  # not valid any more: compare as stored, which reports the difference
         return config

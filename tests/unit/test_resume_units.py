@@ -16,6 +16,7 @@ from config.loader import stored_with_sources
 from config.process import component_configs
 from config.resume import resume_changes
 from config.run import RunConfig
+from config.trainer import TrainerConfig
 from launch import vllm as vllm_launch
 from rollflow.cli import main
 from runtime.rundir import RunDirError, check_resumable, stored_config, write_run_config
@@ -206,6 +207,10 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
                 "args": {},
             }
             section["overlong"] = {"buffer": 0, "penalty": 1.0}
+            section.update(top_p=1.0, top_k=0)  # no truncation, as before they were settings
+        if "trainer" in stored:  # the loss gained a `type` (masked_is: what it always was) and the keys beside it
+            stored["trainer"] = TrainerConfig.model_validate(stored["trainer"]).model_dump(mode="json")
+            assert stored["trainer"]["loss"]["type"] == "masked_is" and stored["trainer"]["mini_batches"] == 1
         assert sub.model_dump(mode="json") == {**stored, **added.get(name, {})}, name
     script = vllm_launch.plan_script(vllm_launch.render(cfg.inference, max_model_len=64, under_slurm=True))
     assert script.splitlines()[1:] == (STORED / "vllm-commands.sh").read_text().splitlines()[1:]
