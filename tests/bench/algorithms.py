@@ -55,7 +55,7 @@ def summarise(out: Path) -> dict:
 
 
 def run_one(ws: Path, setting: str, seed: int, steps: int, variant: str, templates: dict[int, Path]) -> dict:
-    out = ws / setting / f"seed{seed}" / variant
+    out = ws / f"{setting}-{steps}steps" / f"seed{seed}" / variant
     done = out / "result.json"
     if done.exists():
         return json.loads(done.read_text())

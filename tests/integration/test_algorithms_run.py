@@ -57,7 +57,7 @@ def test_algorithm_settings_end_to_end(tmp_path, prefect_api):
     assert all(r["ratio_min"] < 1 < r["ratio_max"] for r in rows)
     assert any(r["clipped_fraction"] > 0 for r in rows)
     # the reference is version 0, which the proximal policy equals only at step 1's first optimizer step
-    assert all(0 < r["ref_kl"] and math.isfinite(r["ref_kl"]) for r in rows)
+    assert all(r["ref_kl"] > 0 and math.isfinite(r["ref_kl"]) for r in rows)
     assert all(0 < r["entropy"] < math.log(CharTokenizer().vocab_size) for r in rows)  # at most uniform's
     assert all(0 <= r["zero_advantage_fraction"] <= 1 for r in rows)
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
