@@ -4,6 +4,10 @@ extension points of the same package (e.g. `rollflow.losses`) can be registered 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,6 +36,25 @@ def write_site(d: Path, entries: dict[str, list[str]] | None = None) -> Path:
     text = "".join(f"[{group}]\n" + "".join(f"{line}\n" for line in lines) + "\n" for group, lines in groups.items())
     (info / "entry_points.txt").write_text(text)
     return d
+
+
+def on_path(site: Path, monkeypatch) -> Iterator[None]:
+    """The package and its dist-info importable in this process (a fixture's body); forgotten afterwards."""
+    monkeypatch.syspath_prepend(str(PKG))
+    monkeypatch.syspath_prepend(str(site))
+    yield
+    for name in [m for m in sys.modules if m == "toyalgos" or m.startswith("toyalgos.")]:
+        del sys.modules[name]
+
+
+def dry_run(tmp_path: Path, site: Path | None, *overrides: str) -> subprocess.CompletedProcess:
+    """`rollflow rl @ profiles/tiny-cpu.toml ... --dry-run` in a fresh process (as each run component is), the
+    package reachable through PYTHONPATH (and its entry points with `site`)."""
+    paths = [str(ROOT), str(PKG), *([str(site)] if site else [])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    cmd = [sys.executable, "-m", "rollflow.cli", "rl", "@", str(ROOT / "profiles" / "tiny-cpu.toml")]
+    cmd += ["--output-dir", str(tmp_path / "run"), *overrides, "--dry-run"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
 
 
 def _shaped(names: list[str] | None, values: list[float] | None, reward: float) -> tuple[float, float | None]:

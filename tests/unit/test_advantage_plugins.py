@@ -6,9 +6,6 @@ bad plugin refused at load (exit code 2) naming the key and what is valid."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -20,7 +17,7 @@ from config.registry import ADVANTAGE_GROUP, ADVANTAGES, registered
 from engines.orchestrator import estimators
 from engines.orchestrator.advantages import AdvantageSpec
 from rollflow.cli import main
-from tests.algo_fixture import PKG, ROOT, write_site
+from tests.algo_fixture import ROOT, dry_run, on_path, write_site
 
 TINY = ROOT / "profiles" / "tiny-cpu.toml"
 
@@ -32,11 +29,7 @@ def site(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def installed(site, monkeypatch):
-    monkeypatch.syspath_prepend(str(PKG))
-    monkeypatch.syspath_prepend(str(site))
-    yield
-    for name in [m for m in sys.modules if m == "toyalgos" or m.startswith("toyalgos.")]:
-        del sys.modules[name]
+    yield from on_path(site, monkeypatch)
 
 
 def test_builtins_are_entry_points_in_pyproject():
@@ -78,25 +71,17 @@ def test_profile_keys_and_the_legacy_spelling():
             load_run_config([TINY], overrides)
 
 
-def _dry_run(tmp_path: Path, site: Path | None, *overrides: str) -> subprocess.CompletedProcess:
-    """The real CLI in a fresh process (as each run component is), the plugin reachable through PYTHONPATH."""
-    paths = [str(ROOT), str(PKG), *([str(site)] if site else [])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    cmd = [sys.executable, "-m", "rollflow.cli", "rl", "@", str(TINY), "--output-dir", str(tmp_path / "run")]
-    return subprocess.run([*cmd, *overrides, "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
-
-
 def test_plugin_by_entry_point_and_by_import_path_through_the_cli(site, tmp_path):
     rank = '{type = "toyalgos:Specs.rank", args = {scale = 3.0}}'
     envs = f'[{{id = "reverse-text"}}, {{id = "sort-letters", advantage = {rank}}}]'
-    r = _dry_run(tmp_path, site, "--orchestrator.advantage", '{type = "rank", args = {scale = 2.0}}', "--envs", envs)
+    r = dry_run(tmp_path, site, "--orchestrator.advantage", '{type = "rank", args = {scale = 2.0}}', "--envs", envs)
     assert r.returncode == 0, r.stderr
     stored = json.loads((tmp_path / "run" / "config" / "orchestrator.json").read_text())
     assert stored["orchestrator"]["advantage"]["type"] == "rank"
     assert stored["orchestrator"]["advantage"]["args"] == {"scale": 2.0}
     assert stored["envs"][1]["advantage"]["type"] == "toyalgos:Specs.rank"
     # without the dist-info the entry point is unknown: refused at load, the registered names listed
-    r = _dry_run(tmp_path / "b", None, "--orchestrator.advantage.type", "rank")
+    r = dry_run(tmp_path / "b", None, "--orchestrator.advantage.type", "rank")
     assert r.returncode == 2 and "no advantage estimator named 'rank'" in r.stderr, r.stderr
     assert "registered: grpo, reinforce_pp, rloo" in r.stderr
 

@@ -4,9 +4,6 @@ and by import path through the real CLI, with each bad plugin refused at load (e
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -20,7 +17,7 @@ from engines.trainer.losses.base import LossSpec
 from engines.trainer.losses.objective import Objective, StepCounts, TokenScores
 from engines.trainer.losses.registry import resolve
 from rollflow.cli import main
-from tests.algo_fixture import PKG, ROOT, write_site
+from tests.algo_fixture import ROOT, dry_run, on_path, write_site
 
 TINY = ROOT / "profiles" / "tiny-cpu.toml"
 
@@ -32,11 +29,7 @@ def site(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def installed(site, monkeypatch):
-    monkeypatch.syspath_prepend(str(PKG))
-    monkeypatch.syspath_prepend(str(site))
-    yield
-    for name in [m for m in sys.modules if m == "toyalgos" or m.startswith("toyalgos.")]:
-        del sys.modules[name]
+    yield from on_path(site, monkeypatch)
 
 
 def test_builtins_are_entry_points_in_pyproject():
@@ -48,21 +41,13 @@ def test_builtins_are_entry_points_in_pyproject():
         assert isinstance(spec, LossSpec) and spec.params is model and isinstance(params, model)
 
 
-def _dry_run(tmp_path: Path, site: Path | None, *overrides: str) -> subprocess.CompletedProcess:
-    """The real CLI in a fresh process (as the trainer is), the plugin reachable through PYTHONPATH."""
-    paths = [str(ROOT), str(PKG), *([str(site)] if site else [])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    cmd = [sys.executable, "-m", "rollflow.cli", "rl", "@", str(TINY), "--output-dir", str(tmp_path / "run")]
-    return subprocess.run([*cmd, *overrides, "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
-
-
 def test_plugin_by_entry_point_and_by_import_path_through_the_cli(site, tmp_path):
-    r = _dry_run(tmp_path / "a", site, "--trainer.loss", '{type = "sign", args = {scale = 2.0}}')
+    r = dry_run(tmp_path / "a", site, "--trainer.loss", '{type = "sign", args = {scale = 2.0}}')
     assert r.returncode == 0, r.stderr
-    r = _dry_run(tmp_path / "b", None, "--trainer.loss", '{type = "toyalgos.losses:Specs.sign", entropy_coef = 0.01}')
+    r = dry_run(tmp_path / "b", None, "--trainer.loss", '{type = "toyalgos.losses:Specs.sign", entropy_coef = 0.01}')
     assert r.returncode == 0, r.stderr
     # without the dist-info the entry point is unknown: refused at load, the registered names listed
-    r = _dry_run(tmp_path / "c", None, "--trainer.loss.type", "sign")
+    r = dry_run(tmp_path / "c", None, "--trainer.loss.type", "sign")
     assert r.returncode == 2 and "no loss named 'sign'" in r.stderr, r.stderr
     assert "registered: cispo, gspo, icepop, ipo, masked_is, mis, ppo_clip, tis" in r.stderr
 
