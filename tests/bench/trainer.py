@@ -50,7 +50,7 @@ def measure(run: Path) -> dict:
         stats: dict[str, dict] = {}
         for name, trainer in (("padded", padded), ("packed", packed)):
             t0 = time.perf_counter()
-            stats[name] = trainer.train_on(batch)
+            stats[name] = trainer.optimize(batch)
             times[name].append(time.perf_counter() - t0)
         losses.append((stats["padded"]["loss"], stats["packed"]["loss"]))
         tokens.append(sum(sample_lengths(batch)))
@@ -79,7 +79,7 @@ def report(m: dict) -> str:
             ratio_stats(t["kl padded"], t["kl packed"]).fmt() + "x",
         ],
         [
-            "`train_on` (forward, backward, AdamW)",
+            "`optimize` (forward, backward, AdamW)",
             Stats(t["padded"]).fmt(unit=" s"),
             Stats(t["packed"]).fmt(unit=" s"),
             speedup.fmt() + "x",
@@ -104,7 +104,7 @@ def report(m: dict) -> str:
 
 DEFINITIONS = """\
 Rollouts: every committed step of one benchmark-1 run (async_level 1). Training tokens/s = prompt +
-completion tokens of the step's samples / `RLTrainer.train_on` time (forward, backward and AdamW step;
+completion tokens of the step's samples / `RLTrainer.optimize` time (forward, backward and AdamW step;
 `mismatch_kl` off, the same in both). Padded: one row per sample, right-padded to the step's longest,
 `micro_batch_size` rows per forward. Packed (`trainer.packing = true`): samples first-fit into rows as
 long as the step's longest sample, positions restarting per sample, block-diagonal causal mask, the same

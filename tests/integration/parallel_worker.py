@@ -67,8 +67,7 @@ def main(config: str, steps: int, checkpoint_at: int, out: str, varied: bool = F
     routes = (m.num_layers, m.num_experts_per_tok) if trainer.tcfg.enable_router_replay else None
     for step in range(trainer.version + 1, steps + 1):
         batch = synthetic_batch(step, trainer.model.vocab_size, varied=varied, routes=routes)
-        share, weight = distributed.local_share(batch, d)
-        stats = trainer.train_on(share, float(batch.loss_mask.sum()), weight)
+        stats = trainer.optimize(batch)  # each rank trains on its share of the rows
         losses.append(stats["loss"])
         norms.append(stats["grad_norm"])
         if step == checkpoint_at:
