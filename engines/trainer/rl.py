@@ -6,6 +6,7 @@ measurement -> micro-batched loss/backward -> optimizer step -> `weights/step=N/
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
@@ -223,8 +224,9 @@ class RLTrainer:
         for m in micros:
             mb = m.mb
             routing = routing_for(mb, self.tcfg.enable_router_replay)
-            if routing is not None and routing.replay is not None and m.weight:
-                _add(stats, {"replayed": float(((routing.replay[..., 0, 0] >= 0) & (_scoring(mb) > 0)).sum())})
+            replayed = 0.0
+            if routing is not None and routing.replay is not None:
+                replayed = float(((routing.replay[..., 0, 0] >= 0) & (_scoring(mb) > 0)).sum())
             with context_parallel.gathered_kv(self.dist):
                 scored = scored_tokens(self.model, mb, routing, entropy=True)  # on the sampler's kept support
             # the entropy is always reported; it carries a gradient only as a loss term (loss.entropy_coef > 0)
@@ -233,9 +235,10 @@ class RLTrainer:
             )
             loss, mb_stats = self.objective(token_scores(mb, scored.logprobs, entropy, m.proximal, m.reference), counts)
             (loss * m.weight).backward()  # weight 0: a stand-in that keeps the ranks' collectives in step
-            if m.weight:
-                loss_sum += float(loss.detach())
-                _add(stats, {**mb_stats, "support_mismatch": float(scored.support_mismatch_tokens)})
+            loss_sum += float(loss.detach()) * m.weight
+            mb_stats.update(replayed=replayed, support_mismatch=float(scored.support_mismatch_tokens))
+            # a stand-in adds nothing, but every rank must hold the same keys for the all-reduce
+            _add(stats, mb_stats if m.weight else {k: -math.inf if k in MAX_STATS else 0.0 for k in mb_stats})
         grad_norm = parallel.clip_grad_norm(self.model, self.tcfg.optim.max_grad_norm, self.dist)
         self.optimizer.step()
         return loss_sum, grad_norm

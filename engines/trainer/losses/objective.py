@@ -18,6 +18,7 @@ over micro-batches and ranks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -149,8 +150,8 @@ class Objective:
             "dropped": float((terms.dropped & valid).sum() + (counted & ~valid).sum()),
             "clipped": float((terms.clipped & valid).sum()),
             "ratio_sum": float(masked(ratio, valid).sum()),
-            "ratio_max": float(torch.where(valid, ratio, -torch.inf).max()) if valid.any() else 0.0,
-            "neg_ratio_min": float(torch.where(valid, -ratio, -torch.inf).max()) if valid.any() else 0.0,
+            "ratio_max": float(torch.where(valid, ratio, -torch.inf).max()) if valid.any() else -math.inf,
+            "neg_ratio_min": float(torch.where(valid, -ratio, -torch.inf).max()) if valid.any() else -math.inf,
             "sampler_kl_sum": kl_sum,
             "nonfinite": float((counted & ~valid).sum()),
         }
@@ -159,6 +160,10 @@ class Objective:
         for name, values in terms.metrics.items():
             stats[f"loss/{name}_sum"] = float(masked(values.detach(), valid).sum())
         return stats
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def step_metrics(stats: dict[str, float], passes: int) -> dict[str, float | None]:
@@ -170,8 +175,8 @@ def step_metrics(stats: dict[str, float], passes: int) -> dict[str, float | None
         "masked_fraction": stats.get("dropped", 0.0) / tokens,
         "clipped_fraction": stats.get("clipped", 0.0) / tokens,
         "ratio_mean": stats.get("ratio_sum", 0.0) / valid,
-        "ratio_max": stats.get("ratio_max", 0.0),
-        "ratio_min": -stats.get("neg_ratio_min", 0.0),
+        "ratio_max": _finite(stats.get("ratio_max", -math.inf)),  # None: no token was trained on
+        "ratio_min": _finite(-stats.get("neg_ratio_min", -math.inf)),
         "sampler_kl": stats.get("sampler_kl_sum", 0.0) / tokens,
         "sampler_nonfinite_tokens": stats.get("nonfinite", 0.0) / passes,
         "entropy": stats["entropy_sum"] / tokens if "entropy_sum" in stats else None,
