@@ -212,10 +212,11 @@ class RLTrainer:
             if self.reference is not None:
                 m.reference = self._score(self.reference, m.mb).logprobs
 
-    def _score(self, model: CausalLM, mb: Batch | PackedBatch, entropy: bool = False) -> Scored:
+    def _score(self, model: CausalLM, mb: Batch | PackedBatch) -> Scored:
+        """`model`'s logprobs of `mb`'s targets (on the sampler's kept support), as the loss forward takes them."""
         routing = routing_for(mb, self.tcfg.enable_router_replay)
         with context_parallel.gathered_kv(self.dist):
-            return scored_tokens(model, mb, routing, entropy=entropy)
+            return scored_tokens(model, mb, routing)
 
     def _optimizer_step(self, micros: list[Micro], counts: StepCounts, stats: dict[str, float]) -> tuple[float, float]:
         self.model.train()
