@@ -2,7 +2,10 @@
 registered by an entry point that only the run's PYTHONPATH carries (as `pip install` of a package would),
 and a model directory of that `model_type`. Every process resolves the family from the entry point: the
 warm-up, the trainer and the inference engine run it on rollflow's decoder (`impl = custom`), the trainer
-and the sampler agree on every token's logprob, and the publications are that family's directories."""
+and the sampler agree on every token's logprob, and the publications are that family's directories.
+
+`make test-long`: tests/unit/test_family_plugins.py resolves the same plugin through the CLI in a fresh process
+within `make test`, which keeps this whole run (about a minute) out of its 25-minute budget."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from conftest import cli_argv, cli_env
 
 from tests.family_fixture import PKG, ROOT, mini_llama_dir, write_site
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def test_a_run_of_a_plugin_family_model(tmp_path):
