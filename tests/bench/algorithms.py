@@ -54,11 +54,15 @@ def summarise(out: Path) -> dict:
     }
 
 
-def run_one(ws: Path, setting: str, seed: int, steps: int, variant: str, templates: dict[int, Path]) -> dict:
+def run_one(
+    ws: Path, setting: str, seed: int, steps: int, variant: str, templates: dict[int, Path], cached_only: bool = False
+) -> dict:
     out = ws / f"{setting}-{steps}steps" / f"seed{seed}" / variant
     done = out / "result.json"
     if done.exists():
         return json.loads(done.read_text())
+    if cached_only:
+        return {"error": "not run", "finite": False}
     if seed not in templates:
         templates[seed] = harness.warm_up(config(ws / f"warmup-seed{seed}", seed, steps, None, "tiny-cpu"))
     t0 = time.perf_counter()
@@ -82,6 +86,10 @@ def _median(results: list[dict], key: str, sci: bool = False) -> str:
     return f"{statistics.median(values):.1e}" if sci else harness.num(statistics.median(values))
 
 
+def _failure(result: dict) -> str:
+    return "not run" if result.get("error") == "not run" else "failed"
+
+
 def table(setting: str, by_variant: dict[str, list[dict]]) -> str:
     rows = []
     for variant, results in by_variant.items():
@@ -91,7 +99,7 @@ def table(setting: str, by_variant: dict[str, list[dict]]) -> str:
             [
                 f"`{variant}`",
                 _median(ok, "rise"),
-                " / ".join(harness.num(r["rise"]) if r.get("error") is None else "failed" for r in results),
+                " / ".join(harness.num(r["rise"]) if r.get("error") is None else _failure(r) for r in results),
                 _median(ok, "reward_last5"),
                 _median(ok, "mismatch_kl_max", sci=True),
                 _median(ok, "masked_fraction"),
@@ -124,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variants", nargs="+", default=sorted(BUILTIN_LOSSES, key=lambda v: v != "masked_is"))
     ap.add_argument("--workspace", type=Path, default=harness.ROOT / "outputs" / "bench-algorithms")
     ap.add_argument("--no-doc", action="store_true", help="print the tables instead of rewriting docs/algorithm.md")
+    ap.add_argument("--cached-only", action="store_true", help="tabulate the workspace's finished runs, run none")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     templates: dict[int, Path] = {}
@@ -132,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         if steps <= 0:
             continue
         by_variant = {
-            v: [run_one(args.workspace, setting, s, steps, v, templates) for s in args.seeds] for v in args.variants
+            v: [run_one(args.workspace, setting, s, steps, v, templates, args.cached_only) for s in args.seeds]
+            for v in args.variants
         }
         sections.append(f"{table(setting, by_variant)}\n\n{steps} RL steps per run.")
     machine = harness.machine()  # the load average at start says whether the machine was shared
