@@ -60,8 +60,8 @@ lint: install
 bench: install
 	ROLLFLOW_BENCH_COMMAND="make bench" $(BIN)/python -m tests.bench
 
-# Every policy-loss variant on the same seeds (tiny-cpu 100 steps, and async_level 4), the table in
-# docs/algorithm.md regenerated (~50 runs: about 1.5 h on 2 cores; an interrupted run continues where it stopped).
+# Every policy-loss variant on the same seeds (tiny-cpu 100 steps, and async_level 4 for 40), the table in
+# docs/algorithm.md regenerated (48 runs: about 1.5 h on 2 cores; an interrupted run continues where it stopped).
 bench-algorithms: install
 	$(BIN)/python -m tests.bench.algorithms
 

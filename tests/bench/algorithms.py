@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=100, help="RL steps of the tiny-cpu setting")
-    ap.add_argument("--stress-steps", type=int, default=100, help="RL steps of the stress setting (0: skip it)")
+    ap.add_argument("--stress-steps", type=int, default=40, help="RL steps of the stress setting (0: skip it)")
     ap.add_argument("--variants", nargs="+", default=sorted(BUILTIN_LOSSES, key=lambda v: v != "masked_is"))
     ap.add_argument("--workspace", type=Path, default=harness.ROOT / "outputs" / "bench-algorithms")
     ap.add_argument("--no-doc", action="store_true", help="print the tables instead of rewriting docs/algorithm.md")
