@@ -12,12 +12,16 @@ from config.inference import InferenceConfig
 from config.model import ModelConfig
 from config.orchestrator import OrchestratorConfig
 from config.run import RunConfig
+from config.sft import SFTConfig
 from config.storage import StorageConfig
 from config.tracking import TrackingConfig
-from config.trainer import CheckpointConfig, SFTConfig, TrainerConfig
+from config.trainer import CheckpointConfig, TrainerConfig
 from config.trainer_parallel import TrainerParallelConfig
 from config.transport import WeightBroadcastConfig
 from config.vllm import SESSION_HEADER
+
+# A component's exit code for input it refuses (an SFT dataset with a bad row): a restart would fail the same way.
+EXIT_REFUSED = 3
 
 
 class ComponentPaths(Strict):
@@ -64,6 +68,16 @@ class TrainerProcessConfig(Strict):
     mode: Literal["rl"] = "rl"
 
 
+class SFTRunSettings(Strict):
+    """What a `rollflow sft` run adds to the warm-up's slice: checkpoints, publications every
+    `checkpoint.interval` steps, metrics, and the checkpoint a restart continues from."""
+
+    checkpoint: CheckpointConfig
+    tracking: TrackingConfig
+    mlflow_run_id: str | None
+    resume_step: int | None
+
+
 class SFTProcessConfig(Strict):
     run: ComponentPaths
     model: ModelConfig
@@ -72,6 +86,7 @@ class SFTProcessConfig(Strict):
     num_threads: int
     seed: int
     parallel: TrainerParallelConfig = TrainerParallelConfig()  # the warm-up's torchrun ranks (`warmup_parallel`)
+    sft_run: SFTRunSettings | None = None  # None: the RL warm-up (publishes policy version 0, no checkpoints)
     mode: Literal["sft"] = "sft"
 
 
@@ -123,6 +138,26 @@ def component_configs(
             weight_broadcast=cfg.weight_broadcast,
         ),
     }
+
+
+def sft_run_config(
+    cfg: RunConfig, run_id: str, mlflow_run_id: str | None = None, resume_step: int | None = None
+) -> SFTProcessConfig:
+    """The slice a `rollflow sft` run's trainer reads: the warm-up's, plus checkpoints, tracking and resume."""
+    paths = ComponentPaths(output_dir=cfg.output_dir, run_id=run_id, storage=cfg.storage)
+    settings = SFTRunSettings(
+        checkpoint=cfg.checkpoint, tracking=cfg.tracking, mlflow_run_id=mlflow_run_id, resume_step=resume_step
+    )
+    return SFTProcessConfig(
+        run=paths,
+        model=cfg.model,
+        envs=cfg.envs,
+        sft=cfg.sft,
+        num_threads=cfg.trainer.num_threads,
+        seed=cfg.seed,
+        parallel=warmup_parallel(cfg),
+        sft_run=settings,
+    )
 
 
 def warmup_parallel(cfg: RunConfig) -> TrainerParallelConfig:

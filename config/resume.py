@@ -6,6 +6,7 @@ from config.envs import STRING_TASK_DEFAULTS, EnvSpec
 from config.orchestrator import OrchestratorConfig
 from config.registry import STRING_TASKS
 from config.run import resolve_seed_keys
+from config.sft import SFTConfig
 from config.trainer import TrainerConfig
 
 # Changing these mid-run would mix incompatible data in one run: other weights shapes, other prompts
@@ -44,7 +45,7 @@ def _current_keys(config: dict) -> dict:
     their defaults, so the same setting compares equal."""
     try:
         config = resolve_seed_keys(config)
-        for name, model in (("orchestrator", OrchestratorConfig), ("trainer", TrainerConfig)):
+        for name, model in (("orchestrator", OrchestratorConfig), ("trainer", TrainerConfig), ("sft", SFTConfig)):
             if isinstance(config.get(name), dict):
                 config = {**config, name: model.model_validate(config[name]).model_dump(mode="json")}
         return config

@@ -24,9 +24,10 @@ from config.inference import InferenceConfig
 from config.model import ModelConfig
 from config.orchestrator import OrchestratorConfig
 from config.placement import SlurmPlacementConfig
+from config.sft import SFTConfig
 from config.storage import StorageConfig
 from config.tracking import TrackingConfig
-from config.trainer import CheckpointConfig, SFTConfig, TrainerConfig
+from config.trainer import CheckpointConfig, TrainerConfig
 from config.trainer_parallel import check_against_model, check_impl
 from config.transport import WeightBroadcastConfig
 

@@ -1,4 +1,4 @@
-"""The trainer's settings: optimizer, loss, warm-up, checkpoints."""
+"""The trainer's settings: optimizer, loss, checkpoints (supervised fine-tuning: config/sft.py)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,6 @@ class OptimConfig(Strict):
     betas: tuple[float, float] = (0.9, 0.99)
     max_grad_norm: float = Field(1.0, gt=0)
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up over the first N RL steps")
-
-
-class SFTConfig(Strict):
-    """Short supervised warm-up run before RL; its result is published as policy version 0."""
-
-    steps: int = Field(200, ge=0)
-    batch_size: int = Field(32, gt=0)
-    lr: float = Field(3e-3, gt=0)
 
 
 class TrainerConfig(Strict):

@@ -19,7 +19,6 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -32,18 +31,16 @@ from launch.torchrun import torchrun_args
 from runtime.lease import hold_lease
 from runtime.lifecycle import RunHandle, close_run, reopen_run, start_new_run
 from runtime.process import ComponentFailed
+from runtime.restarts import RestartBudget
+from runtime.rundir import logs_dir
 from runtime.slurm import allocation_nodes
 from runtime.summary import summarize, to_markdown
 from runtime.walltime import WalltimeReached, WalltimeWatch
 from storage.checkpoints import checkpoint_steps
-from storage.fs import CONFIG_STORAGE_ENV, Storage, is_local, join
+from storage.fs import CONFIG_STORAGE_ENV, Storage, join
 from storage.runstate import write_state
 from tasks.components import run_component
 from tasks.resume import Attempt, prepare_attempt
-
-
-class RestartsExhausted(RuntimeError):
-    """Components kept failing without the run making checkpoint progress."""
 
 
 def _supervise(futures: dict, stop: threading.Event, logger) -> None:
@@ -65,13 +62,6 @@ def _supervise(futures: dict, stop: threading.Event, logger) -> None:
                 stop.set()
                 if fut.result() != 0:
                     raise ComponentFailed(f"the trainer was stopped before finishing (exit code {fut.result()})")
-
-
-def _logs_dir(fs, root: str, run_id: str) -> str:
-    """Component logs are appended line by line, which object stores cannot do: keep them on local disk."""
-    if is_local(fs):
-        return join(root, "logs")
-    return str(Path("rollflow-logs", run_id).resolve())
 
 
 def _component_env(cfg: RunConfig, tracking_uri: str | None) -> dict[str, dict[str, str]]:
@@ -153,9 +143,9 @@ def _placement(cfg: RunConfig, logger) -> Placement:
 def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: WalltimeWatch) -> None:
     """Attempt after attempt until the trainer finishes; give up after `max_restarts` failures in a row
     that each restarted from the same checkpoint. Slurm's walltime warning ends them (resumable)."""
-    rcfg, failures, last_start = cfg.restart, 0, -2
+    budget = RestartBudget(cfg.restart)
     fs, root = storage.open(cfg.output_dir)
-    logs = _logs_dir(fs, root, run.run_id)
+    logs = logs_dir(fs, root, run.run_id)
     placed = _placement(cfg, logger)
     while True:
         if watch.reached.is_set():
@@ -163,9 +153,7 @@ def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: W
         attempt = prepare_attempt(cfg, run.run_id, run.tracking_uri, run.state.mlflow_run_id, placed.inference_node)
         run.state.attempts += 1
         write_state(fs, root, run.state)
-        start = -1 if attempt.resume_step is None else attempt.resume_step
-        failures = 0 if start > last_start else failures
-        last_start = start
+        budget.attempt_from(attempt.resume_step)
         try:
             env = _component_env(cfg, run.tracking_uri)
             _run_components(attempt, logs, env, placed, watch, logger)
@@ -176,14 +164,8 @@ def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: W
                     "stopped at the Slurm job's walltime warning; the run is unfinished and resumable "
                     "(resume-unfinished continues it from its last checkpoint)"
                 ) from None
-            failures += 1
-            if failures > rcfg.max_restarts:
-                raise RestartsExhausted(
-                    f"{failures} failures in a row without checkpoint progress (restart.max_restarts="
-                    f"{rcfg.max_restarts}); last: {exc}"
-                ) from exc
-            delay = min(rcfg.backoff_s * 2 ** (failures - 1), rcfg.backoff_max_s)
-            logger.warning(f"{exc}\nrestart {failures}/{rcfg.max_restarts} from the last checkpoint in {delay:.1f}s")
+            delay = budget.failed(exc)
+            logger.warning(budget.notice(exc, delay))
             watch.reached.wait(delay)
 
 

@@ -3,6 +3,7 @@ so `--help`, validation and `--dry-run` are instant.
 
     rollflow rl @ profiles/tiny-cpu.toml [@ more.toml] [--trainer.optim.lr 3e-4] [--output-dir DIR]
                 [--dry-run] [--overwrite | --resume]
+    rollflow sft @ profile.toml [--KEY VALUE ...] [--dry-run] [--overwrite | --resume]   (docs/sft.md)
     rollflow resume OUTPUT_DIR [--KEY VALUE ...]
     rollflow submit @ profiles/x.toml [--KEY VALUE ...] [--overwrite | --resume]   (rollflow/submit.py)
     rollflow lake OUTPUT_DIR [--json] [--export FILE ...] [--plot DIR] [--verify]   (rollflow/lake.py)
@@ -33,6 +34,14 @@ USAGE = """rollflow rl [@ PROFILE.toml ...] [--KEY VALUE ...] [--dry-run] [--ove
                   cannot change mid-run (model, envs, seed, group size, warm-up) must match
 
 Keys are documented in docs/configuration.md."""
+
+SFT_USAGE = """rollflow sft [@ PROFILE.toml ...] [--KEY VALUE ...] [--dry-run] [--overwrite | --resume]
+
+  Supervised fine-tuning as a run of its own: the [sft] section's data ([sft.data]: chat files, a run's lake,
+  or the environments' demonstrations), steps or epochs, packing, with [model], [checkpoint], [storage] and
+  [restart] as in `rollflow rl`. Publishes OUTPUT_DIR/weights/step=N every checkpoint.interval steps and at
+  the end (Hugging Face directories: an RL profile's [model] path can start from one); prints a JSON summary.
+  Profiles, overrides and flags read as in `rollflow rl`. docs/sft.md explains the keys."""
 
 RESUME_USAGE = """rollflow resume OUTPUT_DIR [--KEY VALUE ...]
 
@@ -205,13 +214,17 @@ def _precheck(cfg: RunConfig, flags: set[str]) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def _run_flow(cfg: RunConfig, flags: set[str]) -> dict:
-    from flows.rl import rl  # imports Prefect, which reads PREFECT_API_URL now
+def _run_flow(cfg: RunConfig, flags: set[str], kind: str) -> dict:
+    # imports Prefect, which reads PREFECT_API_URL now
+    if kind == "sft":
+        from flows.sft import sft as run
+    else:
+        from flows.rl import rl as run
 
-    return rl(config=cfg.model_dump(mode="json"), overwrite="overwrite" in flags, resume="resume" in flags)
+    return run(config=cfg.model_dump(mode="json"), overwrite="overwrite" in flags, resume="resume" in flags)
 
 
-def _launch(cfg: RunConfig, flags: set[str]) -> int:
+def _launch(cfg: RunConfig, flags: set[str], kind: str = "rl") -> int:
     from config.redact import redact_url
 
     uri = cfg.tracking.tracking_uri
@@ -219,14 +232,14 @@ def _launch(cfg: RunConfig, flags: set[str]) -> int:
         os.environ["MLFLOW_TRACKING_URI"] = uri
         cfg.tracking.tracking_uri = None
     if os.environ.get("PREFECT_API_URL"):
-        summary = _run_flow(cfg, flags)
+        summary = _run_flow(cfg, flags, kind)
     else:
         from runtime.local_api import local_prefect_api
 
         with local_prefect_api() as url:
             os.environ["PREFECT_API_URL"] = url
             try:
-                summary = _run_flow(cfg, flags)
+                summary = _run_flow(cfg, flags, kind)
             finally:
                 # Send the queued flow logs while the API still runs, whether the run succeeded or not:
                 # at exit Prefect would retry them against the stopped server for about 70 s.
@@ -252,6 +265,44 @@ def cmd_rl(tokens: list[str]) -> int:
         print(json.dumps(urls, indent=2))
         return 0
     return _launch(cfg, flags)
+
+
+def check_sft_data(cfg: RunConfig, env_sources: list[str]) -> None:
+    """What `rollflow sft` reads before it starts: the model directory, the environments (their demonstrations
+    as data), the files `[sft.data] path` names (listed, not read: rows are checked when the trainer loads
+    them) or the lake's run directory; each refuses with exit code 2."""
+    check_model(cfg)
+    data = cfg.sft.data
+    if data.type == "envs":
+        check_envs(cfg, env_sources)
+        return
+    from storage.fs import Storage
+
+    if data.type == "lake":
+        fs, root = Storage(cfg.storage).open(data.run)
+        if not fs.exists(f"{root}/rollouts"):
+            raise ConfigError(f"sft.data.run = {data.run!r} holds no rollouts/: not a rollflow RL run's output_dir")
+        return
+    from engines.trainer.sft_files import DataError, dataset_files
+
+    fs, path = Storage(cfg.storage).open(data.path)
+    try:
+        dataset_files(fs, path, data.format)
+    except DataError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def cmd_sft(tokens: list[str]) -> int:
+    profiles, overrides, flags = split_args(tokens)
+    cfg, env_sources = load_with_sources(profiles, overrides)
+    check_sft_data(cfg, env_sources)
+    _precheck(cfg, flags)
+    if "dry-run" in flags:
+        from runtime.rundir import new_run_id, write_sft_configs
+
+        print(json.dumps(write_sft_configs(cfg, new_run_id(cfg)), indent=2))
+        return 0
+    return _launch(cfg, flags, "sft")
 
 
 def cmd_submit(tokens: list[str]) -> int:
@@ -338,12 +389,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {
         "rl": (cmd_rl, USAGE),
+        "sft": (cmd_sft, SFT_USAGE),
         "resume": (cmd_resume, RESUME_USAGE),
         "lake": (cmd_lake, LAKE_USAGE),
         "models": (cmd_models, MODELS_USAGE),
         "submit": (cmd_submit, SUBMIT_USAGE),
     }
     sub.add_parser("rl", help="run RL from profiles and overrides", usage=USAGE, add_help=False)
+    sub.add_parser("sft", help="supervised fine-tuning on a dataset, as a run", usage=SFT_USAGE, add_help=False)
     sub.add_parser("resume", help="continue a run from its last complete checkpoint", usage=RESUME_USAGE)
     sub.add_parser("lake", help="inspect a run's rollouts, weights and checkpoints", usage=LAKE_USAGE)
     sub.add_parser("models", help="fetch a pretrained model into the local cache", usage=MODELS_USAGE)

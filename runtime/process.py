@@ -19,6 +19,13 @@ from pathlib import Path
 class ComponentFailed(RuntimeError):
     """A component exited non-zero on its own; the message carries its last output lines."""
 
+    def __init__(self, message: str, returncode: int | None = None):
+        super().__init__(message)
+        self.returncode = returncode  # the component's exit code; None when it did not exit (stopped, refused)
+
+    def __reduce__(self):  # keeps the exit code through pickling (Prefect may serialize a task's error)
+        return type(self), (str(self), self.returncode)
+
 
 def _pump(proc: subprocess.Popen, emit: Callable[[str], None], log_file, tail: collections.deque) -> None:
     """Drain the child's output to the end whatever happens downstream: an undrained pipe blocks the child."""
@@ -123,5 +130,6 @@ def supervise(
     if proc.returncode != 0 and stop.is_set():
         emit(f"exited with code {proc.returncode} after being asked to stop")
     elif proc.returncode != 0:
-        raise ComponentFailed(f"{name} exited with code {proc.returncode}; last output:\n" + "\n".join(tail))
+        tail_text = "\n".join(tail)
+        raise ComponentFailed(f"{name} exited with code {proc.returncode}; last output:\n{tail_text}", proc.returncode)
     return proc.returncode

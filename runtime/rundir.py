@@ -1,4 +1,4 @@
-"""Run-directory bookkeeping the `rl` flow and `--dry-run` share: ids, ports, resolved configs."""
+"""Run-directory bookkeeping the `rl` and `sft` flows and `--dry-run` share: ids, ports, resolved configs."""
 
 from __future__ import annotations
 
@@ -6,14 +6,16 @@ import json
 import secrets
 import socket
 import time
+from pathlib import Path
 
-from config.process import component_configs
+from config.process import component_configs, sft_run_config
 from config.redact import redact_url
 from config.resume import resume_changes
 from config.run import RunConfig
 from config.storage import StorageConfig
 from storage import runstate
-from storage.fs import DEFAULT_SETTINGS, get_fs, join, write_bytes_atomic, write_json
+from storage.fs import DEFAULT_SETTINGS, get_fs, is_local, join, write_bytes_atomic, write_json
+from storage.metrics import SFT_DATA_FILE
 
 # What a run owns inside OUTPUT_DIR; --overwrite removes exactly these, nothing else there (the lease
 # stays: it belongs to whoever is claiming the directory right now).
@@ -25,6 +27,7 @@ RUN_ENTRIES = (
     "checkpoints",
     "logs",
     "metrics.jsonl",
+    SFT_DATA_FILE,
     "mlflow.db",
     runstate.STATE_FILE,
 )
@@ -33,6 +36,13 @@ DATA_ENTRIES = ("weights", "rollouts", "checkpoints")
 
 class RunDirError(RuntimeError):
     """OUTPUT_DIR cannot be used as asked (holds a run, or data that is not a rollflow run)."""
+
+
+def logs_dir(fs, root: str, run_id: str) -> str:
+    """Component logs are appended line by line, which object stores cannot do: keep them on local disk."""
+    if is_local(fs):
+        return join(root, "logs")
+    return str(Path("rollflow-logs", run_id).resolve())
 
 
 def new_run_id(cfg: RunConfig) -> str:
@@ -138,3 +148,21 @@ def write_configs(
     for name, text in (plan or {}).items():
         write_bytes_atomic(fs, join(root, "config", name), text.encode())
     return urls
+
+
+def write_sft_configs(
+    cfg: RunConfig,
+    run_id: str,
+    tracking_uri: str | None = None,
+    mlflow_run_id: str | None = None,
+    resume_step: int | None = None,
+) -> dict[str, str]:
+    """A `rollflow sft` run's `config/run.json` and `config/sft.json` (its one component); returns {"sft": URL}."""
+    fs, root = get_fs(cfg.output_dir, cfg.storage)
+    sub = sft_run_config(cfg, run_id, mlflow_run_id, resume_step)
+    assert sub.sft_run is not None
+    # The trainer gets the full URI through its environment; files on disk keep a redacted copy.
+    sub.sft_run.tracking = sub.sft_run.tracking.model_copy(update={"tracking_uri": redact_url(tracking_uri)})
+    write_run_config(cfg, run_id)
+    write_json(fs, join(root, "config", "sft.json"), sub.model_dump(mode="json"))
+    return {"sft": cfg.output_dir.rstrip("/") + "/config/sft.json"}

@@ -1,12 +1,14 @@
-"""The end-of-run summary: what a person reads first (console and Prefect artifact)."""
+"""The end-of-run summaries of the `rl` and `sft` flows: what a person reads first (console and Prefect artifact)."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
-from storage.fs import read_manifest
-from storage.metrics import read_metrics
+from storage.fs import join, read_manifest
+from storage.metrics import SFT_DATA_FILE, read_metrics
 from storage.rollouts import committed_rollout_steps, staleness, step_path
+from storage.weights import latest_version
 
 
 def summarize(fs, root: str, output_dir: str, wall_s: float) -> dict:
@@ -35,4 +37,51 @@ def to_markdown(s: dict) -> str:
 
     lines = ["# rollflow RL run summary", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {fmt(v)} |" for k, v in s.items()]
+    return "\n".join(lines)
+
+
+def _curve_steps(steps: list[int], points: int) -> list[int]:
+    """At most `points` steps, evenly spread, first and last included."""
+    if len(steps) <= points:
+        return steps
+    return sorted({steps[round(i * (len(steps) - 1) / (points - 1))] for i in range(points)})
+
+
+def summarize_sft(fs, root: str, output_dir: str, wall_s: float, points: int = 20) -> dict:
+    """A `rollflow sft` run: the loss curve (at most `points` steps), what the data held and what was skipped,
+    and the final publication (the directory `[model] path` takes)."""
+    rows = {r["step"]: r for r in read_metrics(fs, root)}
+    report = join(root, SFT_DATA_FILE)
+    data = json.loads(fs.cat_file(report)) if fs.exists(report) else {}
+    steps = sorted(rows)
+    losses = [rows[s]["loss"] for s in steps]
+    k = min(5, len(losses))
+    final = latest_version(fs, root)
+    return {
+        "output_dir": output_dir,
+        "steps": len(steps),
+        "wall_s": round(wall_s, 1),
+        "loss_first5": sum(losses[:k]) / k if k else None,
+        "loss_last5": sum(losses[-k:]) / k if k else None,
+        "trained_tokens": sum(int(rows[s]["trained_tokens"]) for s in steps),
+        "epochs": rows[steps[-1]].get("epoch") if steps else None,
+        "data_source": data.get("source"),
+        "data_rows": data.get("rows"),
+        "data_samples": data.get("samples"),
+        "skipped_rows": data.get("skipped", {}),
+        "final_weights": None if final is None else f"{output_dir.rstrip('/')}/weights/step={final:06d}",
+        "loss_curve": {s: rows[s]["loss"] for s in _curve_steps(steps, points)},
+    }
+
+
+def sft_markdown(s: dict) -> str:
+    """The summary as a table of its values, then the loss curve as a table of steps."""
+
+    def fmt(v):
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    lines = ["# rollflow SFT run summary", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {fmt(v)} |" for k, v in s.items() if k != "loss_curve"]
+    lines += ["", "## Loss", "", "| step | loss |", "|---|---|"]
+    lines += [f"| {step} | {loss:.4f} |" for step, loss in s["loss_curve"].items()]
     return "\n".join(lines)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 EXIT_CORRUPT = 1
@@ -223,25 +224,26 @@ def parse_steps(text: str) -> tuple[int | None, int | None]:
         raise ValueError(f"--steps {text!r}: expected N, A:B, A: or :B with integers") from None
 
 
-def export(
+def selected(
     output_dir: str,
-    path: str,
     steps: tuple[int | None, int | None] = (None, None),
     env: str | None = None,
     min_reward: float | None = None,
     max_reward: float | None = None,
     limit: int | None = None,
-) -> int:
-    """Write the selected committed samples as JSONL to `path` (local path or URL); returns the count.
-    A corrupted shard in the selection raises `CorruptError` naming it."""
+    storage: Any = None,
+) -> Iterator[tuple[int, Any]]:
+    """The committed samples that pass the filters, read in place and checksum-verified, as (step, Arrow
+    table) in step order, `limit` rows at most in all; `storage`: StorageConfig for `output_dir` (default
+    settings if None). A corrupted shard in the selection raises `CorruptError` naming it."""
     import pyarrow.compute as pc
 
     from storage import rollouts
-    from storage.fs import get_fs, write_bytes_atomic
+    from storage.fs import DEFAULT_SETTINGS, get_fs
 
-    fs, root = get_fs(output_dir)
+    fs, root = get_fs(output_dir, storage or DEFAULT_SETTINGS)
     lo, hi = steps
-    lines: list[str] = []
+    left = limit
     for step in rollouts.committed_rollout_steps(fs, root):
         if (lo is not None and step < lo) or (hi is not None and step > hi):
             continue
@@ -256,12 +258,33 @@ def export(
                 mask = cond if mask is None else pc.and_(mask, cond)
         if mask is not None:
             table = table.filter(mask)
-        for row in table.to_pylist():
-            lines.append(json.dumps(row))
-            if limit is not None and len(lines) >= limit:
-                break
-        if limit is not None and len(lines) >= limit:
-            break
+        if left is not None:
+            table = table.slice(0, left)
+            left -= table.num_rows
+        if table.num_rows:
+            yield step, table
+        if left == 0:
+            return
+
+
+def export(
+    output_dir: str,
+    path: str,
+    steps: tuple[int | None, int | None] = (None, None),
+    env: str | None = None,
+    min_reward: float | None = None,
+    max_reward: float | None = None,
+    limit: int | None = None,
+) -> int:
+    """Write the selected committed samples as JSONL to `path` (local path or URL); returns the count.
+    A corrupted shard in the selection raises `CorruptError` naming it."""
+    from storage.fs import get_fs, write_bytes_atomic
+
+    lines = [
+        json.dumps(row)
+        for _, table in selected(output_dir, steps, env, min_reward, max_reward, limit)
+        for row in table.to_pylist()
+    ]
     out_fs, out_path = get_fs(path)
     write_bytes_atomic(out_fs, out_path, "".join(line + "\n" for line in lines).encode())
     return len(lines)

@@ -12,6 +12,9 @@ import fsspec
 
 from storage.fs import join, write_bytes_atomic
 
+# A `rollflow sft` run's data report beside its metrics: rows read, samples, rows skipped by reason, tokens.
+SFT_DATA_FILE = "sft_data.json"
+
 
 class MetricsLog:
     def __init__(self, fs: fsspec.AbstractFileSystem, output_root: str):

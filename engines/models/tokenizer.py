@@ -2,7 +2,8 @@
 
 `Tokenizer` is what the engine, trainer and orchestrator use: ids of special tokens, `encode`/`decode`,
 `render_prompt` (a user message through the chat template, with the generation prompt) and
-`save_pretrained`. `CharTokenizer` is built in-process: encoding is a dict lookup per character, and
+`save_pretrained`; `render_conversation` renders a whole chat with a mask over its assistant turns (what
+supervised fine-tuning trains). `CharTokenizer` is built in-process: encoding is a dict lookup per character, and
 `save_pretrained` writes `tokenizer.json` + `tokenizer_config.json` that `transformers.AutoTokenizer` loads
 to the same ids. `HFTokenizer` wraps the tokenizer of a model directory (engines/models/modeldir.py).
 """
@@ -53,6 +54,31 @@ class Tokenizer(Protocol):
         ...
 
     def save_pretrained(self, directory: str | Path) -> None: ...
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def render_conversation(tok: Tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(ids, mask over ids) of a conversation as the model meets it when it generates: the messages before
+    an assistant turn through the chat template, ending with the generation prompt (the first time with
+    `render_messages`, later with `render_continuation` after the previous turn's end-of-sequence), and each
+    assistant turn as the tokens it samples, its content and the end-of-sequence, mask 1. Messages after
+    the last assistant turn train nothing and are left out; the caller checks that there is an assistant turn.
+    """
+    ids: list[int] = []
+    mask: list[int] = []
+    pending: list[dict] = []
+    for m in messages:
+        if m["role"] != "assistant":
+            pending.append(m)
+            continue
+        context = tok.render_continuation(pending) if ids else tok.render_messages(pending)
+        turn = tok.encode(m["content"], bos=False) + [tok.eos_id]
+        ids += context + turn
+        mask += [0] * len(context) + [1] * len(turn)
+        pending = []
+    return ids, mask
 
 
 def _compiled(template: str) -> Any:

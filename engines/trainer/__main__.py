@@ -1,5 +1,6 @@
 """Entry module of the trainer process: `python -m engines.trainer --config trainer.json` (RL) or
-`--config sft.json` (warm-up); the config's `mode` field picks which."""
+`--config sft.json` (the warm-up, or a `rollflow sft` run); the config's `mode` field picks which. A dataset
+the SFT trainer refuses exits with EXIT_REFUSED, which the flow does not restart."""
 
 from engines.entry import read_process_config
 
@@ -7,10 +8,15 @@ from engines.entry import read_process_config
 def main(argv: list[str] | None = None) -> None:
     data = read_process_config("engines.trainer", __doc__, argv)
     if data.get("mode") == "sft":
-        from config.process import SFTProcessConfig
+        from config.process import EXIT_REFUSED, SFTProcessConfig
         from engines.trainer.sft import run_sft
+        from engines.trainer.sft_files import DataError
 
-        run_sft(SFTProcessConfig.model_validate(data))
+        try:
+            run_sft(SFTProcessConfig.model_validate(data))
+        except DataError as exc:
+            print(f"refused: {exc}", flush=True)
+            raise SystemExit(EXIT_REFUSED) from None
     else:
         from config.process import TrainerProcessConfig
         from engines.trainer.rl import RLTrainer

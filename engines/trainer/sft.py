@@ -1,101 +1,252 @@
-"""Supervised warm-up: teach the format (the rendered prompt -> answer + end-of-sequence) briefly, so RL
-starts from a reward that is neither ~0 nor saturated; the result is published as policy version 0.
+"""Supervised fine-tuning: next-token loss on the trained tokens of each sample (assistant turns, reference
+answers, chosen rollouts' completions), averaged over the batch's trained tokens.
 
+Two uses of one loop (`config/process.py` SFTProcessConfig):
+- the RL warm-up (`sft_run` None): the environments' reference answers for `sft.steps` steps, so RL starts
+  from a reward that is neither ~0 nor saturated; published as policy version 0, never checkpointed;
+- a `rollflow sft` run: any `[sft.data]` source (engines/trainer/sft_data.py), metrics per step, a checkpoint
+  (weights, optimizer, RNG, data cursor) and a publication `weights/step=N` every `checkpoint.interval` steps
+  and at the end; a restart continues from the checkpoint the flow names and takes the same steps.
+
+Per step: the batch's samples -> right-padded `Batch` (engines/trainer/batch.py) -> this rank's rows ->
+packed rows with block-diagonal attention (`sft.packing`) -> micro-batches -> backward -> one AdamW step.
 The model comes from `model` (engines/models/modeldir.py): the built-in one is trained from scratch; a
-pretrained directory is loaded with its weights, and with `sft.steps = 0` published as it is.
+pretrained directory is loaded with its weights (with `[model.lora]`, adapters train), and with `sft.steps = 0`
+the warm-up publishes it as it is.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from config.process import SFTProcessConfig
+from config.tracking import resolve_tracking_uri
 from engines.environments.base import EnvMix
 from engines.environments.episodes import demonstration_ids, is_multi_turn
 from engines.models import lora, modeldir
 from engines.models.tokenizer import Tokenizer
-from engines.trainer import distributed, expert_parallel, parallel
-from engines.trainer.batch import right_pad
-from engines.trainer.common import log, seed_everything
-from storage import weights
-from storage.fs import Storage, join, write_bytes_atomic
+from engines.trainer import checkpoint, distributed, expert_parallel, parallel
+from engines.trainer.batch import Batch, micro_batches, pack_batch, right_pad
+from engines.trainer.common import log, seed_everything, train_logprobs
+from engines.trainer.sft_data import Dataset, Sample, Stream, load_files, load_lake
+from engines.trainer.tracking import Tracker
+from storage import retention, weights
+from storage.fs import Storage, join, write_bytes_atomic, write_json
+from storage.metrics import SFT_DATA_FILE
+
+
+class EnvDemos:
+    """The environments' reference answers as an endless stream: the n-th batch of `size` draws the tasks
+    `sft/{n}/{j}` (n from 1), so a batch depends on its position only."""
+
+    def __init__(self, mix: EnvMix, tok: Tokenizer):
+        self.mix, self.tok, self.cursor = mix, tok, 0
+
+    def take(self, size: int) -> list[Sample]:
+        step = self.cursor // size + 1
+        self.cursor += size
+        return [demonstration(self.mix, self.tok, f"sft/{step}/{j}") for j in range(size)]
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor = int(state["cursor"])
+
+
+def demonstration(mix: EnvMix, tok: Tokenizer, key: str) -> Sample:
+    """A task's reference answer and end-of-sequence after its rendered prompt (in a multi-turn environment's
+    reference episode: every reply's tokens, never the environment's)."""
+    task = mix.task(key)
+    env = mix.envs[task.env]
+    if is_multi_turn(env):
+        return Sample(*demonstration_ids(env, task, tok))  # type: ignore[arg-type]
+    prompt = tok.render_prompt(task.prompt)
+    seq = prompt + tok.encode(task.answer, bos=False) + [tok.eos_id]
+    return Sample(seq, [0] * len(prompt) + [1] * (len(seq) - len(prompt)))
+
+
+def to_batch(samples: list[Sample], pad_id: int) -> Batch:
+    """Right-padded ids with the loss mask over targets (target t is token t + 1), as the RL trainer's batch."""
+    ids = right_pad([s.ids for s in samples], pad_id)
+    mask = torch.zeros((len(samples), ids.shape[1] - 1))
+    for i, s in enumerate(samples):
+        mask[i, : len(s.ids) - 1] = torch.tensor(s.mask[1:], dtype=torch.float32)
+    ones, zeros = torch.ones(len(samples)), torch.zeros(len(samples), dtype=torch.long)
+    return Batch(ids, ids[:, 1:], mask, torch.zeros_like(mask), ones, ones.clone(), zeros, zeros.clone())
 
 
 def sft_batch(mix: EnvMix, tok: Tokenizer, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded token ids and a loss mask that covers answer tokens and the end-of-sequence only
-    (in a multi-turn environment's reference episode: every reply's tokens, never the environment's)."""
-    seqs, masks = [], []
-    for j in range(size):
-        task = mix.task(f"sft/{step}/{j}")
-        env = mix.envs[task.env]
-        if is_multi_turn(env):
-            seq, token_mask = demonstration_ids(env, task, tok)  # type: ignore[arg-type]
-        else:
-            prompt = tok.render_prompt(task.prompt)
-            seq = prompt + tok.encode(task.answer, bos=False) + [tok.eos_id]
-            token_mask = [0] * len(prompt) + [1] * (len(seq) - len(prompt))
-        seqs.append(seq)
-        masks.append(token_mask[1:])  # target t is token t + 1
-    ids = right_pad(seqs, tok.pad_id)
-    mask = torch.zeros((size, ids.shape[1] - 1))
-    for i, m in enumerate(masks):
-        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
-    return ids, mask
+    """The warm-up's batch `step` (from 1): right-padded token ids and the loss mask over targets."""
+    stream = EnvDemos(mix, tok)
+    stream.cursor = (step - 1) * size
+    batch = to_batch(stream.take(size), tok.pad_id)
+    return batch.input_ids, batch.loss_mask
+
+
+def train_step(model, opt, batch: Batch, cfg: SFTProcessConfig, dist, pad_id: int) -> tuple[float, int]:
+    """One optimizer step on the batch (every rank holds all of it and trains its share of the rows); returns
+    (mean loss per trained token over the whole batch, rows this rank ran)."""
+    tokens = batch.loss_mask.sum().clamp(min=1)
+    share, weight = distributed.local_share(batch, dist)
+    rows = pack_batch(share, pad_id, cfg.model.max_seq_len) if cfg.sft.packing else share
+    model.train()
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    mbs = micro_batches(rows, cfg.sft.micro_batch_size or len(rows))
+    for mb, w in distributed.even_micro_batches(mbs, weight, dist):
+        loss = -(train_logprobs(model, mb) * mb.loss_mask).sum() / tokens.to(mb.loss_mask.device)
+        (loss * w).backward()  # gradients summed over ranks: each loss is already over the whole batch's tokens
+        total += float(loss.detach()) * w
+    expert_parallel.drop_unrouted_grads(model.weights_module(), dist)
+    opt.step()
+    return distributed.all_reduce([total], dist)[0], len(rows)
+
+
+def open_data(cfg: SFTProcessConfig, tok: Tokenizer, storage: Storage) -> Dataset | None:
+    """The `[sft.data]` dataset, loaded and checked; None for the environments' endless demonstrations."""
+    data = cfg.sft.data
+    if data.type == "files":
+        fs, path = storage.open(data.path)
+        return load_files(data.model_copy(update={"path": path}), tok, cfg.model.max_seq_len, fs)
+    if data.type == "lake":
+        return load_lake(data, tok, cfg.model.max_seq_len, cfg.run.storage)
+    return None
 
 
 def run_sft(cfg: SFTProcessConfig) -> None:
-    """The warm-up, in one process or on torchrun's ranks (`cfg.parallel`: FSDP2 over all of them, each
-    rank a slice of every batch; rank 0 publishes)."""
+    """The warm-up or a `rollflow sft` run, in one process or on torchrun's ranks (`cfg.parallel`: FSDP2 over
+    all of them, each rank a slice of every batch; rank 0 publishes, records and commits)."""
     seed_everything(cfg.seed, cfg.num_threads)
     dist = distributed.init(cfg.parallel)
-    fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
+    storage = Storage(cfg.run.storage)
+    fs, root = storage.open(cfg.run.output_dir)
     loaded = modeldir.load(cfg.model, pretrained=True)
     tok, model = loaded.tokenizer, loaded.model
-    # LoRA needs pretrained weights to adapt: the built-in model's warm-up trains all weights from scratch.
+    # LoRA needs pretrained weights to adapt: the built-in model trains all weights from scratch.
     adapters = cfg.model.lora if loaded.source.directory is not None else None
     if lora.attach_to(model, adapters, train=True):
         trainable, total = lora.trainable_fraction(model)
-        log.info(f"LoRA warm-up: {trainable} of {total} parameters train ({trainable / total:.2%})")
+        log.info(f"LoRA: {trainable} of {total} parameters train ({trainable / total:.2%})")
+    dataset = open_data(cfg, tok, storage)
+    source = Stream(dataset, cfg.seed) if dataset else EnvDemos(EnvMix(cfg.envs, cfg.seed, tok.prompt_style), tok)
+    job = SFTJob(cfg, dist, fs, root, loaded, adapters, source)
+    if cfg.sft_run is not None and cfg.sft_run.resume_step is not None:
+        checkpoint.restore_weights(fs, root, cfg.sft_run.resume_step, model)  # before the model is sharded
     parallel.parallelize(model, dist, cfg.parallel, loaded.source.impl)
-    mix = EnvMix(cfg.envs, cfg.seed, tok.prompt_style)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft.lr)
-    for step in range(1, cfg.sft.steps + 1):
-        ids, mask = sft_batch(mix, tok, step, cfg.sft.batch_size)  # the whole batch, the same on every rank
-        rows, weight = distributed.local_rows(ids.shape[0], dist)
-        loss = weight * sft_loss(model, ids[rows].to(dist.device), mask[rows].to(dist.device), mask.sum())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()  # gradients summed over the ranks: each loss is already over the whole batch's tokens
-        expert_parallel.drop_unrouted_grads(model.weights_module(), dist)
-        opt.step()
-        if step % 10 == 0 or step == cfg.sft.steps:
-            total_loss = distributed.all_reduce([loss.item()], dist)[0]
-            log.info(f"warm-up step {step}/{cfg.sft.steps} | loss {total_loss:.3f}")
-    state = parallel.full_state_dict(model, dist) if adapters is None else {}  # a collective with ranks
-    if dist.is_main:
-        publish_version_0(model, loaded, adapters, state, fs, root)
+    job.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft.lr)
+    if cfg.sft_run is None:
+        job.warm_up()
+    else:
+        job.run(dataset)
     distributed.barrier(dist)
     distributed.shutdown(dist)
 
 
-def sft_loss(model, ids: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Summed next-token loss on the masked tokens of these rows, over `tokens` (the whole batch's count)."""
-    logits = model(ids)[:, :-1]
-    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-    return (nll * mask).sum() / tokens
+class SFTJob:
+    """The loop and its outputs: publications, checkpoints, metrics."""
 
+    def __init__(self, cfg: SFTProcessConfig, dist, fs, root: str, loaded, adapters, source: Stream | EnvDemos):
+        self.cfg, self.dist, self.fs, self.root = cfg, dist, fs, root
+        self.loaded, self.model, self.adapters, self.source = loaded, loaded.model, adapters, source
+        self.files = loaded.publication_files()  # config.json, tokenizer: the same every publication
+        self.opt: torch.optim.Optimizer | None = None
 
-def publish_version_0(model, loaded, adapters, state: dict, fs, root: str) -> None:
-    """Version 0 and the run's tokenizer (`state`: the full weights, gathered on rank 0 with ranks)."""
-    files = loaded.publication_files()
-    save_tokenizer(files, fs, join(root, "tokenizer"))
-    if adapters is None:
-        weights.publish(fs, root, 0, state, files)
-    else:  # version 0 is the merged model (the base of the RL adapters), with the raw warm-up adapter beside it
-        raw = {
-            f"adapter/{n}": b for n, b in lora.peft_files(model.eval(), adapters, str(loaded.source.directory)).items()
-        }
-        weights.publish(fs, root, 0, lora.merged_state_dict(model), files | raw)
-    log.info("warm-up done: published policy version 0")
+    def steps(self) -> int:
+        s = self.cfg.sft
+        if s.epochs is not None and isinstance(self.source, Stream):
+            return self.source.steps_for(s.epochs, s.batch_size)
+        return s.steps
+
+    def step(self) -> tuple[float, int, int]:
+        """(loss, trained tokens, rows this rank ran) of the next batch."""
+        assert self.opt is not None
+        batch = to_batch(self.source.take(self.cfg.sft.batch_size), self.loaded.tokenizer.pad_id)
+        loss, rows = train_step(self.model, self.opt, batch, self.cfg, self.dist, self.loaded.tokenizer.pad_id)
+        return loss, int(batch.loss_mask.sum()), rows
+
+    def warm_up(self) -> None:
+        steps = self.steps()
+        for step in range(1, steps + 1):
+            loss, _, _ = self.step()
+            if step % 10 == 0 or step == steps:
+                log.info(f"warm-up step {step}/{steps} | loss {loss:.3f}")
+        state = self.published_state()
+        if self.dist.is_main:
+            save_tokenizer(self.files, self.fs, join(self.root, "tokenizer"))
+            self.publish(0, state)
+            log.info("warm-up done: published policy version 0")
+
+    def published_state(self) -> dict:
+        """The full weights (gathered on rank 0: a collective with ranks); with LoRA, merged at publication."""
+        return parallel.full_state_dict(self.model, self.dist) if self.adapters is None else {}
+
+    def publish(self, version: int, state: dict) -> str:
+        """`weights/step=version` as a Hugging Face directory; with LoRA the merged model, and the raw adapter
+        beside it under `adapter/` (a PEFT directory on the base model)."""
+        if self.adapters is None:
+            return weights.publish(self.fs, self.root, version, state, self.files)
+        base = str(self.loaded.source.directory)
+        raw = {f"adapter/{n}": b for n, b in lora.peft_files(self.model.eval(), self.adapters, base).items()}
+        return weights.publish(self.fs, self.root, version, lora.merged_state_dict(self.model), self.files | raw)
+
+    def run(self, dataset: Dataset | None) -> None:
+        job = self.cfg.sft_run
+        assert job is not None and self.opt is not None
+        parts: dict[str, checkpoint.Stateful] = {"optimizer": self.opt, "rng": checkpoint.RNGState()}
+        parts["data"] = self.source
+        if self.adapters is not None:
+            parts["lora"] = lora.AdapterPart(self.model)  # the base is saved as the weights
+        state = checkpoint.TrainerState(self.model, parts, job.mlflow_run_id, self.cfg.seed, self.files)
+        start = job.resume_step or 0
+        if job.resume_step is not None:
+            checkpoint.restore(self.fs, self.root, job.resume_step, state, self.dist)
+            log.info(f"resumed from checkpoint step={job.resume_step}")
+        tracker = self.tracker() if self.dist.is_main else None
+        if self.dist.is_main:
+            save_tokenizer(self.files, self.fs, join(self.root, "tokenizer"))
+            write_json(self.fs, join(self.root, SFT_DATA_FILE), self.report(dataset))
+        steps = self.steps()
+        for step in range(start + 1, steps + 1):
+            row = self.timed_step(step, steps)
+            if tracker is not None:
+                tracker.record(row)
+            if step % job.checkpoint.interval == 0 or step == steps:
+                self.commit(step, state)
+
+    def timed_step(self, step: int, steps: int) -> dict:
+        t0 = time.perf_counter()
+        loss, tokens, rows = self.step()
+        row = {"step": step, "time": time.time(), "loss": loss, "trained_tokens": tokens}
+        row |= {"samples": self.cfg.sft.batch_size, "rows": rows, "lr": self.cfg.sft.lr}
+        if isinstance(self.source, Stream):
+            row["epoch"] = self.source.cursor / len(self.source.data.samples)
+        row["step_s"] = time.perf_counter() - t0
+        log.info(f"sft step {step}/{steps} | loss {loss:.4f} | tokens {tokens} | {row['step_s']:.2f}s")
+        return row
+
+    def commit(self, step: int, state: checkpoint.TrainerState) -> None:
+        """Publish `weights/step=N`, then checkpoint step N (a restart rolls back publications newer than it)."""
+        published = self.published_state()
+        if self.dist.is_main:
+            log.info(f"published {self.publish(step, published)}")
+        written = checkpoint.save(self.fs, self.root, step, state, self.dist)
+        if self.dist.is_main:
+            log.info(f"checkpoint written: {written}")
+            retention.enforce(self.fs, self.root)
+
+    def tracker(self) -> Tracker:
+        job = self.cfg.sft_run
+        assert job is not None
+        # the flow's URI: sft.json holds it redacted, MLFLOW_TRACKING_URI in full (config/tracking.py)
+        uri = resolve_tracking_uri(job.tracking.tracking_uri, self.cfg.run.output_dir) if job.mlflow_run_id else None
+        return Tracker(self.fs, self.root, uri, job.mlflow_run_id)
+
+    def report(self, dataset: Dataset | None) -> dict:
+        base = dataset.report if dataset is not None else {"source": "environments' demonstrations"}
+        return {**base, "steps": self.steps(), "batch_size": self.cfg.sft.batch_size, "epochs": self.cfg.sft.epochs}
 
 
 def save_tokenizer(files: dict[str, bytes], fs, directory: str) -> None:
