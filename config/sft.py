@@ -15,10 +15,9 @@ from pydantic import Discriminator, Field, Tag, model_validator
 from config.base import Strict
 
 BadRowPolicy = Literal["error", "skip"]
-ON_BAD_ROW = Field(
-    "error",
-    description="a row the trainer cannot use (missing column, no assistant turn, unknown role, longer than "
-    "model.max_seq_len): `error` refuses the dataset naming the file and row; `skip` drops it and counts it",
+BAD_ROW = (
+    "a row the trainer cannot use (missing column, no assistant turn, unknown role, longer than model.max_seq_len): "
+    "`error` refuses the dataset naming the file and row; `skip` drops it and counts it"
 )
 
 
@@ -43,7 +42,7 @@ class FileData(Strict):
         "dataset_info.json is a Hugging Face `save_to_disk` dataset (hf)",
     )
     messages_column: str = Field("messages", min_length=1, description="the column holding each conversation")
-    on_bad_row: BadRowPolicy = ON_BAD_ROW
+    on_bad_row: BadRowPolicy = Field("error", description=BAD_ROW)
 
 
 class LakeData(Strict):
@@ -61,7 +60,7 @@ class LakeData(Strict):
         description="ids: the stored prompt_ids + completion_ids, trained on the completion's model tokens (the "
         "same tokenizer); text: prompt_text and completion_text rendered through this model's chat template",
     )
-    on_bad_row: BadRowPolicy = ON_BAD_ROW
+    on_bad_row: BadRowPolicy = Field("error", description=BAD_ROW)
 
     @model_validator(mode="after")
     def _steps_syntax(self) -> LakeData:

@@ -28,7 +28,7 @@ from engines.environments.episodes import demonstration_ids, is_multi_turn
 from engines.models import lora, modeldir
 from engines.models.tokenizer import Tokenizer
 from engines.trainer import checkpoint, distributed, expert_parallel, parallel
-from engines.trainer.batch import Batch, micro_batches, pack_batch, right_pad
+from engines.trainer.batch import Batch, PackedBatch, micro_batches, pack_batch, right_pad
 from engines.trainer.common import log, seed_everything, train_logprobs
 from engines.trainer.sft_data import Dataset, Sample, Stream, load_files, load_lake
 from engines.trainer.tracking import Tracker
@@ -91,18 +91,21 @@ def train_step(model, opt, batch: Batch, cfg: SFTProcessConfig, dist, pad_id: in
     (mean loss per trained token over the whole batch, rows this rank ran)."""
     tokens = batch.loss_mask.sum().clamp(min=1)
     share, weight = distributed.local_share(batch, dist)
-    rows = pack_batch(share, pad_id, cfg.model.max_seq_len) if cfg.sft.packing else share
+    size = cfg.sft.micro_batch_size or len(share)  # rows per forward; packing makes fewer, fuller rows
+    if cfg.sft.packing:
+        mbs: list[Batch] | list[PackedBatch] = micro_batches(pack_batch(share, pad_id, cfg.model.max_seq_len), size)
+    else:
+        mbs = micro_batches(share, size)
     model.train()
     opt.zero_grad(set_to_none=True)
     total = 0.0
-    mbs = micro_batches(rows, cfg.sft.micro_batch_size or len(rows))
     for mb, w in distributed.even_micro_batches(mbs, weight, dist):
         loss = -(train_logprobs(model, mb) * mb.loss_mask).sum() / tokens.to(mb.loss_mask.device)
         (loss * w).backward()  # gradients summed over ranks: each loss is already over the whole batch's tokens
         total += float(loss.detach()) * w
     expert_parallel.drop_unrouted_grads(model.weights_module(), dist)
     opt.step()
-    return distributed.all_reduce([total], dist)[0], len(rows)
+    return distributed.all_reduce([total], dist)[0], sum(len(mb) for mb in mbs)
 
 
 def open_data(cfg: SFTProcessConfig, tok: Tokenizer, storage: Storage) -> Dataset | None:

@@ -169,4 +169,3 @@ def test_a_dataset_is_read_from_s3(monkeypatch):
         assert data.report["skipped"] == {"unknown_role": 1}
         with pytest.raises(DataError, match=rf"s3://{BUCKET}/chats/part-1.jsonl: row 1: message 0 has role"):
             load_files(FileData(path=path), tok, 64, fs)
-

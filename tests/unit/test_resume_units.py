@@ -16,6 +16,7 @@ from config.loader import stored_with_sources
 from config.process import component_configs
 from config.resume import resume_changes
 from config.run import RunConfig
+from config.sft import SFTConfig
 from config.trainer import TrainerConfig
 from launch import vllm as vllm_launch
 from rollflow.cli import main
@@ -191,7 +192,7 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
     # router's configured one, and reads `normalize_advantages` as the grpo estimator it always was; env entries
     # got `advantage`), and the vLLM servers are started with the same commands
     slices = component_configs(cfg, stored_config(str(out))["run_id"], "http://127.0.0.1:0")
-    added = {"orchestrator": {"session_header": "X-Session-ID"}}
+    added = {"orchestrator": {"session_header": "X-Session-ID"}, "sft": {"sft_run": None}}  # None: the RL warm-up
     for name, sub in slices.items():
         stored = _stored(f"{name}.json", out)
         for env in stored.get("envs", []):
@@ -211,6 +212,9 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
         if "trainer" in stored:  # the loss gained a `type` (masked_is: what it always was) and the keys beside it
             stored["trainer"] = TrainerConfig.model_validate(stored["trainer"]).model_dump(mode="json")
             assert stored["trainer"]["loss"]["type"] == "masked_is" and stored["trainer"]["mini_batches"] == 1
+        if "sft" in stored:  # the warm-up's section gained the data source (the environments: what it always read)
+            stored["sft"] = SFTConfig.model_validate(stored["sft"]).model_dump(mode="json")
+            assert stored["sft"]["data"] == {"type": "envs"} and stored["sft"]["packing"] is False
         assert sub.model_dump(mode="json") == {**stored, **added.get(name, {})}, name
     script = vllm_launch.plan_script(vllm_launch.render(cfg.inference, max_model_len=64, under_slurm=True))
     assert script.splitlines()[1:] == (STORED / "vllm-commands.sh").read_text().splitlines()[1:]

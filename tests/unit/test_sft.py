@@ -30,7 +30,12 @@ from tests.unit.test_lake import _lake
 TOK = CharTokenizer()
 SYSTEM = {"role": "system", "content": "be brief. "}
 CHAT = [SYSTEM, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-MULTI = [*CHAT, {"role": "user", "content": "again"}, {"role": "assistant", "content": "yo yo"}, {"role": "user", "content": "bye"}]
+MULTI = [
+    *CHAT,
+    {"role": "user", "content": "again"},
+    {"role": "assistant", "content": "yo yo"},
+    {"role": "user", "content": "bye"},
+]
 
 
 def _trained(tok, ids: list[int], mask: list[int]) -> str:
@@ -59,7 +64,8 @@ def test_a_chat_template_renders_the_conversation_the_model_is_prompted_with(tmp
 
 def test_packed_rows_train_the_same_tokens_to_the_same_loss():
     torch.manual_seed(0)
-    model = CausalLM(ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64), TOK.vocab_size)
+    shape = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    model = CausalLM(shape, TOK.vocab_size)
     samples = [Sample(*render_conversation(TOK, c)) for c in (CHAT, MULTI, CHAT[1:], MULTI[:5])]
     batch = to_batch(samples, TOK.pad_id)
     packed = pack_batch(batch, TOK.pad_id, 64)
@@ -166,7 +172,8 @@ def test_cli_dry_run_writes_the_sft_config_and_refuses_a_missing_path(tmp_path, 
     assert cli_main(["sft", "--output-dir", str(out), "--sft.data.path", data, "--dry-run"]) == 0
     sft = json.loads((out / "config" / "sft.json").read_text())
     assert sft["sft"]["data"]["path"] == data and sft["sft_run"]["checkpoint"]["interval"] == 5
-    assert RunConfig.model_validate({k: v for k, v in json.loads((out / "config/run.json").read_text()).items() if k != "run_id"})
+    stored = json.loads((out / "config" / "run.json").read_text())
+    assert RunConfig.model_validate({k: v for k, v in stored.items() if k != "run_id"}).sft.data.type == "files"
     missing = str(tmp_path / "nope.jsonl")
     assert cli_main(["sft", "--output-dir", str(out), "--sft.data.path", missing, "--dry-run"]) == 2
     assert f"{missing!r}: no such file" in capsys.readouterr().err
