@@ -1,4 +1,5 @@
-"""Reports over a run's rollout lake (local folder or s3://): what `rollflow lake` prints, exports and plots.
+"""Reports over a run's rollout lake (local folder or s3://): what `rollflow lake` prints, exports and plots,
+and the filtered selection (`selected`) that `--export` writes and `rollflow sft` trains on from the lake.
 
 Only committed steps are read (through their manifests) and every shard is checked against its
 checksum; a corrupted shard or manifest is reported with its path, never skipped silently. Heavy

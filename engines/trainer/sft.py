@@ -227,7 +227,8 @@ class SFTJob:
         if isinstance(self.source, Stream):
             row["epoch"] = self.source.cursor / len(self.source.data.samples)
         row["step_s"] = time.perf_counter() - t0
-        log.info(f"sft step {step}/{steps} | loss {loss:.4f} | tokens {tokens} | {row['step_s']:.2f}s")
+        if self.dist.is_main:
+            log.info(f"sft step {step}/{steps} | loss {loss:.4f} | tokens {tokens} | {row['step_s']:.2f}s")
         return row
 
     def commit(self, step: int, state: checkpoint.TrainerState) -> None:
