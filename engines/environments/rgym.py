@@ -2,7 +2,8 @@
 
 `args = {dataset = "spell_backward", config = {min_word_len = 3}}` -> `reasoning_gym.create_dataset`
 with that config, once, offline (the datasets are procedural; their word lists ship in the package).
-`sample(rng)` picks an index from `rng` (so a task is a pure function of the run seed and its key, like
+Items `0..eval_size-1` are the held-out split (`eval_task(i)` is item i); `sample(rng)` picks an index of the
+others from `rng` (so a task is a pure function of the run seed and its key, like
 the toy tasks) and the dataset generates the item for it; the question is the user message, which the
 orchestrator renders through the model's chat template. `reward` is the dataset's own `score_answer` on
 the completion (or on its `<answer>...</answer>` part when it has one). reasoning-gym is imported only
@@ -33,11 +34,18 @@ def extract_answer(completion: str) -> str:
 
 
 class ReasoningGymEnv:
-    def __init__(self, name: str, dataset: Any, instruction: str):
-        self.name, self.dataset, self.instruction = name, dataset, instruction
+    def __init__(self, name: str, dataset: Any, instruction: str, eval_size: int):
+        self.name, self.dataset, self.instruction, self.eval_size = name, dataset, instruction, eval_size
 
     def sample(self, rng: random.Random) -> Task:
-        index = rng.randrange(len(self.dataset))
+        return self._task(rng.randrange(self.eval_size, len(self.dataset)))
+
+    def eval_task(self, index: int) -> Task:
+        if not 0 <= index < self.eval_size:
+            raise IndexError(f"{self.name}: held-out task {index} out of range 0..{self.eval_size - 1}")
+        return self._task(index)
+
+    def _task(self, index: int) -> Task:
         item = self.dataset[index]
         prompt = f"{item['question']}\n{self.instruction}" if self.instruction else item["question"]
         return IndexedTask(self.name, prompt, str(item["answer"]), index)
@@ -54,15 +62,19 @@ def load(
     seed: int = 0,
     size: int = 100_000,
     instruction: str = "Reply with the answer only.",
+    eval_size: int = 200,
 ) -> ReasoningGymEnv:
     """The `reasoning-gym` plugin. `dataset`: a reasoning-gym dataset name; `config`: its config's fields
     (not `seed` or `size`, which are arguments here); `seed`: the dataset's item seed; `size`: how many
-    distinct items the run draws from; `instruction`: a line appended to each question ("" for none)."""
+    distinct items there are; `instruction`: a line appended to each question ("" for none); `eval_size`: the
+    first items, held out for evaluation (training draws from the other `size - eval_size`)."""
     import reasoning_gym
     from reasoning_gym.factory import DATASETS
 
     if dataset not in DATASETS:
         raise ValueError(f"unknown reasoning-gym dataset {dataset!r}; available: {', '.join(sorted(DATASETS))}")
+    if not (isinstance(eval_size, int) and isinstance(size, int) and 0 < eval_size < size):
+        raise ValueError(f"need integers 0 < eval_size < size, got eval_size={eval_size!r} size={size!r}")
     config = dict(config or {})
     for key in ("seed", "size"):
         if key in config:
@@ -74,4 +86,4 @@ def load(
         raise ValueError(f"bad config for {dataset}: {exc}; its fields: {', '.join(fields)}") from None
     except AssertionError as exc:  # reasoning-gym's config.validate() asserts
         raise ValueError(f"invalid config for {dataset}: {exc}") from None
-    return ReasoningGymEnv(f"rg-{dataset}", made, instruction)
+    return ReasoningGymEnv(f"rg-{dataset}", made, instruction, eval_size)
