@@ -315,7 +315,7 @@ def plot(report: dict[str, Any], out_dir: str) -> list[str]:
         label="by policy version (plotted at version + 1)",
     )
     held_out = report.get("eval", {}).get("eval/reward_mean")
-    if held_out:  # version N is evaluated after trainer step N: plotted at N like the training reward's x
+    if held_out:  # version N is the policy after trainer step N, so at x = N (its training samples show at N + 1)
         ax.plot(*zip(*held_out, strict=True), marker="o", label="held-out eval/reward_mean (by policy version)")
     ax.set_xlabel("trainer step")
     ax.set_ylabel("mean reward")
