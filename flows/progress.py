@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import cast
+from uuid import UUID
 
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.client.orchestration import get_client
@@ -41,8 +43,9 @@ def _publisher(max_steps: int, run_id: str, logger):
     refuses (the run goes on without the view)."""
     try:
         start = progress_view([], max_steps)
-        progress_id = create_progress_artifact(start.percent, key=PROGRESS_KEY, description=f"run {run_id}")
-        status_id = create_markdown_artifact(start.markdown, key=STATUS_KEY, description=f"run {run_id}")
+        # called from a sync flow, these return the id (the coroutine half of their type is for async callers)
+        progress_id = cast(UUID, create_progress_artifact(start.percent, key=PROGRESS_KEY, description=f"run {run_id}"))
+        status_id = cast(UUID, create_markdown_artifact(start.markdown, key=STATUS_KEY, description=f"run {run_id}"))
         client = get_client(sync_client=True)  # made here: a thread does not see the flow's settings context
     except Exception as exc:  # noqa: BLE001 - the view is best effort
         logger.warning(f"progress view: could not create its artifacts ({type(exc).__name__}: {exc}); running without")
