@@ -19,7 +19,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
-from runtime.progress import POLL_S, MetricsWatcher, progress_view
+from runtime.progress import POLL_S, MetricsWatcher, ProgressView, progress_view
 from storage.metrics import MetricsFollower
 
 PROGRESS_KEY = "rl-progress"
@@ -33,14 +33,16 @@ def live_progress(fs, root: str, max_steps: int, run_id: str, logger, interval_s
     if publish is None:
         yield
         return
-    client, update = publish
-    with client, MetricsWatcher(MetricsFollower(fs, root).poll, update, logger, interval_s):
+    client, update, shown = publish
+    with client, MetricsWatcher(MetricsFollower(fs, root).poll, update, logger, interval_s) as watcher:
         yield
+    last = f"; the last at step {shown[-1].step} / {max_steps}" if shown else ""
+    logger.info(f"live progress: {watcher.published} update(s) of {PROGRESS_KEY} and {STATUS_KEY}{last}")
 
 
 def _publisher(max_steps: int, run_id: str, logger):
-    """Create both artifacts in the flow's context -> (API client, rows -> update both); None when the API
-    refuses (the run goes on without the view)."""
+    """Create both artifacts in the flow's context -> (API client, rows -> update both, the last view shown);
+    None when the API refuses (the run goes on without the view)."""
     try:
         start = progress_view([], max_steps)
         # called from a sync flow, these return the id (the coroutine half of their type is for async callers)
@@ -51,9 +53,12 @@ def _publisher(max_steps: int, run_id: str, logger):
         logger.warning(f"progress view: could not create its artifacts ({type(exc).__name__}: {exc}); running without")
         return None
 
+    shown: list[ProgressView] = []  # the last view published, for the closing log line
+
     def update(rows: list[dict]) -> None:
         view = progress_view(rows, max_steps)
         client.update_artifact(progress_id, ArtifactUpdate(data=view.percent))
         client.update_artifact(status_id, ArtifactUpdate(data=view.markdown))
+        shown[:] = [view]
 
-    return client, update
+    return client, update, shown

@@ -108,6 +108,7 @@ def test_sync_run_reports_to_a_prefect_server_and_is_on_policy(tmp_path, prefect
     table = summary.split("### reward_mean by step")[1].split("###")[0]
     assert len([line for line in table.splitlines() if line.startswith("| ")]) == 1 + 8  # header + every step
     assert "progress view:" not in proc.stdout + proc.stderr  # no failed read or update on the way
+    assert "the last at step 8 / 8" in proc.stdout + proc.stderr
 
 
 def test_a_failing_component_stops_the_run_and_every_process(tmp_path, prefect_api):
