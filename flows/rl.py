@@ -9,7 +9,8 @@ Flow (this process)               subprocess tasks
            components ----------> python -m engines.{inference,orchestrator,trainer} --config ...
   on a component failure: stop the rest, back off, next attempt (bounded by restart.max_restarts
   attempts in a row that make no checkpoint progress)
-  close the run: state.json, MLflow status, summary artifact
+  while the attempts run: a watcher thread keeps the progress artifacts current (flows/progress.py)
+  close the run: state.json, MLflow status, summary artifact (with the reward and evaluation curves)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from prefect.artifacts import create_markdown_artifact
 from config.process import warmup_parallel
 from config.run import RunConfig
 from engines.protocol import ADMIN_TOKEN_ENV
+from flows.progress import live_progress
 from launch.slurm import srun_prefix
 from launch.torchrun import torchrun_args
 from runtime.lease import hold_lease
@@ -37,6 +39,7 @@ from runtime.summary import summarize, to_markdown
 from runtime.walltime import WalltimeReached, WalltimeWatch
 from storage.checkpoints import checkpoint_steps
 from storage.fs import CONFIG_STORAGE_ENV, Storage, is_local, join
+from storage.metrics import read_metrics
 from storage.runstate import write_state
 from tasks.components import run_component
 from tasks.resume import Attempt, prepare_attempt
@@ -201,11 +204,13 @@ def rl(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
         logger.info(f"run {run.run_id} -> {cfg.output_dir}" + (" (resumed)" if resume else ""))
         finished = False
         try:
-            _attempts(cfg, storage, run, logger, watch)
+            with live_progress(fs, root, cfg.max_steps, run.run_id, logger):
+                _attempts(cfg, storage, run, logger, watch)
             finished = True
         finally:
             close_run(cfg, run, finished)
     summary = summarize(fs, root, cfg.output_dir, time.time() - t0)
-    create_markdown_artifact(to_markdown(summary), key="rl-run-summary", description=f"run {run.run_id}")
+    report = to_markdown(summary, read_metrics(fs, root))
+    create_markdown_artifact(report, key="rl-run-summary", description=f"run {run.run_id}")
     logger.info("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
     return summary

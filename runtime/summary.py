@@ -1,11 +1,17 @@
-"""The end-of-run summary: what a person reads first (console and Prefect artifact)."""
+"""The end-of-run summary: what a person reads first (console and Prefect artifact).
+
+`summarize` reads metrics.jsonl and the rollout manifests into a few scalars (printed, returned by the flow);
+`to_markdown` renders them, and, given the metrics rows, the reward and held-out evaluation curves
+(curves.py: sparklines and tables of at most ~50 rows).
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 
+from runtime.curves import curves_markdown
 from storage.fs import read_manifest
-from storage.metrics import read_metrics
+from storage.metrics import metric_curve, read_metrics
 from storage.rollouts import committed_rollout_steps, staleness, step_path
 
 
@@ -15,12 +21,12 @@ def summarize(fs, root: str, output_dir: str, wall_s: float) -> dict:
     for step in committed_rollout_steps(fs, root):
         manifest = read_manifest(fs, step_path(root, step))
         hist.update({staleness(step, int(v)): n for v, n in manifest["versions"].items()})
-    rewards = [r["reward_mean"] for r in rows]
+    rewards = [v for _, v in metric_curve(rows, "reward_mean")]  # rows of evaluations alone carry none
     kls = [r["mismatch_kl"] for r in rows if r.get("mismatch_kl") is not None]
     k = min(5, len(rewards))
     return {
         "output_dir": output_dir,
-        "steps": len(rows),
+        "steps": len(rewards),
         "wall_s": round(wall_s, 1),
         "reward_first5": sum(rewards[:k]) / k if k else None,
         "reward_last5": sum(rewards[-k:]) / k if k else None,
@@ -29,10 +35,13 @@ def summarize(fs, root: str, output_dir: str, wall_s: float) -> dict:
     }
 
 
-def to_markdown(s: dict) -> str:
+def to_markdown(s: dict, rows: list[dict] | None = None) -> str:
+    """The summary table; with `rows` (metrics.jsonl), followed by the run's curves."""
+
     def fmt(v):
         return f"{v:.4g}" if isinstance(v, float) else str(v)
 
     lines = ["# rollflow RL run summary", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {fmt(v)} |" for k, v in s.items()]
-    return "\n".join(lines)
+    curves = curves_markdown(rows or [])
+    return "\n".join(lines + (["", curves] if curves else []))
