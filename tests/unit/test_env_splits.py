@@ -32,3 +32,18 @@ def test_reasoning_gym_holds_out_its_first_items():
         env.eval_task(20)
     with pytest.raises(ValueError, match="eval_size < size"):
         load("spell_backward", size=10, eval_size=10)
+
+
+def test_reasoning_gym_scores_the_last_number_when_asked():
+    env = load("basic_arithmetic", config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
+    task = env.eval_task(0)
+    assert env.reward(task, f"The answer is {task.answer}.") < 0.2  # strict: the whole reply is the answer
+    lenient = load(
+        "basic_arithmetic",
+        config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+        answer="last_number",
+    )
+    assert lenient.reward(task, f"The answer is {task.answer}.") == 1.0
+    assert lenient.reward(task, f"{task.answer} plus 1 is 99") < 0.2
+    with pytest.raises(ValueError, match="last_number"):
+        load("basic_arithmetic", answer="first")
