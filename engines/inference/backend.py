@@ -229,6 +229,14 @@ def launch_plan(cfg: Any) -> dict[str, str]:
     return registry.import_object(path)(cfg) if path else {}
 
 
+def teacher_plan(cfg: Any) -> dict[str, str]:
+    """The teacher's backend's launch plan (a `[teacher]` run), its files named `teacher-...`."""
+    if not cfg.teacher.enabled:
+        return {}
+    as_policy = cfg.model_copy(update={"inference": cfg.teacher.inference})
+    return {f"teacher-{name}": text for name, text in launch_plan(as_policy).items()}
+
+
 async def create(cfg: InferenceProcessConfig) -> Backend:
     """Build the configured backend (its heavy imports happen here, in the inference process)."""
     factory = registry.import_object(spec(cfg.inference.backend).create)

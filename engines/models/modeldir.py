@@ -164,6 +164,36 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
         raise ModelDirError(f"{source.directory}: the tokenizer does not load: {exc}") from exc
 
 
+def vocabulary(tok: Tokenizer) -> dict[str, int]:
+    """token -> id of every token the tokenizer knows (special and added ones too)."""
+    if isinstance(tok, CharTokenizer):
+        return dict(tok.vocab)
+    assert isinstance(tok, HFTokenizer)
+    return dict(tok.hf.get_vocab())
+
+
+def check_same_tokenizer(student: ModelConfig, teacher: ModelConfig, key: str = "teacher.path") -> None:
+    """Refuse a teacher whose token ids mean other tokens than the student's: it scores the student's ids as
+    they are, so the vocabularies (token -> id) and the special tokens must be equal."""
+    a, b = load_tokenizer(resolve(student)), load_tokenizer(resolve(teacher))
+    va, vb = vocabulary(a), vocabulary(b)
+    where = f"{key}={teacher.path!r}"
+    student_name = student.path or "the built-in character tokenizer"
+    if va != vb:
+        differ = sorted(t for t in set(va) | set(vb) if va.get(t) != vb.get(t))
+        raise ModelDirError(
+            f"{where}: its tokenizer is not the student's ({student_name}): {len(va)} vs {len(vb)} tokens, "
+            f"{len(differ)} differ (e.g. {differ[:3]}); a teacher scores the student's token ids, so it needs the "
+            "same tokenizer: use a teacher of the student's model family (the same tokenizer files)"
+        )
+    specials = lambda t: (t.bos_id, t.eos_id, t.pad_id)  # noqa: E731
+    if specials(a) != specials(b):
+        raise ModelDirError(
+            f"{where}: its special tokens (bos, eos, pad) = {specials(b)} are not the student's {specials(a)} "
+            f"({student_name}); a teacher needs the same tokenizer"
+        )
+
+
 def read_weights(directory: Path) -> dict:
     from safetensors.torch import load_file
 
