@@ -40,8 +40,7 @@ from engines.models import modeldir
 from engines.orchestrator.estimators import StepEstimators
 from engines.orchestrator.multiturn import EpisodeGroup, post_completion, truncation
 from engines.orchestrator.overlong import shaped_rewards
-from engines.orchestrator import teacher
-from engines.orchestrator.teacher import Teacher
+from engines.orchestrator.teacher import Teacher, check_tokenizer
 from engines.protocol import (
     ADMIN_TOKEN_ENV,
     CompletionChoice,
@@ -133,7 +132,11 @@ async def wait_healthy(client: httpx.AsyncClient, timeout_s: float = 120.0) -> N
 
 class Orchestrator:
     def __init__(
-        self, cfg: OrchestratorProcessConfig, client: httpx.AsyncClient, sync: WeightSync, teacher: Teacher | None = None
+        self,
+        cfg: OrchestratorProcessConfig,
+        client: httpx.AsyncClient,
+        sync: WeightSync,
+        teacher: Teacher | None = None,
     ):
         self.cfg, self.client, self.sync, self.teacher = cfg, client, sync, teacher
         self.fs, self.root = sync.fs, sync.root
@@ -219,8 +222,7 @@ class Orchestrator:
         counts: dict = self.set_advantages(list(groups))  # before the staleness filter: over whole groups
         rows = [row for grp in groups for row in grp]
         if self.teacher is not None:
-            teacher.mix(rows, self.teacher.cfg)
-            counts["teacher_kl"] = teacher.teacher_kl(rows)
+            counts["teacher_kl"] = self.teacher.set_advantages(rows)
         kept = [r for r in rows if staleness(step, r.policy_version) <= self.cfg.max_off_policy_steps]
         if not kept:
             raise RuntimeError(f"step {step}: every sample exceeded max_off_policy_steps; nothing to commit")
@@ -273,7 +275,7 @@ async def start_teacher(cfg: OrchestratorProcessConfig) -> Teacher | None:
     """The teacher's client once its server answers, after checking it shares the student's tokenizer."""
     if cfg.teacher_url is None:
         return None
-    await asyncio.to_thread(teacher.check_tokenizer, cfg.model, cfg.teacher)
+    await asyncio.to_thread(check_tokenizer, cfg.model, cfg.teacher)
     tea = Teacher(cfg.teacher, cfg.teacher_url)
     await wait_healthy(tea.client, cfg.orchestrator.inference_timeout_s)
     return tea

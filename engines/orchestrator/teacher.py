@@ -55,13 +55,12 @@ def mix(rows: list[RolloutRow], cfg: TeacherConfig) -> None:
 
 def teacher_kl(rows: list[RolloutRow]) -> float | None:
     """Mean sampler - teacher logprob over the rows' model tokens (what the trainer reports as teacher_kl)."""
-    gaps = [
-        s - t
-        for r in rows
-        if r.teacher_logprobs is not None
-        for s, t, m in zip(r.completion_logprobs, r.teacher_logprobs, r.completion_mask or [1] * len(r.completion_ids), strict=True)
-        if m
-    ]
+    gaps = []
+    for r in rows:
+        mask = r.completion_mask or [1] * len(r.completion_ids)
+        for s, t, m in zip(r.completion_logprobs, r.teacher_logprobs or [], mask, strict=False):
+            if m:
+                gaps.append(s - t)
     return sum(gaps) / len(gaps) if gaps else None
 
 
@@ -93,6 +92,11 @@ class Teacher:
         if choice.prompt_logprobs is None:
             raise RuntimeError("the teacher's response lacks prompt_logprobs, which the request asked for")
         return completion_scores(choice.prompt_logprobs, ids, len(prompt))
+
+    def set_advantages(self, rows: list[RolloutRow]) -> float | None:
+        """Mix every row's token advantages (after its environment advantage is set); returns the teacher KL."""
+        mix(rows, self.cfg)
+        return teacher_kl(rows)
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -219,7 +219,9 @@ class Decoder:
         origins = list(range(self._next_origin, self._next_origin + len(prompts)))
         self._next_origin += len(prompts)
         scored = [s.prompt_logprobs for s in params]
-        logits, cache, valid, next_pos, scores = self._prefill(prompts, origins, max(s.max_tokens for s in params), scored)
+        logits, cache, valid, next_pos, scores = self._prefill(
+            prompts, origins, max(s.max_tokens for s in params), scored
+        )
         rows = _Rows.new(origins, valid, next_pos, params)
         tokens = torch.full((len(prompts),), self.pad_id, dtype=torch.long)
         if self.rows is None:

@@ -248,13 +248,13 @@ async def create(cfg) -> VLLMBackend:
         assert cfg.model.path is not None  # a teacher always has its directory (config/process.py)
         model_dir, version = resolve_dir(cfg.model.path), 0
     else:
-        version = weights.latest_version(fs, root)
-        if version is None:
+        latest = weights.latest_version(fs, root)
+        if latest is None:
             raise SystemExit(
                 f"no committed weights under {weights.weights_root(cfg.run.output_dir)}; run the warm-up first"
             )
         cache.mkdir(parents=True, exist_ok=True)
-        model_dir = processes.materialize(fs, root, version, cache)
+        model_dir, version = processes.materialize(fs, root, latest, cache), latest
     nodes = ["127.0.0.1"] * (vllm_launch.nodes_per_replica(cfg.inference) * cfg.inference.vllm.num_infer_replicas)
     name, max_len = served_name(cfg), cfg.model.max_seq_len
     replicas = vllm_launch.render(
