@@ -28,7 +28,7 @@ from prefect.artifacts import create_markdown_artifact
 from config.process import warmup_parallel
 from config.run import RunConfig
 from engines.protocol import ADMIN_TOKEN_ENV
-from launch.slurm import srun_prefix
+from launch.slurm import srun_prefix, teacher_nodes
 from launch.torchrun import torchrun_args
 from runtime.lease import hold_lease
 from runtime.lifecycle import RunHandle, close_run, reopen_run, start_new_run
@@ -150,7 +150,7 @@ def _placement(cfg: RunConfig, logger) -> Placement:
     logger.info("Slurm placement: " + ", ".join(f"{k} on {','.join(v)}" for k, v in nodes.items()))
     srun = {name: srun_prefix(name, n, cfg.placement.slurm) for name, n in nodes.items()}
     if cfg.teacher.enabled:  # the teacher's server beside the first inference server
-        srun["teacher"] = srun_prefix("teacher", nodes["inference"][:1], cfg.placement.slurm)
+        srun["teacher"] = srun_prefix("teacher", teacher_nodes(nodes), cfg.placement.slurm)
     trainer = torchrun_args(p.world_size, nodes["trainer"], p.rdzv_port)
     return Placement(srun, nodes["inference"][0], trainer, warmup)
 
