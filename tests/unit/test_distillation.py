@@ -225,3 +225,32 @@ def test_teacher_config_is_validated():
     with pytest.raises(ValueError, match="teacher.inference.port=8000 is inference.port too"):
         RunConfig(inference={"port": 8000}, teacher={"path": "t", "inference": {"port": 8000}})
     assert not RunConfig().teacher.enabled
+
+
+def test_the_vllm_backend_forwards_prompt_logprobs_and_vllms_answer_reads():
+    """What the vLLM backend sends upstream keeps `prompt_logprobs`, and vLLM's answer (its `Logprob` entries
+    keyed by token id, serialised as text; the sampled token and the top k) gives the completion's scores."""
+    import asyncio
+
+    from engines.inference.vllm.backend import Upstream, VLLMBackend
+
+    up = Upstream(["http://r0"], [], 0)
+    up.open_gate.set()
+    backend = VLLMBackend(up, None, None, "m", 64)  # type: ignore[arg-type]
+    body = api.CompletionRequest(prompt=[1, 5, 6, 7], max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    url, sent, _, _ = asyncio.run(backend._start(Generation(body)))
+    assert url == "http://r0/v1/completions" and sent["prompt_logprobs"] == 0 and sent["prompt"] == [1, 5, 6, 7]
+    entries = [
+        None,
+        {"5": {"logprob": -1.5, "rank": 3, "decoded_token": "b"}, "9": {"logprob": -0.2, "rank": 1}},
+        {"6": {"logprob": -0.25, "rank": 1, "decoded_token": "c"}},
+        {"7": {"logprob": -4.0, "rank": 12, "decoded_token": "d"}, "8": {"logprob": -0.1, "rank": 1}},
+    ]
+    choice = {"index": 0, "text": "x", "finish_reason": "length", "prompt_logprobs": entries,
+              "policy_version": 0, "policy_version_end": 0}  # fmt: skip
+    usage = {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}
+    response = api.CompletionResponse(id="c", created=0, model="m", choices=[choice], usage=usage)  # type: ignore[list-item]
+    parsed = response.choices[0].prompt_logprobs or []
+    assert teacher.completion_scores(parsed, [1, 5, 6, 7], 2) == [-0.25, -4.0]
+    with pytest.raises(RuntimeError, match="lack token 7 at position 3"):
+        teacher.completion_scores([*parsed[:3], {"8": parsed[3]["8"]}], [1, 5, 6, 7], 2)  # type: ignore[index]
