@@ -233,7 +233,8 @@ def teacher_plan(cfg: Any) -> dict[str, str]:
     """The teacher's backend's launch plan (a `[teacher]` run), its files named `teacher-...`."""
     if not cfg.teacher.enabled:
         return {}
-    as_policy = cfg.model_copy(update={"inference": cfg.teacher.inference})
+    longer = cfg.model.model_copy(update={"max_seq_len": cfg.model.max_seq_len + 1})  # as config/process.py's
+    as_policy = cfg.model_copy(update={"inference": cfg.teacher.inference, "model": longer})
     return {f"teacher-{name}": text for name, text in launch_plan(as_policy).items()}
 
 
