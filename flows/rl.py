@@ -7,6 +7,7 @@ Flow (this process)               subprocess tasks
   attempt: prepare_attempt        (resume point, rollback, per-attempt configs)
            warm-up if needed ---> python -m engines.trainer --config config/sft.json   (version 0)
            components ----------> python -m engines.{inference,orchestrator,trainer} --config ...
+                                  (+ a second engines.inference, "teacher", with a [teacher]: distillation)
   on a component failure: stop the rest, back off, next attempt (bounded by restart.max_restarts
   attempts in a row that make no checkpoint progress)
   while the attempts run: a watcher thread keeps the progress artifacts current (flows/progress.py)
@@ -29,7 +30,7 @@ from config.process import warmup_parallel
 from config.run import RunConfig
 from engines.protocol import ADMIN_TOKEN_ENV
 from flows.progress import live_progress
-from launch.slurm import srun_prefix
+from launch.slurm import srun_prefix, teacher_nodes
 from launch.torchrun import torchrun_args
 from runtime.lease import hold_lease
 from runtime.lifecycle import RunHandle, close_run, reopen_run, start_new_run
@@ -85,6 +86,7 @@ def _component_env(cfg: RunConfig, tracking_uri: str | None) -> dict[str, dict[s
     return {
         "warmup": storage,
         "inference": {**storage, **token},
+        "teacher": storage,
         "orchestrator": {**storage, **token},
         "trainer": {**storage, **({"MLFLOW_TRACKING_URI": tracking_uri} if tracking_uri else {})},
     }
@@ -124,7 +126,8 @@ def _run_components(
                 watch.checkpoint_request if name == "trainer" else None,
                 placed.trainer_launcher if name == "trainer" else None,
             )
-            for name in ("inference", "orchestrator", "trainer")
+            for name in ("inference", "teacher", "orchestrator", "trainer")
+            if name in attempt.urls  # the teacher's server runs only with a [teacher] (distillation)
         }
         _supervise(futures, stop, logger)
     finally:
@@ -149,6 +152,8 @@ def _placement(cfg: RunConfig, logger) -> Placement:
         return Placement({}, None, torchrun_args(p.world_size), warmup)
     logger.info("Slurm placement: " + ", ".join(f"{k} on {','.join(v)}" for k, v in nodes.items()))
     srun = {name: srun_prefix(name, n, cfg.placement.slurm) for name, n in nodes.items()}
+    if cfg.teacher.enabled:  # the teacher's server beside the first inference server
+        srun["teacher"] = srun_prefix("teacher", teacher_nodes(nodes), cfg.placement.slurm)
     trainer = torchrun_args(p.world_size, nodes["trainer"], p.rdzv_port)
     return Placement(srun, nodes["inference"][0], trainer, warmup)
 
