@@ -14,6 +14,7 @@ from config.orchestrator import OrchestratorConfig
 from config.run import RunConfig
 from config.sft import SFTConfig
 from config.storage import StorageConfig
+from config.teacher import TeacherConfig
 from config.tracking import TrackingConfig
 from config.trainer import CheckpointConfig, TrainerConfig
 from config.trainer_parallel import TrainerParallelConfig
@@ -38,6 +39,8 @@ class InferenceProcessConfig(Strict):
     inference: InferenceConfig
     seed: int
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
+    # "teacher": serve model.path's own weights as version 0 and refuse updates (on-policy distillation)
+    role: Literal["policy", "teacher"] = "policy"
 
 
 class OrchestratorProcessConfig(Strict):
@@ -51,6 +54,8 @@ class OrchestratorProcessConfig(Strict):
     max_steps: int
     async_level: int
     max_off_policy_steps: int
+    teacher: TeacherConfig = TeacherConfig()  # with a path: score every completion token there (teacher_url)
+    teacher_url: str | None = None
 
 
 class TrainerProcessConfig(Strict):
@@ -99,7 +104,8 @@ def component_configs(
 ) -> dict[str, BaseModel]:
     """Split the run config into the slice each process reads."""
     paths = ComponentPaths(output_dir=cfg.output_dir, run_id=run_id, storage=cfg.storage)
-    return {
+    teacher = teacher_config(cfg, paths)
+    slices: dict[str, BaseModel] = {
         "sft": SFTProcessConfig(
             run=paths,
             model=cfg.model,
@@ -123,6 +129,8 @@ def component_configs(
             max_steps=cfg.max_steps,
             async_level=cfg.async_level,
             max_off_policy_steps=cfg.max_off_policy_steps,
+            teacher=cfg.teacher,
+            teacher_url=None if teacher is None else teacher_url(cfg),
         ),
         "trainer": TrainerProcessConfig(
             run=paths,
@@ -138,6 +146,21 @@ def component_configs(
             weight_broadcast=cfg.weight_broadcast,
         ),
     }
+    return slices | ({"teacher": teacher} if teacher is not None else {})
+
+
+def teacher_url(cfg: RunConfig) -> str:
+    return f"http://{cfg.teacher.inference.host}:{cfg.teacher.inference.port}"
+
+
+def teacher_config(cfg: RunConfig, paths: ComponentPaths) -> InferenceProcessConfig | None:
+    """The teacher's inference process: its model directory served as it is, one token longer than the
+    student's sequences (it scores prompt + completion and then draws the one token a request must ask for)."""
+    t = cfg.teacher
+    if t.path is None:
+        return None
+    model = ModelConfig(path=t.path, impl=t.impl, max_seq_len=cfg.model.max_seq_len + 1)
+    return InferenceProcessConfig(run=paths, model=model, inference=t.inference, seed=cfg.seed, role="teacher")
 
 
 def sft_run_config(

@@ -70,6 +70,7 @@ ADVANTAGES: dict[str, str] = {
 COMPONENT_MODULES: dict[str, str] = {
     "warmup": "engines.trainer",
     "inference": "engines.inference",
+    "teacher": "engines.inference",  # the distillation teacher's server ([teacher]): an inference process too
     "orchestrator": "engines.orchestrator",
     "trainer": "engines.trainer",
 }

@@ -7,6 +7,7 @@ from config.orchestrator import OrchestratorConfig
 from config.registry import STRING_TASKS
 from config.run import resolve_seed_keys
 from config.sft import SFTConfig
+from config.teacher import TeacherConfig
 from config.trainer import TrainerConfig
 
 # Changing these mid-run would mix incompatible data in one run: other weights shapes, other prompts
@@ -48,7 +49,7 @@ def _current_keys(config: dict) -> dict:
         for name, model in (("orchestrator", OrchestratorConfig), ("trainer", TrainerConfig), ("sft", SFTConfig)):
             if isinstance(config.get(name), dict):
                 config = {**config, name: model.model_validate(config[name]).model_dump(mode="json")}
-        return config
+        return {"teacher": TeacherConfig().model_dump(mode="json"), **config}
     except ValueError:  # not valid any more: compare as stored, which reports the difference
         return config
 
@@ -58,6 +59,7 @@ def resume_changes(old: dict, new: dict) -> tuple[dict[str, tuple], dict[str, tu
     each as {dotted key: (old, new)}."""
     a, b = _flatten(_current_envs(_current_keys(old))), _flatten(_current_envs(new))
     changed = {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
-    changed.pop("inference.port", None)  # stored as picked at launch; each attempt picks again
+    for port in ("inference.port", "teacher.inference.port"):
+        changed.pop(port, None)  # stored as picked at launch; each attempt picks again
     bad = {k: v for k, v in changed.items() if any(k == p or k.startswith(p + ".") for p in INCOMPATIBLE_ON_RESUME)}
     return bad, {k: v for k, v in changed.items() if k not in bad}

@@ -26,6 +26,7 @@ from config.orchestrator import OrchestratorConfig
 from config.placement import SlurmPlacementConfig
 from config.sft import SFTConfig
 from config.storage import StorageConfig
+from config.teacher import TeacherConfig
 from config.tracking import TrackingConfig
 from config.trainer import CheckpointConfig, TrainerConfig
 from config.trainer_parallel import check_against_model, check_impl
@@ -73,6 +74,17 @@ class RunConfig(Strict):
         default_factory=SlurmPlacementConfig, alias="deployment", description="where components run on Slurm"
     )
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()  # trainer -> engine transport
+    teacher: TeacherConfig = TeacherConfig()  # on-policy distillation (config/teacher.py); off without a path
+
+    @model_validator(mode="after")
+    def _teacher_port(self) -> RunConfig:
+        port = self.teacher.inference.port
+        if self.teacher.enabled and port and port == self.inference.port:
+            raise ValueError(
+                f"teacher.inference.port={port} is inference.port too: the teacher is a second server; "
+                "give it another port, or 0 for a free one"
+            )
+        return self
 
     @model_validator(mode="after")
     def _retention_keeps_what_inference_may_load(self) -> RunConfig:

@@ -75,6 +75,9 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[int]  # text, or token ids (token-in, as vLLM accepts)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the sampled token's logprob, and k alternatives
+    # vLLM extension: per prompt token (the first has none: null), its logprob given the tokens before it, and k
+    # alternatives; what a distillation teacher scores a student's samples with (docs/distillation.md)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False  # only false
     best_of: int | None = None  # only n (or unset)
     suffix: str | None = None  # only unset
@@ -87,6 +90,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError("best_of is not supported by the embedded engine (only equal to n)")
         if self.suffix is not None:
             raise ValueError("suffix is not supported by the embedded engine")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is returned only without streaming (stream=false)")
         return self
 
 
@@ -147,6 +152,14 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float]] | None = None  # with logprobs >= 1: the k most likely, per position
 
 
+class PromptLogprob(BaseModel):
+    """A prompt position's entry, as vLLM's `Logprob`: keyed by the token id (as text) in `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token at this position
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -164,6 +177,9 @@ class CompletionChoice(BaseModel):
     # rollflow extension (return_kept_sizes): per completion token, how many tokens the sampler's truncated
     # distribution kept (top-k / top-p after temperature; the vocabulary size when nothing was cut)
     kept_sizes: list[int] | None = None
+    # with prompt_logprobs (vLLM's shape): one entry per prompt token, null for the first; each maps token ids
+    # (as text) to their logprob: the prompt's own token and the k most likely
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class Usage(BaseModel):

@@ -7,9 +7,11 @@ Flow (this process)               subprocess tasks
   attempt: prepare_attempt        (resume point, rollback, per-attempt configs)
            warm-up if needed ---> python -m engines.trainer --config config/sft.json   (version 0)
            components ----------> python -m engines.{inference,orchestrator,trainer} --config ...
+                                  (+ a second engines.inference, "teacher", with a [teacher]: distillation)
   on a component failure: stop the rest, back off, next attempt (bounded by restart.max_restarts
   attempts in a row that make no checkpoint progress)
-  close the run: state.json, MLflow status, summary artifact
+  while the attempts run: a watcher thread keeps the progress artifacts current (flows/progress.py)
+  close the run: state.json, MLflow status, summary artifact (with the reward and evaluation curves)
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from prefect.artifacts import create_markdown_artifact
 from config.process import warmup_parallel
 from config.run import RunConfig
 from engines.protocol import ADMIN_TOKEN_ENV
-from launch.slurm import srun_prefix
+from flows.progress import live_progress
+from launch.slurm import srun_prefix, teacher_nodes
 from launch.torchrun import torchrun_args
 from runtime.lease import hold_lease
 from runtime.lifecycle import RunHandle, close_run, reopen_run, start_new_run
@@ -38,6 +41,7 @@ from runtime.summary import summarize, to_markdown
 from runtime.walltime import WalltimeReached, WalltimeWatch
 from storage.checkpoints import checkpoint_steps
 from storage.fs import CONFIG_STORAGE_ENV, Storage, join
+from storage.metrics import read_metrics
 from storage.runstate import write_state
 from tasks.components import run_component
 from tasks.resume import Attempt, prepare_attempt
@@ -72,6 +76,7 @@ def _component_env(cfg: RunConfig, tracking_uri: str | None) -> dict[str, dict[s
     return {
         "warmup": storage,
         "inference": {**storage, **token},
+        "teacher": storage,
         "orchestrator": {**storage, **token},
         "trainer": {**storage, **({"MLFLOW_TRACKING_URI": tracking_uri} if tracking_uri else {})},
     }
@@ -111,7 +116,8 @@ def _run_components(
                 watch.checkpoint_request if name == "trainer" else None,
                 placed.trainer_launcher if name == "trainer" else None,
             )
-            for name in ("inference", "orchestrator", "trainer")
+            for name in ("inference", "teacher", "orchestrator", "trainer")
+            if name in attempt.urls  # the teacher's server runs only with a [teacher] (distillation)
         }
         _supervise(futures, stop, logger)
     finally:
@@ -136,6 +142,8 @@ def _placement(cfg: RunConfig, logger) -> Placement:
         return Placement({}, None, torchrun_args(p.world_size), warmup)
     logger.info("Slurm placement: " + ", ".join(f"{k} on {','.join(v)}" for k, v in nodes.items()))
     srun = {name: srun_prefix(name, n, cfg.placement.slurm) for name, n in nodes.items()}
+    if cfg.teacher.enabled:  # the teacher's server beside the first inference server
+        srun["teacher"] = srun_prefix("teacher", teacher_nodes(nodes), cfg.placement.slurm)
     trainer = torchrun_args(p.world_size, nodes["trainer"], p.rdzv_port)
     return Placement(srun, nodes["inference"][0], trainer, warmup)
 
@@ -183,11 +191,13 @@ def rl(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
         logger.info(f"run {run.run_id} -> {cfg.output_dir}" + (" (resumed)" if resume else ""))
         finished = False
         try:
-            _attempts(cfg, storage, run, logger, watch)
+            with live_progress(fs, root, cfg.max_steps, run.run_id, logger):
+                _attempts(cfg, storage, run, logger, watch)
             finished = True
         finally:
             close_run(cfg, run, finished)
     summary = summarize(fs, root, cfg.output_dir, time.time() - t0)
-    create_markdown_artifact(to_markdown(summary), key="rl-run-summary", description=f"run {run.run_id}")
+    report = to_markdown(summary, read_metrics(fs, root))
+    create_markdown_artifact(report, key="rl-run-summary", description=f"run {run.run_id}")
     logger.info("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
     return summary

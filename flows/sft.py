@@ -29,6 +29,7 @@ from runtime.restarts import RestartBudget
 from runtime.rundir import logs_dir, write_sft_configs
 from runtime.summary import sft_markdown, summarize_sft
 from storage.fs import CONFIG_STORAGE_ENV, Storage, join
+from storage.metrics import read_metrics
 from storage.resume import repair, resume_point, rollback
 from storage.runstate import write_state
 from tasks.components import run_component
@@ -102,6 +103,7 @@ def sft(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
         finally:
             close_run(cfg, run, finished)
     summary = summarize_sft(fs, root, cfg.output_dir, time.time() - t0)
-    create_markdown_artifact(sft_markdown(summary), key="sft-run-summary", description=f"run {run.run_id}")
+    report = sft_markdown(summary, read_metrics(fs, root))
+    create_markdown_artifact(report, key="sft-run-summary", description=f"run {run.run_id}")
     logger.info("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k != "loss_curve"))
     return summary

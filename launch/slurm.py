@@ -107,13 +107,24 @@ def render_sbatch(
     return "\n".join(lines) + "\n"
 
 
+def teacher_nodes(nodes: Mapping[str, list[str]]) -> list[str]:
+    """Where a distillation teacher's server runs ([teacher]): beside the first inference server."""
+    return nodes["inference"][:1]
+
+
 def render_placement(
-    dep: SlurmPlacementConfig, parallel: TrainerParallelConfig, hosts: Sequence[str] | None = None
+    dep: SlurmPlacementConfig,
+    parallel: TrainerParallelConfig,
+    hosts: Sequence[str] | None = None,
+    teacher: bool = False,
 ) -> dict:
     """The placement as --dry-run shows it; without real hosts, nodes are named by index ($node0...). The
-    trainer's entry also shows its launcher (torchrun's arguments, run on each of its nodes)."""
+    trainer's entry also shows its launcher (torchrun's arguments, run on each of its nodes); with `teacher`,
+    the distillation teacher's server has an entry too."""
     hosts = list(hosts) if hosts else [f"$node{i}" for i in range(dep.nodes)]
     nodes = place(dep, hosts)
-    out = {name: {"nodes": nodes[name], "srun": srun_prefix(name, nodes[name], dep.slurm)} for name in COMPONENTS}
+    if teacher:
+        nodes = {**nodes, "teacher": teacher_nodes(nodes)}
+    out = {name: {"nodes": n, "srun": srun_prefix(name, n, dep.slurm)} for name, n in nodes.items()}
     out["trainer"]["launcher"] = torchrun_args(parallel.world_size, nodes["trainer"], parallel.rdzv_port)
     return out

@@ -108,6 +108,24 @@ def check_loaded(cfg: RunConfig, env_sources: list[str]) -> None:
     check_model(cfg)
     check_backend(cfg)
     check_loss(cfg)
+    check_teacher(cfg)
+
+
+def check_teacher(cfg: RunConfig) -> None:
+    """A `[teacher]`: its directory reads, its tokenizer is the student's (it scores the student's token ids),
+    and its inference backend runs its settings; exit code 2 otherwise, before anything starts."""
+    if not cfg.teacher.enabled:
+        return
+    from config.transport import WeightBroadcastConfig
+    from engines.inference.backend import check
+    from engines.orchestrator.teacher import check_tokenizer
+    from engines.registry import PluginError
+
+    try:
+        check_tokenizer(cfg.model, cfg.teacher)
+        check(cfg.teacher.inference, WeightBroadcastConfig())
+    except (ValueError, PluginError) as exc:
+        raise ConfigError(f"invalid teacher: {exc}") from None
 
 
 def check_envs(cfg: RunConfig, env_sources: list[str]) -> None:
@@ -255,12 +273,12 @@ def cmd_rl(tokens: list[str]) -> int:
     cfg = _load(profiles, overrides)
     _precheck(cfg, flags)
     if "dry-run" in flags:
-        from engines.inference.backend import launch_plan
+        from engines.inference.backend import launch_plan, teacher_plan
         from rollflow.submit import job_command, write_preview
         from runtime.rundir import new_run_id, write_configs
 
         url = f"http://{cfg.inference.host}:{cfg.inference.port}"
-        urls = write_configs(cfg, new_run_id(cfg), url, plan=launch_plan(cfg))
+        urls = write_configs(cfg, new_run_id(cfg), url, plan=launch_plan(cfg) | teacher_plan(cfg))
         urls.update(write_preview(cfg, job_command(profiles, overrides, flags)))
         print(json.dumps(urls, indent=2))
         return 0

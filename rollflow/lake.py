@@ -5,7 +5,8 @@
     rollflow lake OUTPUT_DIR --json                the same as one JSON document
     rollflow lake OUTPUT_DIR --export out.jsonl [--steps 3:5] [--env reverse-text] [--min-reward 0.5]
                              [--max-reward 1] [--limit 100]      selected samples, one JSON object a line
-    rollflow lake OUTPUT_DIR --plot DIR            reward_by_step.png and staleness.png
+    rollflow lake OUTPUT_DIR --plot DIR            reward_by_step.png and staleness.png (+ eval_by_step.png
+                                                   when metrics.jsonl has held-out evaluation rows)
     rollflow lake OUTPUT_DIR --verify              also check every weight publication and checkpoint
 
 Only committed steps are read (through their manifests) and every shard is checked against its
@@ -32,7 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-reward", type=float, help="with --export: reward >= X")
     p.add_argument("--max-reward", type=float, help="with --export: reward <= X")
     p.add_argument("--limit", type=int, help="with --export: at most N samples")
-    p.add_argument("--plot", metavar="DIR", help="write reward_by_step.png and staleness.png into DIR")
+    p.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="write reward_by_step.png, staleness.png (eval_by_step.png too with eval rows) into DIR",
+    )
     p.add_argument("--verify", action="store_true", help="also check every weight publication and checkpoint file")
     return p
 

@@ -56,7 +56,8 @@ def write_preview(cfg: RunConfig, command: str) -> dict[str, str]:
     fs, root = get_fs(cfg.output_dir, cfg.storage)
     script = join(root, "config", SCRIPT_NAME)
     write_bytes_atomic(fs, script, render_job(cfg, command).encode())
-    write_json(fs, join(root, "config", PLACEMENT_NAME), render_placement(cfg.placement, cfg.trainer.parallel))
+    placement = render_placement(cfg.placement, cfg.trainer.parallel, teacher=cfg.teacher.enabled)
+    write_json(fs, join(root, "config", PLACEMENT_NAME), placement)
     base = cfg.output_dir.rstrip("/") + "/config/"
     return {"slurm": base + SCRIPT_NAME, "slurm_placement": base + PLACEMENT_NAME}
 

@@ -108,6 +108,19 @@ def verify_stored(output_dir: str) -> tuple[int, list[dict]]:
     return checked, errors
 
 
+def _eval_curves(fs, root: str, errors: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """The held-out evaluation curves in metrics.jsonl (storage/metrics.py), by key; {} without any."""
+    from storage.fs import join
+    from storage.metrics import eval_curve_keys, metric_curve, read_metrics
+
+    try:
+        rows = read_metrics(fs, root)
+    except (ValueError, KeyError, TypeError) as exc:  # not JSON lines, or a row without a step
+        errors.append({"path": join(root, "metrics.jsonl"), "error": f"unreadable: {type(exc).__name__}: {exc}"})
+        return {}
+    return {key: metric_curve(rows, key) for key in eval_curve_keys(rows)}
+
+
 def inspect(output_dir: str) -> dict[str, Any]:
     """Everything the summary prints, as a JSON-able dict. `errors` lists corrupt files by path."""
     import pyarrow.compute as pc
@@ -160,6 +173,7 @@ def inspect(output_dir: str) -> dict[str, Any]:
         "staleness_histogram": dict(sorted(staleness.items())),
         "weights": _weights_summary(fs, root, errors),
         "checkpoints": checkpoints.checkpoint_steps(fs, root),
+        "eval": _eval_curves(fs, root, errors),
         "errors": errors,
     }
 
@@ -206,12 +220,22 @@ def render(report: dict[str, Any]) -> str:
     enc = ", ".join(f"{k} {n}" for k, n in sorted(w["encodings"].items()))
     lines += ["", f"weight publications: {len(w['versions'])} ({enc or 'none'}){ratio}"]
     lines.append(f"checkpoints: {report['checkpoints'] or 'none'}")
+    if report["eval"]:
+        lines += ["", "held-out evaluation (metrics.jsonl) by step:", _eval_table(report["eval"])]
     if "verified_files" in report:
         lines.append(f"verified weight and checkpoint files: {report['verified_files']}")
     if report["errors"]:
         lines += ["", f"ERRORS ({len(report['errors'])}): corrupted or unreadable committed data"]
         lines += [f"  {e['path']}: {e['error']}" for e in report["errors"]]
     return "\n".join(lines)
+
+
+def _eval_table(curves: dict[str, list]) -> str:
+    by_step: dict[int, dict[str, float]] = defaultdict(dict)
+    for key, curve in curves.items():
+        for step, v in curve:
+            by_step[step][key] = v
+    return _table(["step", *curves], [[s, *(by_step[s].get(k) for k in curves)] for s in sorted(by_step)])
 
 
 def parse_steps(text: str) -> tuple[int | None, int | None]:
@@ -292,7 +316,8 @@ def export(
 
 
 def plot(report: dict[str, Any], out_dir: str) -> list[str]:
-    """reward_by_step.png (mean reward per step, and per policy version) and staleness.png."""
+    """reward_by_step.png (mean reward per step, per policy version, and the held-out eval/reward_mean when
+    metrics.jsonl has it), staleness.png, and eval_by_step.png when metrics.jsonl has evaluation curves."""
     from pathlib import Path
 
     import matplotlib
@@ -313,6 +338,9 @@ def plot(report: dict[str, Any], out_dir: str) -> list[str]:
         linestyle="--",
         label="by policy version (plotted at version + 1)",
     )
+    held_out = report.get("eval", {}).get("eval/reward_mean")
+    if held_out:  # version N is the policy after trainer step N, so at x = N (its training samples show at N + 1)
+        ax.plot(*zip(*held_out, strict=True), marker="o", label="held-out eval/reward_mean (by policy version)")
     ax.set_xlabel("trainer step")
     ax.set_ylabel("mean reward")
     ax.set_title(f"reward: {report['output_dir']}")
@@ -334,4 +362,22 @@ def plot(report: dict[str, Any], out_dir: str) -> list[str]:
     fig.savefig(path)
     plt.close(fig)
     written.append(str(path))
+    if report.get("eval"):
+        written.append(_plot_eval(plt, report, out / "eval_by_step.png"))
     return written
+
+
+def _plot_eval(plt, report: dict[str, Any], path) -> str:
+    """Every held-out evaluation curve of metrics.jsonl (rewards and pass@k share the 0..1 axis)."""
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for key, curve in report["eval"].items():
+        ax.plot(*zip(*curve, strict=True), marker=".", label=key)
+    ax.set_xlabel("policy version (trainer step)")
+    ax.set_ylabel("score")
+    ax.set_title(f"held-out evaluation: {report['output_dir']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)

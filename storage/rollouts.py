@@ -22,7 +22,9 @@ from storage.fs import commit_dir, committed_steps, join, read_manifest, read_ve
 # single-turn samples (every completion token a model token).
 # 3: completion_kept (per completion token, the support size the sampler's top-k / top-p truncation kept);
 # version-2 shards lack it and read as sampled from the full vocabulary (the trainer scores them so).
-SCHEMA_VERSION = 3
+# 4: teacher_logprobs and token_advantages (on-policy distillation); version-3 shards lack them and read as
+# samples without a teacher, every token carrying the sample's `advantage`.
+SCHEMA_VERSION = 4
 
 
 class ArrowType:
@@ -80,6 +82,12 @@ class RolloutRow(BaseModel):
     # temperature): the trainer scores the token on that support (trainer.keep_sampling_mask). 0 on environment
     # tokens of multi-turn rows; null when the sampler did not truncate (full vocabulary).
     completion_kept: list[Int32] | None = None
+    # On-policy distillation ([teacher]): per completion token, the teacher's logprob of it given everything
+    # before it; null without a teacher.
+    teacher_logprobs: list[Float32] | None = None
+    # Per completion token, the advantage the trainer uses (kl_coef * (teacher - sampler logprob) + reward_coef *
+    # advantage with a teacher); null: `advantage` on every token.
+    token_advantages: list[Float32] | None = None
 
 
 _SCALARS: dict[type, pa.DataType] = {str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_()}
@@ -146,9 +154,11 @@ def to_table(rows: Sequence[RolloutRow | Mapping[str, Any]]) -> pa.Table:
     check_routed_experts(table)
     for r in typed:
         check_episode(r)
-        if r.completion_kept is not None and len(r.completion_kept) != len(r.completion_ids):
-            n, k = len(r.completion_ids), len(r.completion_kept)
-            raise ValueError(f"{r.sample_id}: completion_kept has {k} entries for {n} completion tokens")
+        for name in ("completion_kept", "teacher_logprobs", "token_advantages"):
+            values = getattr(r, name)
+            if values is not None and len(values) != len(r.completion_ids):
+                n, k = len(r.completion_ids), len(values)
+                raise ValueError(f"{r.sample_id}: {name} has {k} entries for {n} completion tokens")
     return table
 
 
@@ -178,6 +188,21 @@ def metric_means(table: pa.Table) -> dict[str, float]:
         for name, value in zip(names or [], values or [], strict=True):
             sums.setdefault(name, []).append(value)
     return {f"env/{name}": sum(v) / len(v) for name, v in sorted(sums.items())}
+
+
+def teacher_kl(table: pa.Table) -> dict[str, float]:
+    """The step's `teacher_kl`: the mean over model-sampled completion tokens of sampler logprob - teacher logprob
+    (the reverse KL from the teacher, estimated on the student's own samples); {} without teacher logprobs."""
+    if "teacher_logprobs" not in table.column_names or table.column("teacher_logprobs").null_count == table.num_rows:
+        return {}
+    masks = table.column("completion_mask").to_pylist()
+    total, tokens = 0.0, 0
+    cols = (table.column("completion_logprobs").to_pylist(), table.column("teacher_logprobs").to_pylist(), masks)
+    for sampler, teacher, mask in zip(*cols, strict=True):
+        for k, (s, t) in enumerate(zip(sampler, teacher or [], strict=False)):
+            if mask is None or mask[k]:
+                total, tokens = total + s - t, tokens + 1
+    return {"teacher_kl": total / tokens} if tokens else {}
 
 
 def check_routed_experts(table: pa.Table) -> None:

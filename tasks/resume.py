@@ -11,7 +11,7 @@ from prefect.cache_policies import NONE
 
 from config.registry import COMPONENT_MODULES
 from config.run import RunConfig
-from engines.inference.backend import launch_plan
+from engines.inference.backend import launch_plan, teacher_plan
 from runtime.rundir import free_port, write_configs
 from storage import weights
 from storage.fs import get_fs, is_committed
@@ -41,10 +41,15 @@ def prepare_attempt(
     attempt_cfg.inference.port = cfg.inference.port or free_port(cfg.inference.host)
     if cfg.weight_broadcast.type == "collective":  # a fresh rendezvous port each attempt, like the engine's
         attempt_cfg.weight_broadcast.port = cfg.weight_broadcast.port or free_port(cfg.weight_broadcast.host)
+    teacher = attempt_cfg.teacher.inference
+    if cfg.teacher.enabled:
+        teacher.port = teacher.port or free_port(teacher.host)
     if inference_node and inference_node != socket.gethostname().split(".")[0]:
         attempt_cfg.inference.host = inference_node  # another node: serve on, and connect to, its name
+        teacher.host = inference_node  # the teacher's server runs beside the first inference server
     url = f"http://{attempt_cfg.inference.host}:{attempt_cfg.inference.port}"
-    urls = write_configs(attempt_cfg, run_id, url, tracking_uri, mlflow_run_id, step, launch_plan(attempt_cfg))
+    plan = launch_plan(attempt_cfg) | teacher_plan(attempt_cfg)
+    urls = write_configs(attempt_cfg, run_id, url, tracking_uri, mlflow_run_id, step, plan)
     needs_warmup = step is None and not is_committed(fs, weights.version_dir(root, 0))
     logger.info(f"starting from {'checkpoint step=' + str(step) if step is not None else 'policy version 0'}")
     return Attempt(step, needs_warmup, urls, dict(COMPONENT_MODULES))

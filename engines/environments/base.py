@@ -8,6 +8,10 @@ A task's `prompt` is the user message; the tokenizer renders it through its chat
 (`Tokenizer.render_prompt`). In the `tag` style (the built-in model) the message is `<tag>:<payload>`
 and the character tokenizer's template makes it `<bos><tag>:<payload>=`; the `instruct` style (chat
 models) asks in a sentence. The model's answer ends with its tokenizer's end-of-sequence token.
+
+Held-out split: an environment that can be evaluated also has `eval_size` and `eval_task(index)`, a fixed,
+seeded list of tasks that its `sample` never draws (`HeldOut`; `rollflow eval`, docs/evaluation.md). The string
+tasks split their payloads by a hash (one in EVAL_BUCKETS is held out); reasoning-gym holds out its first items.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import difflib
 import random
 import string
+import zlib
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
@@ -35,6 +40,18 @@ class Environment(Protocol):
     def reward(self, task: Task, completion: str) -> float: ...
 
 
+class HeldOut(Protocol):
+    """An environment with a held-out split: `eval_task(i)` for i < `eval_size`, none of which `sample` draws."""
+
+    eval_size: int
+
+    def eval_task(self, index: int) -> Task: ...
+
+
+def has_held_out(env: object) -> bool:
+    return callable(getattr(env, "eval_task", None)) and isinstance(getattr(env, "eval_size", None), int)
+
+
 def similarity(a: str, b: str) -> float:
     return difflib.SequenceMatcher(None, a, b).ratio()
 
@@ -42,6 +59,10 @@ def similarity(a: str, b: str) -> float:
 # Pareto shape of long-tail payload lengths: P(extra chars >= k) ~ (k + 1) ** -1.2, so a step of a few
 # hundred samples almost always holds a max-length one. That straggler sets a static batch's decode time.
 LONG_TAIL_ALPHA = 1.2
+# One payload in EVAL_BUCKETS (by CRC-32) belongs to the held-out split; training redraws it.
+EVAL_BUCKETS = 10
+# Draws before giving up on finding a payload of the wanted split (a split holds ~1/EVAL_BUCKETS of them).
+MAX_DRAWS = 1000
 
 
 @dataclass
@@ -51,6 +72,7 @@ class _StringTask:
     max_chars: int
     lengths: str = "uniform"
     style: str = "tag"  # "tag" or "instruct"
+    eval_size: int = 200
 
     def _length(self, rng: random.Random) -> int:
         if self.lengths == "long-tail":
@@ -61,8 +83,21 @@ class _StringTask:
         n = self._length(rng)
         return "".join(rng.choice(string.ascii_lowercase) for _ in range(n))
 
+    def _split_payload(self, rng: random.Random, held_out: bool) -> str:
+        for _ in range(MAX_DRAWS):
+            payload = self._payload(rng)
+            if (zlib.crc32(payload.encode()) % EVAL_BUCKETS == 0) == held_out:
+                return payload
+        split = "held-out" if held_out else "training"
+        raise ValueError(f"{self.name}: no {split} payload in {MAX_DRAWS} draws; widen min_chars..max_chars")
+
     def sample(self, rng: random.Random) -> Task:
-        payload = self._payload(rng)
+        return self._task(self._split_payload(rng, held_out=False))
+
+    def eval_task(self, index: int) -> Task:
+        return self._task(self._split_payload(random.Random(f"{self.name}/eval/{index}"), held_out=True))
+
+    def _task(self, payload: str) -> Task:
         prompt = self.instruction.format(payload=payload) if self.style == "instruct" else f"{self.tag}:{payload}"
         return Task(self.name, prompt, self.solve(payload))
 
@@ -97,27 +132,39 @@ Lengths = Literal["uniform", "long-tail"]
 
 
 def _string_task(
-    cls: type[_StringTask], name: str, min_chars: int, max_chars: int, lengths: str, prompt_style: str
+    cls: type[_StringTask], name: str, min_chars: int, max_chars: int, lengths: str, prompt_style: str, eval_size: int
 ) -> _StringTask:
     if not (isinstance(min_chars, int) and isinstance(max_chars, int) and 0 < min_chars <= max_chars):
         raise ValueError(f"need integers 0 < min_chars <= max_chars, got min_chars={min_chars} max_chars={max_chars}")
     if lengths not in ("uniform", "long-tail"):
         raise ValueError(f"lengths={lengths!r}; valid: 'uniform', 'long-tail'")
-    return cls(name, min_chars, max_chars, lengths, prompt_style)
+    if not (isinstance(eval_size, int) and eval_size > 0):
+        raise ValueError(f"eval_size={eval_size!r}; need a positive integer (the held-out tasks)")
+    return cls(name, min_chars, max_chars, lengths, prompt_style, eval_size)
 
 
 def reverse_text(
-    min_chars: int = 3, max_chars: int = 8, lengths: Lengths = "uniform", prompt_style: str = "tag"
+    min_chars: int = 3,
+    max_chars: int = 8,
+    lengths: Lengths = "uniform",
+    prompt_style: str = "tag",
+    eval_size: int = 200,
 ) -> Environment:
-    """The `reverse-text` plugin: reverse `min_chars`..`max_chars` random lowercase letters."""
-    return _string_task(ReverseText, "reverse-text", min_chars, max_chars, lengths, prompt_style)
+    """The `reverse-text` plugin: reverse `min_chars`..`max_chars` random lowercase letters; `eval_size` held-out
+    tasks (payloads of the hash bucket training never draws)."""
+    return _string_task(ReverseText, "reverse-text", min_chars, max_chars, lengths, prompt_style, eval_size)
 
 
 def sort_letters(
-    min_chars: int = 3, max_chars: int = 8, lengths: Lengths = "uniform", prompt_style: str = "tag"
+    min_chars: int = 3,
+    max_chars: int = 8,
+    lengths: Lengths = "uniform",
+    prompt_style: str = "tag",
+    eval_size: int = 200,
 ) -> Environment:
-    """The `sort-letters` plugin: sort `min_chars`..`max_chars` random lowercase letters."""
-    return _string_task(SortLetters, "sort-letters", min_chars, max_chars, lengths, prompt_style)
+    """The `sort-letters` plugin: sort `min_chars`..`max_chars` random lowercase letters; `eval_size` held-out
+    tasks (payloads of the hash bucket training never draws)."""
+    return _string_task(SortLetters, "sort-letters", min_chars, max_chars, lengths, prompt_style, eval_size)
 
 
 def build(spec: EnvSpec, default_style: str = "tag") -> Environment:

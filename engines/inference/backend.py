@@ -229,6 +229,15 @@ def launch_plan(cfg: Any) -> dict[str, str]:
     return registry.import_object(path)(cfg) if path else {}
 
 
+def teacher_plan(cfg: Any) -> dict[str, str]:
+    """The teacher's backend's launch plan (a `[teacher]` run), its files named `teacher-...`."""
+    if not cfg.teacher.enabled:
+        return {}
+    longer = cfg.model.model_copy(update={"max_seq_len": cfg.model.max_seq_len + 1})  # as config/process.py's
+    as_policy = cfg.model_copy(update={"inference": cfg.teacher.inference, "model": longer})
+    return {f"teacher-{name}": text for name, text in launch_plan(as_policy).items()}
+
+
 async def create(cfg: InferenceProcessConfig) -> Backend:
     """Build the configured backend (its heavy imports happen here, in the inference process)."""
     factory = registry.import_object(spec(cfg.inference.backend).create)

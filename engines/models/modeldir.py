@@ -164,6 +164,63 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
         raise ModelDirError(f"{source.directory}: the tokenizer does not load: {exc}") from exc
 
 
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: text, or an AddedToken's {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def tokenizer_signature(source: ModelSource) -> tuple[dict[str, int], tuple[str | None, ...]] | None:
+    """token -> id of every token, and the (bos, eos, pad) tokens, read from the files alone (no tokenizer
+    library: the CLI checks this at load); None when the directory has no tokenizer.json to read."""
+    if source.directory is None:
+        char = CharTokenizer()
+        return dict(char.vocab), tuple(char.inverse[i] for i in (char.bos_id, char.eos_id, char.pad_id))
+    path = source.directory / "tokenizer.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    if isinstance(vocab, list):  # Unigram: [piece, score] at each id
+        vocab = {piece: i for i, (piece, _) in enumerate(vocab)}
+    vocab = {**vocab, **{t["content"]: t["id"] for t in data.get("added_tokens") or []}}
+    config_path = source.directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    bos, eos, pad = (_token_text(config.get(f"{k}_token")) for k in ("bos", "eos", "pad"))
+    return vocab, (bos, eos, pad or eos)
+
+
+def check_same_tokenizer(student: ModelConfig, teacher: ModelConfig, key: str = "teacher.path") -> None:
+    """Refuse a teacher whose token ids mean other tokens than the student's: it scores the student's ids as
+    they are, so the vocabularies (token -> id) and the special tokens must be equal. Read from the tokenizer
+    files; a directory without tokenizer.json has both tokenizers loaded and compared instead."""
+    a_src, b_src = resolve(student), resolve(teacher)
+    a, b = tokenizer_signature(a_src), tokenizer_signature(b_src)
+    if a is None or b is None:
+        a, b = _loaded_signature(a_src), _loaded_signature(b_src)
+    (va, sa), (vb, sb) = a, b
+    where = f"{key}={teacher.path!r}"
+    student_name = student.path or "the built-in character tokenizer"
+    if va != vb:
+        differ = sorted(t for t in set(va) | set(vb) if va.get(t) != vb.get(t))
+        raise ModelDirError(
+            f"{where}: its tokenizer is not the student's ({student_name}): {len(vb)} vs {len(va)} tokens, "
+            f"{len(differ)} differ (e.g. {differ[:3]}); a teacher scores the student's token ids, so it needs the "
+            "same tokenizer: use a teacher of the student's model family (the same tokenizer files)"
+        )
+    if sa != sb:
+        raise ModelDirError(
+            f"{where}: its special tokens (bos, eos, pad) {sb} are not the student's {sa} ({student_name}); "
+            "a teacher needs the same tokenizer"
+        )
+
+
+def _loaded_signature(source: ModelSource) -> tuple[dict[str, int], tuple[str | None, ...]]:
+    tok = load_tokenizer(source)
+    vocab = dict(tok.vocab) if isinstance(tok, CharTokenizer) else dict(tok.hf.get_vocab())  # type: ignore[attr-defined]
+    inverse = {i: t for t, i in vocab.items()}
+    return vocab, tuple(None if i is None else inverse.get(i) for i in (tok.bos_id, tok.eos_id, tok.pad_id))
+
+
 def read_weights(directory: Path) -> dict:
     from safetensors.torch import load_file
 

@@ -17,6 +17,8 @@ at all.
 Every request names its session in the configured session header (inference.router.session_header,
 `X-Session-ID` by default; one session per group, one per episode for multi-turn environments), which keeps
 a session's turns on the replica that holds its KV cache.
+With a `[teacher]` each group's samples are also scored by the teacher's server and every token gets its own
+advantage (engines/orchestrator/teacher.py: the `teacher_logprobs` and `token_advantages` columns).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from engines.models import modeldir
 from engines.orchestrator.estimators import StepEstimators
 from engines.orchestrator.multiturn import EpisodeGroup, post_completion, truncation
 from engines.orchestrator.overlong import shaped_rewards
+from engines.orchestrator.teacher import Teacher, check_tokenizer
 from engines.protocol import (
     ADMIN_TOKEN_ENV,
     CompletionChoice,
@@ -128,8 +131,14 @@ async def wait_healthy(client: httpx.AsyncClient, timeout_s: float = 120.0) -> N
 
 
 class Orchestrator:
-    def __init__(self, cfg: OrchestratorProcessConfig, client: httpx.AsyncClient, sync: WeightSync):
-        self.cfg, self.client, self.sync = cfg, client, sync
+    def __init__(
+        self,
+        cfg: OrchestratorProcessConfig,
+        client: httpx.AsyncClient,
+        sync: WeightSync,
+        teacher: Teacher | None = None,
+    ):
+        self.cfg, self.client, self.sync, self.teacher = cfg, client, sync, teacher
         self.fs, self.root = sync.fs, sync.root
         self.ocfg = cfg.orchestrator
         self.tok = modeldir.load_tokenizer(modeldir.resolve(cfg.model))
@@ -146,6 +155,13 @@ class Orchestrator:
         rewards, skipped = shaped_rewards(groups, self.ocfg.overlong, self.ocfg.max_new_tokens)
         zero = self.estimators.apply(groups, rewards)
         return {"zero_advantage_groups": zero, **({"overlong_skipped": skipped} if skipped else {})}
+
+    async def group(self, step: int, group: int) -> list[RolloutRow]:
+        """A scored group, and with a teacher its samples' teacher logprobs."""
+        rows = await self.scored_group(step, group)
+        if self.teacher is not None:
+            await self.teacher.score(rows)
+        return rows
 
     async def scored_group(self, step: int, group: int) -> list[RolloutRow]:
         task = self.mix.task(f"step={step}/group={group}")
@@ -201,10 +217,12 @@ class Orchestrator:
     async def run_step(self, step: int) -> None:
         waited = await self.sync.wait_for(step - 1 - self.cfg.async_level)
         t0 = time.perf_counter()
-        groups = await asyncio.gather(*(self.scored_group(step, g) for g in range(self.ocfg.batch_size)))
+        groups = await asyncio.gather(*(self.group(step, g) for g in range(self.ocfg.batch_size)))
         gen_s = time.perf_counter() - t0
-        counts = self.set_advantages(list(groups))  # before the staleness filter: over whole groups
+        counts: dict = self.set_advantages(list(groups))  # before the staleness filter: over whole groups
         rows = [row for grp in groups for row in grp]
+        if self.teacher is not None:
+            counts["teacher_kl"] = self.teacher.set_advantages(rows)
         kept = [r for r in rows if staleness(step, r.policy_version) <= self.cfg.max_off_policy_steps]
         if not kept:
             raise RuntimeError(f"step {step}: every sample exceeded max_off_policy_steps; nothing to commit")
@@ -215,7 +233,9 @@ class Orchestrator:
         reward = sum(r.reward for r in kept) / len(kept)
         log.info(
             f"step {step}/{self.cfg.max_steps}: {len(kept)} samples (dropped {meta['dropped']}), "
-            f"reward {reward:.3f}, zero-advantage groups {counts['zero_advantage_groups']}/{len(groups)}, "
+            f"reward {reward:.3f}, "
+            + (f"teacher_kl {counts['teacher_kl']:.4f}, " if counts.get("teacher_kl") is not None else "")
+            + f"zero-advantage groups {counts['zero_advantage_groups']}/{len(groups)}, "
             f"policy versions {dict(sorted(versions.items()))}, "
             f"gen {gen_s:.2f}s, waited {waited:.2f}s"
         )
@@ -234,7 +254,8 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
         sync = WeightSync(client, fs, root, token, cfg.orchestrator.poll_interval_s)
         await sync.refresh()
         sync.start()
-        orch = Orchestrator(cfg, client, sync)
+        tea = await start_teacher(cfg)
+        orch = Orchestrator(cfg, client, sync, tea)
         try:
             for step in orch.pending_steps():
                 if sync.follower.done():
@@ -245,7 +266,19 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
             for env in orch.mix.envs.values():
                 if hasattr(env, "close"):
                     await env.close()
+            if tea is not None:
+                await tea.aclose()
     log.info("all rollout steps committed")
+
+
+async def start_teacher(cfg: OrchestratorProcessConfig) -> Teacher | None:
+    """The teacher's client once its server answers, after checking it shares the student's tokenizer."""
+    if cfg.teacher_url is None:
+        return None
+    await asyncio.to_thread(check_tokenizer, cfg.model, cfg.teacher)
+    tea = Teacher(cfg.teacher, cfg.teacher_url)
+    await wait_healthy(tea.client, cfg.orchestrator.inference_timeout_s)
+    return tea
 
 
 def forbid_torch() -> None:

@@ -7,6 +7,9 @@ padding, samples without routes) hold -1, which router replay reads as "route af
 The sampler's kept support sizes (`completion_kept`, top-k / top-p truncation) become `kept` aligned with
 `targets`: 0 where the target was not drawn from a truncated distribution (full vocabulary); None when no
 sample in the batch carries them (or trainer.keep_sampling_mask is off).
+Per-token advantages (`token_advantages`, on-policy distillation) make `advantages` [B, T-1] aligned with
+`targets`, a sample without them carrying its scalar `advantage` on each completion token; without any, it
+stays [B].
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class Batch:
     targets: torch.Tensor  # [B, T-1] next tokens
     loss_mask: torch.Tensor  # [B, T-1] 1.0 where the target is a model-sampled completion token
     sampler_logprobs: torch.Tensor  # [B, T-1] sampler logprob of each completion target, 0 elsewhere
-    advantages: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B], or [B, T-1] per target when the step carries token advantages
     temperatures: torch.Tensor  # [B]
     versions: torch.Tensor  # [B] policy_version
     versions_end: torch.Tensor  # [B] policy_version_end
@@ -76,6 +79,20 @@ def kept_tensor(table: pa.Table, shape: tuple[int, int]) -> torch.Tensor | None:
     return out
 
 
+def advantages_tensor(table: pa.Table, shape: tuple[int, int]) -> torch.Tensor:
+    """[B] the samples' advantages; [B, T-1] aligned with the targets when some sample carries
+    `token_advantages` (the others' scalar on each of their completion tokens, 0 elsewhere)."""
+    scalar = torch.tensor(table.column("advantage").to_pylist(), dtype=torch.float32)
+    if "token_advantages" not in table.column_names or table.column("token_advantages").null_count == table.num_rows:
+        return scalar
+    out = torch.zeros(shape)
+    cols = (table.column("prompt_ids").to_pylist(), table.column("completion_ids").to_pylist())
+    for i, (p, c, tokens) in enumerate(zip(*cols, table.column("token_advantages").to_pylist(), strict=True)):
+        values = torch.tensor(tokens, dtype=torch.float32) if tokens is not None else scalar[i].expand(len(c))
+        out[i, len(p) - 1 : len(p) - 1 + len(c)] = values
+    return out
+
+
 def make_batch(table: pa.Table, pad_id: int, keep_sampling_mask: bool = True) -> Batch:
     """The step's samples as right-padded tensors; `keep_sampling_mask` false drops the kept support sizes
     (every target scored on the full vocabulary)."""
@@ -99,7 +116,7 @@ def make_batch(table: pa.Table, pad_id: int, keep_sampling_mask: bool = True) ->
         targets=ids[:, 1:],
         loss_mask=mask,
         sampler_logprobs=sampler,
-        advantages=torch.tensor(cols["advantage"], dtype=torch.float32),
+        advantages=advantages_tensor(table, (mask.shape[0], mask.shape[1])),
         temperatures=torch.tensor(cols["temperature"], dtype=torch.float32),
         versions=torch.tensor(cols["policy_version"]),
         versions_end=torch.tensor(cols["policy_version_end"]),
@@ -198,7 +215,10 @@ def pack_batch(batch: Batch, pad_id: int, capacity: int | None = None) -> Packed
             segments[r, span] = s
             floats["loss_mask"][r, start : start + n - 1] = batch.loss_mask[i, : n - 1]
             floats["sampler_logprobs"][r, start : start + n - 1] = batch.sampler_logprobs[i, : n - 1]
-            floats["advantages"][r, span] = batch.advantages[i]
+            if batch.advantages.dim() == 2:  # per target, like the loss mask
+                floats["advantages"][r, start : start + n - 1] = batch.advantages[i, : n - 1]
+            else:
+                floats["advantages"][r, span] = batch.advantages[i]
             floats["temperatures"][r, span] = batch.temperatures[i]
             if routes is not None and batch.routes is not None:
                 routes[r, span] = batch.routes[i, :n]

@@ -81,7 +81,7 @@ def to_packed_layout(mb: Batch | PackedBatch) -> PackedBatch:
         targets=F.pad(mb.targets, (0, 1), value=PAD_ID),
         loss_mask=F.pad(mb.loss_mask, (0, 1)),
         sampler_logprobs=F.pad(mb.sampler_logprobs, (0, 1)),
-        advantages=per_token(mb.advantages),
+        advantages=F.pad(mb.advantages, (0, 1)) if mb.advantages.dim() == 2 else per_token(mb.advantages),
         temperatures=per_token(mb.temperatures),
         routes=None,
         kept=None if mb.kept is None else F.pad(mb.kept, (0, 1)),

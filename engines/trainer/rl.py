@@ -50,9 +50,13 @@ def _add(into: dict[str, float], stats: dict[str, float]) -> None:
 
 
 def zero_advantage_samples(table: pa.Table) -> torch.Tensor:
-    """[rows] bool: samples of groups whose advantages are all exactly 0 (they carry no policy gradient)."""
+    """[rows] bool: samples of groups whose advantages are all exactly 0 (they carry no policy gradient); a
+    sample's per-token advantages (`token_advantages`), where it has them, count instead of its scalar."""
     groups = table.column("group_id").to_pylist()
     advantages = table.column("advantage").to_pylist()
+    if "token_advantages" in table.column_names:
+        tokens = table.column("token_advantages").to_pylist()
+        advantages = [a if t is None else float(any(t)) for a, t in zip(advantages, tokens, strict=True)]
     nonzero = {g for g, a in zip(groups, advantages, strict=True) if a != 0}
     return torch.tensor([g not in nonzero for g in groups], dtype=torch.bool)
 
@@ -316,6 +320,7 @@ class RLTrainer:
             "step_s": t3 - t0,
             "gen_s": manifest.get("gen_s"),
             **rollouts.metric_means(table),
+            **rollouts.teacher_kl(table),
         }
 
     def publish(self, step: int, published: dict[str, torch.Tensor]) -> None:

@@ -2,7 +2,8 @@
 
 Runs a shortened tiny-cpu profile (tests/profiles/ci-short.toml) twice: asynchronous through the
 `rollflow` command (ephemeral Prefect API), and synchronous through the flow in-process against the
-Prefect test harness, where the run summary artifact is read back from the API.
+Prefect test harness, where the run summary artifact (with its curves) and the live progress artifacts
+(`rl-progress` at 100%, `rl-run-status`) are read back from the API.
 """
 
 from __future__ import annotations
@@ -98,7 +99,16 @@ def test_sync_run_reports_to_a_prefect_server_and_is_on_policy(tmp_path, prefect
         task_names = {t.name for t in client.read_task_runs() if t.flow_run_id == flow_run.id}
         artifacts = [a for a in client.read_artifacts() if a.flow_run_id == flow_run.id]
     assert {"warmup", "inference", "orchestrator", "trainer"} <= task_names
-    assert any(a.key == "rl-run-summary" and "reward_last5" in str(a.data) for a in artifacts)
+    by_key = {a.key: a for a in artifacts}
+    assert by_key["rl-progress"].type == "progress" and by_key["rl-progress"].data == 100.0  # updated in place
+    status = str(by_key["rl-run-status"].data)
+    assert status.startswith("### step 8 / 8 (100%)") and "| reward_mean | 8 |" in status
+    summary = str(by_key["rl-run-summary"].data)
+    assert "reward_last5" in summary and "### reward_mean by step\n" in summary
+    table = summary.split("### reward_mean by step")[1].split("###")[0]
+    assert len([line for line in table.splitlines() if line.startswith("| ")]) == 1 + 8  # header + every step
+    assert "progress view:" not in proc.stdout + proc.stderr  # no failed read or update on the way
+    assert "the last at step 8 / 8" in proc.stdout + proc.stderr
 
 
 def test_a_failing_component_stops_the_run_and_every_process(tmp_path, prefect_api):

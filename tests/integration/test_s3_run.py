@@ -83,6 +83,8 @@ def test_tiny_run_on_s3(s3, tmp_path, monkeypatch):
     )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
+    # the flow's watcher read metrics.jsonl from the bucket, without a failure, up to the last step
+    assert "progress view:" not in log and f"the last at step {MAX_STEPS} / {MAX_STEPS}" in log
 
     for k, v in CREDENTIALS.items():  # this test process reads the bucket with the same settings
         monkeypatch.setenv(k, v)

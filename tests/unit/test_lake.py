@@ -145,3 +145,23 @@ def test_verify_checks_weights_and_checkpoints_and_names_the_bad_one(tmp_path, c
     bad.write_bytes(b"o" * 63)
     assert cli_main(["lake", out, "--verify"]) == lake.EXIT_CORRUPT
     assert str(bad) in capsys.readouterr().out
+
+
+def test_eval_rows_of_metrics_are_reported_and_plotted(tmp_path, capsys):
+    out = _lake(tmp_path)
+    rows = [{"step": 0, "eval/reward_mean": 0.1, "eval/rev/pass@2": 0.25}]  # version 0: evaluation keys only
+    rows += [{"step": s, "reward_mean": 0.375, "eval/reward_mean": s / 8} for s in (2, 4)]
+    rows += [{"step": s, "reward_mean": 0.375} for s in (1, 3)]
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = lake.inspect(out)
+    assert report["eval"] == {"eval/reward_mean": [(0, 0.1), (2, 0.25), (4, 0.5)], "eval/rev/pass@2": [(0, 0.25)]}
+    assert cli_main(["lake", out, "--plot", str(tmp_path / "plots")]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out evaluation (metrics.jsonl) by step:" in printed
+    assert printed.rstrip().endswith("4             0.500                -")
+    names = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert names == ["eval_by_step.png", "reward_by_step.png", "staleness.png"]
+    assert (tmp_path / "plots" / "eval_by_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n{"reward_mean"\n')
+    assert cli_main(["lake", out]) == lake.EXIT_CORRUPT
+    assert f"{tmp_path / 'run' / 'metrics.jsonl'}: unreadable: JSONDecodeError" in capsys.readouterr().out

@@ -17,6 +17,7 @@ from config.process import component_configs
 from config.resume import resume_changes
 from config.run import RunConfig
 from config.sft import SFTConfig
+from config.teacher import TeacherConfig
 from config.trainer import TrainerConfig
 from launch import vllm as vllm_launch
 from rollflow.cli import main
@@ -192,7 +193,12 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
     # router's configured one, and reads `normalize_advantages` as the grpo estimator it always was; env entries
     # got `advantage`), and the vLLM servers are started with the same commands
     slices = component_configs(cfg, stored_config(str(out))["run_id"], "http://127.0.0.1:0")
-    added = {"orchestrator": {"session_header": "X-Session-ID"}, "sft": {"sft_run": None}}  # None: the RL warm-up
+    no_teacher = {"teacher": TeacherConfig().model_dump(mode="json"), "teacher_url": None}  # [teacher] is newer
+    added = {
+        "orchestrator": {"session_header": "X-Session-ID", **no_teacher},
+        "inference": {"role": "policy"},
+        "sft": {"sft_run": None},  # None: the RL warm-up
+    }
     for name, sub in slices.items():
         stored = _stored(f"{name}.json", out)
         for env in stored.get("envs", []):

@@ -46,6 +46,8 @@ def _rows(step: int, n: int = 3) -> list[dict]:
                 "metric_names": ["reward/exact", "metric/len"] if k else None,
                 "metric_values": [0.5 * k, float(k)] if k else None,
                 "completion_kept": [40 - i for i in range(len(completion))] if k else None,
+                "teacher_logprobs": [-1.0 - 0.5 * i for i in range(len(completion))] if k else None,
+                "token_advantages": [0.25 * i - 0.5 for i in range(len(completion))] if k else None,
             }
         )
     return rows

@@ -4,7 +4,8 @@
 the engine's worker thread (and, with weight_broadcast.type = "collective", the receiver that joins the
 trainer's group, engines/weight_transport.py). Generation goes through serving.py; a weight update reads
 the named publication (or takes the tensors the receiver staged for that version) and the engine applies
-it between two decode steps, so requests in flight finish under the new policy and say so.
+it between two decode steps, so requests in flight finish under the new policy and say so. A distillation
+teacher (`role = "teacher"`) serves its model directory's own weights as version 0 and refuses updates.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ log = logging.getLogger("rollflow.inference")
 
 
 class EmbeddedBackend(Backend):
-    def __init__(self, engine, tokenizer, model_name: str, fs, root: str, receiver=None):
-        self.engine, self.fs, self.root, self.receiver = engine, fs, root, receiver
+    def __init__(self, engine, tokenizer, model_name: str, fs, root: str, receiver=None, fixed: bool = False):
+        self.engine, self.fs, self.root, self.receiver, self.fixed = engine, fs, root, receiver, fixed
         self.serving = Serving(engine, tokenizer, model_name)
         self.model_name, self.max_model_len = model_name, self.serving.max_model_len
         self.loaded: dict[str, dict] = {}  # the last publications loaded: a delta's base is not rebuilt each update
@@ -47,6 +48,8 @@ class EmbeddedBackend(Backend):
         from storage import weights
         from storage.fs import CorruptError, is_committed
 
+        if self.fixed:
+            raise BackendError(409, "this server is the distillation teacher: its weights never change")
         t0 = time.perf_counter()
         directory = req.path or weights.version_dir(self.root, req.version or 0)
         if not await asyncio.to_thread(is_committed, self.fs, directory):
@@ -88,15 +91,21 @@ def load_engine(cfg, output_root_url: str, storage):
     from storage import weights
 
     torch.set_num_threads(cfg.inference.num_threads)
-    fs, root = storage.open(output_root_url)
-    latest = weights.load_latest(fs, root)
-    if latest is None:
-        raise SystemExit(f"no committed weights under {weights.weights_root(output_root_url)}; run the warm-up first")
-    loaded = modeldir.load(cfg.model, pretrained=False)
-    model, tokenizer = loaded.model, loaded.tokenizer
-    lora.attach_to(model, cfg.model.lora)  # adapter publications carry base + adapter tensors
-    version, state = latest
-    model.load_published(state)
+    if cfg.role == "teacher":  # the directory's own weights, served as version 0 for the whole run
+        loaded = modeldir.load(cfg.model, pretrained=True)
+        model, tokenizer, version = loaded.model, loaded.tokenizer, 0
+    else:
+        fs, root = storage.open(output_root_url)
+        latest = weights.load_latest(fs, root)
+        if latest is None:
+            raise SystemExit(
+                f"no committed weights under {weights.weights_root(output_root_url)}; run the warm-up first"
+            )
+        loaded = modeldir.load(cfg.model, pretrained=False)
+        model, tokenizer = loaded.model, loaded.tokenizer
+        lora.attach_to(model, cfg.model.lora)  # adapter publications carry base + adapter tensors
+        version, state = latest
+        model.load_published(state)
     # inference.dtype: the sampler may run in lower precision than the fp32 trainer (as vLLM serves bf16)
     model.to(getattr(torch, cfg.inference.dtype))
     inf = cfg.inference
@@ -112,11 +121,12 @@ async def create(cfg) -> EmbeddedBackend:
     storage = Storage(cfg.run.storage)
     engine, tokenizer = load_engine(cfg, cfg.run.output_dir, storage)
     receiver = None
-    if cfg.weight_broadcast.type == "collective":
+    if cfg.weight_broadcast.type == "collective" and cfg.role == "policy":
         from engines.weight_transport import Receiver
 
         receiver = Receiver(cfg.weight_broadcast)
         log.info(f"weight transport: group store on {cfg.weight_broadcast.host}:{cfg.weight_broadcast.port}")
     fs, root = storage.open(cfg.run.output_dir)
-    log.info(f"embedded engine on policy version {engine.version}")
-    return EmbeddedBackend(engine, tokenizer, served_name(cfg), fs, root, receiver)
+    what = f"teacher {cfg.model.path}" if cfg.role == "teacher" else f"policy version {engine.version}"
+    log.info(f"embedded engine on {what}")
+    return EmbeddedBackend(engine, tokenizer, served_name(cfg), fs, root, receiver, fixed=cfg.role == "teacher")

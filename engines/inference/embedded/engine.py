@@ -40,6 +40,7 @@ class Request:
     stop: Callable[[list[int]], bool] | None = None  # given a row's tokens, True ends it (stop strings)
     top_logprobs: int = 0  # also the k most likely (token, logprob) per position
     kept_sizes: bool = False  # also each token's kept support size (top-k / top-p truncation)
+    prompt_logprobs: int | None = None  # also score the prompt's tokens, with this many alternatives
     on_tokens: Callable[[TokenEvents], None] | None = None  # called from the engine thread after each step
     future: Future = field(default_factory=Future)
 
@@ -56,6 +57,7 @@ class Request:
                 stop=self.stop,
                 top_logprobs=self.top_logprobs,
                 kept_sizes=self.kept_sizes,
+                prompt_logprobs=self.prompt_logprobs,
             )
             for s in row_seeds(seed, self.n)
         ]

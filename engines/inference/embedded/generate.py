@@ -16,6 +16,9 @@ finished to make compaction (a cache copy) worth it; compaction also drops leadi
 With `record_routes` (MoE models) each completion also carries `routed_experts` [seq, layers, top_k]: the
 experts every position fed through the model was routed to, seq = prompt + completion - 1 (the prompt's
 prefill positions, then every completion token except the last, which is sampled but never fed back).
+
+A row whose `Sampling.prompt_logprobs` is set also gets its prompt scored from the same prefill: each prompt
+token's logprob given the tokens before it (temperature 1), its rank, and the k most likely alternatives.
 """
 
 from __future__ import annotations
@@ -44,6 +47,26 @@ class Completion:
     routed_experts: torch.Tensor | None = None  # [seq, layers, top_k] int16, with record_routes
     # per token, with Sampling.kept_sizes: how many tokens the truncated distribution it was drawn from kept
     kept_sizes: list[int] = field(default_factory=list)
+    # with Sampling.prompt_logprobs: per prompt token after the first, (logprob, rank, k alternatives)
+    prompt_logprobs: list[PromptScore] | None = None
+
+
+# A prompt token's score: its logprob given the tokens before it, its rank (1 = the most likely), and the k most
+# likely (token, logprob) at that position
+PromptScore = tuple[float, int, list[tuple[int, float]]]
+
+
+def prompt_scores(logits: torch.Tensor, ids: list[int], k: int) -> list[PromptScore]:
+    """Scores of ids[1:] from the prefill logits at the prompt's positions ([len(ids), vocab])."""
+    logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+    target = torch.tensor(ids[1:], dtype=torch.long)[:, None]
+    chosen = logp.gather(-1, target)
+    ranks = (logp > chosen).sum(-1) + 1
+    alts: list[list[tuple[int, float]]] = [[] for _ in ids[1:]]
+    if k:
+        values, top = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        alts = [list(zip(i, v, strict=True)) for i, v in zip(top.tolist(), values.tolist(), strict=True)]
+    return list(zip(chosen.squeeze(-1).tolist(), ranks.tolist(), alts, strict=True))
 
 
 @dataclass
@@ -60,6 +83,7 @@ class Sampling:
     stop: Callable[[list[int]], bool] | None = None  # True ends the row (stop strings), given its tokens
     top_logprobs: int = 0  # also record this many most likely (token, logprob) per position
     kept_sizes: bool = False  # also record each token's kept support size (top-k / top-p truncation)
+    prompt_logprobs: int | None = None  # also score the prompt's tokens, with this many alternatives each
 
 
 class _RouteLog:
@@ -194,7 +218,10 @@ class Decoder:
         `sample`. Returns (origin id, completion) per row, filled in as the rows run."""
         origins = list(range(self._next_origin, self._next_origin + len(prompts)))
         self._next_origin += len(prompts)
-        logits, cache, valid, next_pos = self._prefill(prompts, origins, max(s.max_tokens for s in params))
+        scored = [s.prompt_logprobs for s in params]
+        logits, cache, valid, next_pos, scores = self._prefill(
+            prompts, origins, max(s.max_tokens for s in params), scored
+        )
         rows = _Rows.new(origins, valid, next_pos, params)
         tokens = torch.full((len(prompts),), self.pad_id, dtype=torch.long)
         if self.rows is None:
@@ -214,30 +241,38 @@ class Decoder:
                 torch.cat([self.tokens, tokens]),
             )
         self._filters |= any(s.min_tokens > 0 or s.top_k > 0 or s.top_p < 1 or s.temperature == 0 for s in params)
-        made = [(o, Completion()) for o in origins]
+        made = [(o, Completion(prompt_logprobs=sc)) for o, sc in zip(origins, scores, strict=True)]
         self.out.update(made)
         self.stops.update({o: s.stop for o, s in zip(origins, params, strict=True) if s.stop is not None})
         self.alternatives.update({o: s.top_logprobs for o, s in zip(origins, params, strict=True) if s.top_logprobs})
         self.kept_rows.update(o for o, s in zip(origins, params, strict=True) if s.kept_sizes)
         return made
 
-    def _prefill(self, prompts: list[list[int]], origins: list[int], max_tokens: int):
+    def _prefill(self, prompts: list[list[int]], origins: list[int], max_tokens: int, scored: list[int | None]):
         """Prefill each distinct prompt once, then give every row its own copy of the cache.
 
-        Returns (last-position logits per row, cache, valid mask per row, next position per row).
+        Returns (last-position logits per row, cache, valid mask per row, next position per row, the prompt
+        scores of each row that asks for them (`scored[row]` alternatives; None: not asked)).
         """
         unique, row_of = _unique_prompts(prompts)
         ids, valid = _left_pad(unique, self.pad_id)
         cache = self.model.new_cache(len(unique), ids.shape[1] + max_tokens, next(self.model.parameters()).dtype)
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
         routing = Routing() if self.log else None
-        logits = self.model(ids, positions, _prefill_mask(valid)[:, None], cache, routing)[:, -1]
+        every = self.model(ids, positions, _prefill_mask(valid)[:, None], cache, routing)
+        logits = every[:, -1]
         if self.log and routing:
             self.log.prompts(routing.stacked(), row_of, prompts, origins)
+        width, by_prompt = ids.shape[1], {}
+        scores: list[list[PromptScore] | None] = []
+        for u, p, k in zip(row_of, prompts, scored, strict=True):
+            if k is not None and (u, k) not in by_prompt:  # the samples of one prompt share its scores
+                by_prompt[u, k] = prompt_scores(every[u, width - len(p) :], p, k)
+            scores.append(None if k is None else by_prompt[u, k])
         expand = torch.tensor(row_of, dtype=torch.long)
         if len(unique) < len(prompts):
             cache.select_rows(expand)
-        return logits[expand], cache, valid[expand], positions[expand, -1] + 1
+        return logits[expand], cache, valid[expand], positions[expand, -1] + 1, scores
 
     def _distribution(self, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[rows, vocab] log-probabilities each row draws from: temperature, then (rows that ask for them)

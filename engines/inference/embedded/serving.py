@@ -91,6 +91,7 @@ class Serving:
             ids, body.n, limit, body.temperature, body.seed, top_k=max(body.top_k or 0, 0), top_p=body.top_p or 1.0,
             min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos), stop=stop_check(self.tok, body.stops()),
             top_logprobs=_top_k(body), kept_sizes=bool(body.return_kept_sizes),
+            prompt_logprobs=getattr(body, "prompt_logprobs", None),
         )  # fmt: skip
         return Prepared(body, ids, request, gen.chat, gen.id, gen.created)
 
@@ -144,6 +145,7 @@ class Serving:
                     text=text,
                     logprobs=logprobs,
                     prompt_token_ids=p.prompt_ids if body.return_token_ids else None,
+                    prompt_logprobs=self._prompt_logprobs(p.prompt_ids, c),
                     **common,
                 )
             )
@@ -175,6 +177,18 @@ class Serving:
         token = self._token(t)
         top = [api.TopLogprob(token=(x := self._token(a)), logprob=v, bytes=list(x.encode())) for a, v in alts or []]
         return api.ChatLogprob(token=token, logprob=lp, bytes=list(token.encode()), top_logprobs=top)
+
+    def _prompt_logprobs(self, ids: list[int], c: Completion) -> list[dict[str, api.PromptLogprob] | None] | None:
+        """vLLM's `prompt_logprobs`: null for the first token, then {token id: its score} with the alternatives."""
+        if c.prompt_logprobs is None:
+            return None
+        out: list[dict[str, api.PromptLogprob] | None] = [None]
+        for t, (lp, rank, alts) in zip(ids[1:], c.prompt_logprobs, strict=True):
+            entry = {str(t): api.PromptLogprob(logprob=lp, rank=rank, decoded_token=self._token(t))}
+            for i, (a, v) in enumerate(alts):
+                entry.setdefault(str(a), api.PromptLogprob(logprob=v, rank=i + 1, decoded_token=self._token(a)))
+            out.append(entry)
+        return out
 
     def _top_dict(self, alts: list[tuple[int, float]]) -> dict[str, float]:
         return {self._token(a): v for a, v in alts}

@@ -16,7 +16,9 @@ materializes the publication as a local safetensors file, closes the gate to new
 server keeping its in-flight requests, has every worker load the file (rollflow_vllm_worker.WeightLoader
 via vLLM's /collective_rpc), and resumes: requests that were in flight finish under the new policy and
 say so in `policy_version_end`. With inference.enable_return_routed_experts (MoE router replay) vLLM's
-base64 `routed_experts` become the rollout's [prompt + completion - 1, layers, top_k] lists.
+base64 `routed_experts` become the rollout's [prompt + completion - 1, layers, top_k] lists. `prompt_logprobs`
+(a distillation teacher's scoring) goes to vLLM as it is and comes back in vLLM's own shape; a teacher
+(`role = "teacher"`) serves its model directory as it is and refuses weight updates.
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ class VLLMBackend(Backend):
                  max_model_len: int, procs: list[subprocess.Popen] | None = None):  # fmt: skip
         self.up, self.materialize, self.client, self.procs = up, materialize, client, procs or []
         self.model_name, self.max_model_len = model_name, max_model_len
+        self.fixed = False  # the distillation teacher: no weight updates
 
     async def _start(self, gen: Generation) -> tuple[str, dict[str, Any], dict[str, str], int]:
         """Where the request goes, its upstream body and headers, and the version it starts under."""
@@ -190,6 +193,8 @@ class VLLMBackend(Backend):
         return api.HealthResponse(status="ok", policy_version=self.up.version, stats=stats)
 
     async def update_weights(self, req: api.UpdateWeightsRequest) -> api.UpdateWeightsResponse:
+        if self.fixed:
+            raise BackendError(409, "this server is the distillation teacher: its weights never change")
         if req.version is None:
             raise BackendError(422, "the vLLM backend loads publications by version, not by path", "path")
         async with self.up.update_lock:
@@ -236,14 +241,20 @@ async def create(cfg) -> VLLMBackend:
     processes.check_local(cfg.inference)
     python = processes.vllm_python(cfg.inference)
     fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
-    version = weights.latest_version(fs, root)
-    if version is None:
-        raise SystemExit(
-            f"no committed weights under {weights.weights_root(cfg.run.output_dir)}; run the warm-up first"
-        )
     cache = Path(tempfile.gettempdir()) / "rollflow-vllm" / cfg.run.run_id
-    cache.mkdir(parents=True, exist_ok=True)
-    model_dir = processes.materialize(fs, root, version, cache)
+    if cfg.role == "teacher":  # the directory as it is, for the whole run
+        from engines.models.modeldir import resolve_dir
+
+        assert cfg.model.path is not None  # a teacher always has its directory (config/process.py)
+        model_dir, version = resolve_dir(cfg.model.path), 0
+    else:
+        latest = weights.latest_version(fs, root)
+        if latest is None:
+            raise SystemExit(
+                f"no committed weights under {weights.weights_root(cfg.run.output_dir)}; run the warm-up first"
+            )
+        cache.mkdir(parents=True, exist_ok=True)
+        model_dir, version = processes.materialize(fs, root, latest, cache), latest
     nodes = ["127.0.0.1"] * (vllm_launch.nodes_per_replica(cfg.inference) * cfg.inference.vllm.num_infer_replicas)
     name, max_len = served_name(cfg), cfg.model.max_seq_len
     replicas = vllm_launch.render(
@@ -265,4 +276,6 @@ async def create(cfg) -> VLLMBackend:
         return str(await asyncio.to_thread(processes.materialize, fs, root, v, cache) / "model.safetensors")
 
     client = httpx.AsyncClient(timeout=httpx.Timeout(900.0))
-    return VLLMBackend(up, local_file, client, name, max_len, procs)
+    backend = VLLMBackend(up, local_file, client, name, max_len, procs)
+    backend.fixed = cfg.role == "teacher"
+    return backend
