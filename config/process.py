@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from config.base import Strict
 from config.envs import EnvSpec
@@ -34,6 +34,10 @@ class InferenceProcessConfig(Strict):
     inference: InferenceConfig
     seed: int
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
+    # What the engine serves at start (rollflow eval): publication `serve_version` of run.output_dir (None: the
+    # newest), or with `pretrained` model.path's own weights as version 0 (nothing under run.output_dir is read).
+    serve_version: int | None = Field(None, ge=0)
+    pretrained: bool = False
 
 
 class OrchestratorProcessConfig(Strict):

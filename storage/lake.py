@@ -212,6 +212,16 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_eval(name: str, summary: dict | None) -> str:
+    """One evaluation's summary as a text table (unfinished: a line saying so)."""
+    from storage.evals import table_rows
+
+    if summary is None:
+        return f"eval {name}: unfinished (no summary; rerun the same command to continue it)"
+    header, rows = table_rows(summary)
+    return f"eval {name} (policy versions {summary['policy_versions']}):\n" + _table(header, rows)
+
+
 def parse_steps(text: str) -> tuple[int | None, int | None]:
     """`5` -> (5, 5); `3:7` -> (3, 7) inclusive; `:7` and `3:` are open-ended."""
     lo, sep, hi = text.partition(":")

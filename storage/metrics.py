@@ -40,3 +40,8 @@ class MetricsLog:
 def read_metrics(fs: fsspec.AbstractFileSystem, output_root: str) -> list[dict]:
     rows = MetricsLog(fs, output_root).rows
     return [rows[s] for s in sorted(rows)]
+
+
+def mlflow_name(key: str) -> str:
+    """A metrics.jsonl key as an MLflow metric name: MLflow refuses '@' (pass@k is logged as pass_at_k)."""
+    return key.replace("@", "_at_")

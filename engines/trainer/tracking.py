@@ -6,7 +6,7 @@ import logging
 import math
 import time
 
-from storage.metrics import MetricsLog
+from storage.metrics import MetricsLog, mlflow_name
 
 log = logging.getLogger("rollflow.trainer")
 
@@ -32,7 +32,7 @@ class Tracker:
 
         now = int(time.time() * 1000)
         values = [
-            Metric(key, float(v), now, int(row["step"]))
+            Metric(mlflow_name(key), float(v), now, int(row["step"]))
             for key, v in row.items()
             if isinstance(v, int | float) and key != "step" and math.isfinite(v)
         ]
