@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field
 
 from config.base import Strict
 from config.envs import EnvSpec
+from config.eval import EvalConfig
 from config.inference import InferenceConfig
 from config.model import ModelConfig
 from config.orchestrator import OrchestratorConfig
@@ -51,6 +52,7 @@ class OrchestratorProcessConfig(Strict):
     max_steps: int
     async_level: int
     max_off_policy_steps: int
+    eval: EvalConfig = EvalConfig()  # eval.interval > 0: evaluate the served policy on held-out tasks as it trains
 
 
 class TrainerProcessConfig(Strict):
@@ -65,6 +67,7 @@ class TrainerProcessConfig(Strict):
     max_steps: int
     max_off_policy_steps: int
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
+    eval: EvalConfig = EvalConfig()  # eval.interval > 0: merge the online evaluations into metrics.jsonl
     mode: Literal["rl"] = "rl"
 
 
@@ -112,6 +115,7 @@ def component_configs(
             max_steps=cfg.max_steps,
             async_level=cfg.async_level,
             max_off_policy_steps=cfg.max_off_policy_steps,
+            eval=cfg.eval,
         ),
         "trainer": TrainerProcessConfig(
             run=paths,
@@ -125,6 +129,7 @@ def component_configs(
             max_steps=cfg.max_steps,
             max_off_policy_steps=cfg.max_off_policy_steps,
             weight_broadcast=cfg.weight_broadcast,
+            eval=cfg.eval,
         ),
     }
 

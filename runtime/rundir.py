@@ -23,6 +23,7 @@ RUN_ENTRIES = (
     "weights",
     "rollouts",
     "checkpoints",
+    "evals",
     "logs",
     "metrics.jsonl",
     "mlflow.db",

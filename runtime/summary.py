@@ -15,12 +15,12 @@ def summarize(fs, root: str, output_dir: str, wall_s: float) -> dict:
     for step in committed_rollout_steps(fs, root):
         manifest = read_manifest(fs, step_path(root, step))
         hist.update({staleness(step, int(v)): n for v, n in manifest["versions"].items()})
-    rewards = [r["reward_mean"] for r in rows]
+    rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]  # not in version 0's eval-only row
     kls = [r["mismatch_kl"] for r in rows if r.get("mismatch_kl") is not None]
     k = min(5, len(rewards))
     return {
         "output_dir": output_dir,
-        "steps": len(rows),
+        "steps": len(rewards),
         "wall_s": round(wall_s, 1),
         "reward_first5": sum(rewards[:k]) / k if k else None,
         "reward_last5": sum(rewards[-k:]) / k if k else None,

@@ -143,7 +143,7 @@ def write_summary(fs: fsspec.AbstractFileSystem, directory: str, summary: dict) 
 
 def claim(fs: fsspec.AbstractFileSystem, directory: str, spec: dict, overwrite: bool = False) -> str:
     """Start or continue the evaluation in `directory`: 'new', 'resumed' (same spec, chunks kept) or 'done'
-    (its summary exists). Another spec there is refused unless `overwrite`, which removes the old results."""
+    (its summary exists). Another spec there is refused unless `overwrite`, which removes those results first."""
     old = read_spec(fs, directory)
     if old is not None and old != spec and not overwrite:
         changed = sorted(k for k in set(old) | set(spec) if old.get(k) != spec.get(k))
@@ -151,7 +151,7 @@ def claim(fs: fsspec.AbstractFileSystem, directory: str, spec: dict, overwrite: 
             f"{directory} holds an evaluation with other settings ({', '.join(changed)} differ); "
             "choose another eval.name, or pass --overwrite to replace it"
         )
-    if old is not None and (old != spec or overwrite):
+    if old is not None and old != spec:
         remove(fs, directory)
         old = None
     if old is None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from config.envs import EnvSpec
 from config.eval import EvalConfig
 from config.run import RunConfig
 from engines.environments.base import Environment, HeldOut, has_held_out
@@ -70,9 +71,12 @@ def make_spec(ecfg: EvalConfig, envs: list[str], seed: int, max_new_tokens: int,
 
 def spec_for(cfg: RunConfig, target: dict) -> dict:
     """The spec of evaluating `target` with a run config's `[eval]` settings and environments."""
-    e = cfg.eval
-    names = e.envs or [s.label for s in cfg.envs]
-    return make_spec(e, names, cfg.seed, e.max_new_tokens or cfg.orchestrator.max_new_tokens, target)
+    return spec_for_envs(cfg.eval, cfg.envs, cfg.seed, cfg.orchestrator.max_new_tokens, target)
+
+
+def spec_for_envs(e: EvalConfig, envs: list[EnvSpec], seed: int, max_new_tokens: int, target: dict) -> dict:
+    names = e.envs or [s.label for s in envs]
+    return make_spec(e, names, seed, e.max_new_tokens or max_new_tokens, target)
 
 
 @dataclass(frozen=True)
