@@ -158,8 +158,24 @@ def inspect(output_dir: str) -> dict[str, Any]:
         "staleness_histogram": dict(sorted(staleness.items())),
         "weights": _weights_summary(fs, root, errors),
         "checkpoints": checkpoints.checkpoint_steps(fs, root),
+        "evals": _evals(fs, root, errors),
         "errors": errors,
     }
+
+
+def _evals(fs, root: str, errors: list[dict]) -> dict[str, dict | None]:
+    """Each evaluation's summary (None: unfinished), its committed shards checked against their manifests."""
+    from storage import evals
+    from storage.fs import CorruptError, join
+
+    found = evals.list_evals(fs, root)
+    for name in found:
+        directory = join(evals.evals_root(root), name)
+        try:
+            evals.read_samples(fs, directory)
+        except CorruptError as exc:
+            errors.append({"path": directory, "error": str(exc)})
+    return found
 
 
 def _fmt(v: Any) -> str:
@@ -204,6 +220,8 @@ def render(report: dict[str, Any]) -> str:
     enc = ", ".join(f"{k} {n}" for k, n in sorted(w["encodings"].items()))
     lines += ["", f"weight publications: {len(w['versions'])} ({enc or 'none'}){ratio}"]
     lines.append(f"checkpoints: {report['checkpoints'] or 'none'}")
+    for name, summary in report.get("evals", {}).items():
+        lines += ["", render_eval(name, summary)]
     if "verified_files" in report:
         lines.append(f"verified weight and checkpoint files: {report['verified_files']}")
     if report["errors"]:
