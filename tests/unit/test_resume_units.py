@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from config.eval import EvalConfig
 from config.loader import stored_with_sources
 from config.process import component_configs
 from config.resume import resume_changes
@@ -191,7 +192,12 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
     # router's configured one, and reads `normalize_advantages` as the grpo estimator it always was; env entries
     # got `advantage`), and the vLLM servers are started with the same commands
     slices = component_configs(cfg, stored_config(str(out))["run_id"], "http://127.0.0.1:0")
-    added = {"orchestrator": {"session_header": "X-Session-ID"}}
+    no_eval = {"eval": EvalConfig().model_dump(mode="json")}  # [eval] came later: its defaults, interval 0
+    added = {
+        "orchestrator": {"session_header": "X-Session-ID", **no_eval},
+        "trainer": no_eval,
+        "inference": {"serve_version": None, "pretrained": False},  # set by rollflow eval only
+    }
     for name, sub in slices.items():
         stored = _stored(f"{name}.json", out)
         for env in stored.get("envs", []):
