@@ -41,8 +41,8 @@ def _current_envs(config: dict) -> dict:
 def _current_keys(config: dict) -> dict:
     """The seed's spellings as the keys stored now (`deployment.num_infer_replicas`, which earlier versions
     stored beside `inference.num_infer_replicas`; `orchestrator.normalize_advantages`, now
-    `orchestrator.advantage`; `trainer.loss` without a `type`, now `masked_is`; no `[eval]`), with the keys added since at
-    their defaults, so the same setting compares equal."""
+    `orchestrator.advantage`; `trainer.loss` without a `type`, now `masked_is`; no `[eval]`), with the keys
+    added since at their defaults, so the same setting compares equal."""
     try:
         config = {"eval": {}, **resolve_seed_keys(config)}  # runs stored before [eval] existed: its defaults
         for name, model in (("orchestrator", OrchestratorConfig), ("trainer", TrainerConfig), ("eval", EvalConfig)):

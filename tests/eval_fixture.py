@@ -1,5 +1,6 @@
-"""A small real run directory for the evaluation tests: config/run.json, state.json and policy version 0 from a
-short warm-up of the tiny profile's model (the real `engines.trainer` process, `config/sft.json`)."""
+"""A small real run directory for the evaluation tests: config/run.json, state.json and policy version 0 of the
+tiny profile's model, freshly initialized (seeded) or from a short warm-up (the real `engines.trainer` process,
+`config/sft.json`)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,23 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "profiles" / "tiny-cpu.toml"
 
 
-def make_run(out: Path, sft_steps: int = 60) -> Path:
-    """A run in `out` whose weights/step=000000 is the warm-up's result after `sft_steps` steps."""
+def make_run(out: Path, sft_steps: int = 0) -> Path:
+    """A run in `out` whose weights/step=000000 is the warm-up's result after `sft_steps` steps (0: the model as
+    initialized from seed 0, published in this process)."""
     cfg = load_run_config([TINY], [("output_dir", str(out)), ("sft.steps", str(sft_steps))])
     urls = write_configs(cfg, "evaltest", "http://127.0.0.1:0")
     fs, root = get_fs(str(out))
     write_state(fs, root, RunState("evaltest", None, status="finished"))
+    if sft_steps == 0:
+        import torch
+
+        from engines.models import modeldir
+        from storage import weights
+
+        torch.manual_seed(0)
+        loaded = modeldir.load(cfg.model, pretrained=False)
+        weights.publish(fs, root, 0, loaded.model.publishable_state_dict(), loaded.publication_files())
+        return out
     env = {**os.environ, "PYTHONPATH": str(ROOT), CONFIG_STORAGE_ENV: cfg.storage.model_dump_json()}
     proc = subprocess.run(
         [sys.executable, "-m", "engines.trainer", "--config", urls["sft"]], env=env, capture_output=True, text=True

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from config.process import OrchestratorProcessConfig
 from engines.environments.base import Environment
@@ -55,13 +56,13 @@ class OnlineEval:
         status = await asyncio.to_thread(evals.claim, self.fs, directory, spec, True)
         if status == "done":
             return
-        served = self.sync.engine_version
+        served, t0 = self.sync.engine_version, time.perf_counter()
         summary = await Evaluator(
             self.client, self.limit, self.tok, self.envs, spec, self.fs, directory, self.cfg.session_header
         ).run()
         log.info(
             f"eval of version {version} (engine served {served}, samples from {summary['policy_versions']}): "
-            f"reward {summary['reward_mean']:.3f}"
+            f"reward {summary['reward_mean']:.3f}, {time.perf_counter() - t0:.2f}s"
         )
 
     async def finish(self) -> None:

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 TASKS, N = 6, 2
 SETTINGS = ("--eval.num-tasks", str(TASKS), "--eval.n", str(N), "--eval.temperature", "1.0", "--eval.k", "[1, 2]",
-            "--eval.correct-threshold", "0.5", "--eval.block-tasks", "2")  # fmt: skip
+            "--eval.correct-threshold", "0.2", "--eval.block-tasks", "2")  # fmt: skip
 
 
 def _argv(run: Path, *extra: str) -> list[str]:
@@ -41,7 +41,7 @@ def test_rollflow_eval_of_a_runs_step(tmp_path, prefect_api):
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client
 
-    run = make_run(tmp_path / "run", sft_steps=10)
+    run = make_run(tmp_path / "run")
     proc = subprocess.run(
         cli_argv(*_argv(run)), cwd=tmp_path, env=cli_env(prefect_api),
         capture_output=True, text=True, timeout=300,
@@ -56,7 +56,7 @@ def test_rollflow_eval_of_a_runs_step(tmp_path, prefect_api):
     assert len(rows) == 2 * TASKS * N and summary["samples"] == len(rows)
     assert {r["policy_version"] for r in rows} == {0} and summary["policy_versions"] == [0]
     assert all(r["seed"] == task_seed(0, r["env"], r["task_index"]) for r in rows)
-    assert all(r["correct"] == (r["reward"] >= 0.5) and len(r["completion_ids"]) <= 12 for r in rows)
+    assert all(r["correct"] == (r["reward"] >= 0.2) and len(r["completion_ids"]) <= 12 for r in rows)
     for env, m in summary["envs"].items():
         mine = [r for r in rows if r["env"] == env]
         assert m["tasks"] == TASKS and m["reward_mean"] == pytest.approx(sum(r["reward"] for r in mine) / len(mine))
@@ -83,7 +83,7 @@ def _wait_for_chunks(directory: Path, proc: subprocess.Popen, at_least: int, tim
 
 @pytest.mark.long
 def test_a_killed_evaluation_resumes_to_the_uninterrupted_result(tmp_path, prefect_api):
-    run = make_run(tmp_path / "run", sft_steps=10)
+    run = make_run(tmp_path / "run")
     slow = ("--eval.requests-in-flight", "1", "--eval.num-tasks", "12")  # 12 chunks, one request at a time
     full = subprocess.run(
         cli_argv(*_argv(run, *slow, "--eval.name", "full")), cwd=tmp_path,
