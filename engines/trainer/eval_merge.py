@@ -33,7 +33,7 @@ class EvalMerger:
         """Merge every finished evaluation of a version <= `upto` not merged yet."""
         if self.ecfg.interval <= 0:
             return
-        for version in evals.online_versions(self.fs, self.root):
+        for version in evals.online_versions(self.fs, self.root, finished=False):
             if version > upto or self.merged(version):
                 continue
             summary = evals.read_summary(self.fs, evals.online_dir(self.root, version))
