@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from config.base import Strict
 from config.envs import EnvSpec
+from config.eval import EvalConfig
 from config.inference import InferenceConfig
 from config.model import ModelConfig
 from config.orchestrator import OrchestratorConfig
@@ -41,6 +42,10 @@ class InferenceProcessConfig(Strict):
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
     # "teacher": serve model.path's own weights as version 0 and refuse updates (on-policy distillation)
     role: Literal["policy", "teacher"] = "policy"
+    # What the engine serves at start (rollflow eval): publication `serve_version` of run.output_dir (None: the
+    # newest), or with `pretrained` model.path's own weights as version 0 (nothing under run.output_dir is read).
+    serve_version: int | None = Field(None, ge=0)
+    pretrained: bool = False
 
 
 class OrchestratorProcessConfig(Strict):
@@ -56,6 +61,7 @@ class OrchestratorProcessConfig(Strict):
     max_off_policy_steps: int
     teacher: TeacherConfig = TeacherConfig()  # with a path: score every completion token there (teacher_url)
     teacher_url: str | None = None
+    eval: EvalConfig = EvalConfig()  # eval.interval > 0: evaluate the served policy on held-out tasks as it trains
 
 
 class TrainerProcessConfig(Strict):
@@ -70,6 +76,7 @@ class TrainerProcessConfig(Strict):
     max_steps: int
     max_off_policy_steps: int
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
+    eval: EvalConfig = EvalConfig()  # eval.interval > 0: merge the online evaluations into metrics.jsonl
     mode: Literal["rl"] = "rl"
 
 
@@ -131,6 +138,7 @@ def component_configs(
             max_off_policy_steps=cfg.max_off_policy_steps,
             teacher=cfg.teacher,
             teacher_url=None if teacher is None else teacher_url(cfg),
+            eval=cfg.eval,
         ),
         "trainer": TrainerProcessConfig(
             run=paths,
@@ -144,6 +152,7 @@ def component_configs(
             max_steps=cfg.max_steps,
             max_off_policy_steps=cfg.max_off_policy_steps,
             weight_broadcast=cfg.weight_broadcast,
+            eval=cfg.eval,
         ),
     }
     return slices | ({"teacher": teacher} if teacher is not None else {})
@@ -160,7 +169,9 @@ def teacher_config(cfg: RunConfig, paths: ComponentPaths) -> InferenceProcessCon
     if t.path is None:
         return None
     model = ModelConfig(path=t.path, impl=t.impl, max_seq_len=cfg.model.max_seq_len + 1)
-    return InferenceProcessConfig(run=paths, model=model, inference=t.inference, seed=cfg.seed, role="teacher")
+    return InferenceProcessConfig(
+        run=paths, model=model, inference=t.inference, seed=cfg.seed, role="teacher", pretrained=True
+    )
 
 
 def sft_run_config(

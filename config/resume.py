@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from config.envs import STRING_TASK_DEFAULTS, EnvSpec
+from config.eval import EvalConfig
 from config.orchestrator import OrchestratorConfig
 from config.registry import STRING_TASKS
 from config.run import resolve_seed_keys
@@ -42,11 +43,16 @@ def _current_envs(config: dict) -> dict:
 def _current_keys(config: dict) -> dict:
     """The seed's spellings as the keys stored now (`deployment.num_infer_replicas`, which earlier versions
     stored beside `inference.num_infer_replicas`; `orchestrator.normalize_advantages`, now
-    `orchestrator.advantage`; `trainer.loss` without a `type`, now `masked_is`), with the keys added since at
-    their defaults, so the same setting compares equal."""
+    `orchestrator.advantage`; `trainer.loss` without a `type`, now `masked_is`; no `[eval]`), with the keys
+    added since at their defaults, so the same setting compares equal."""
     try:
-        config = resolve_seed_keys(config)
-        for name, model in (("orchestrator", OrchestratorConfig), ("trainer", TrainerConfig), ("sft", SFTConfig)):
+        config = {"eval": {}, **resolve_seed_keys(config)}  # runs stored before [eval] existed: its defaults
+        for name, model in (
+            ("orchestrator", OrchestratorConfig),
+            ("trainer", TrainerConfig),
+            ("sft", SFTConfig),
+            ("eval", EvalConfig),
+        ):
             if isinstance(config.get(name), dict):
                 config = {**config, name: model.model_validate(config[name]).model_dump(mode="json")}
         return {"teacher": TeacherConfig().model_dump(mode="json"), **config}

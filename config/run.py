@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_valid
 
 from config.base import Strict
 from config.envs import EnvSpec
+from config.eval import EvalConfig
 from config.inference import InferenceConfig
 from config.model import ModelConfig
 from config.orchestrator import OrchestratorConfig
@@ -74,6 +75,7 @@ class RunConfig(Strict):
         default_factory=SlurmPlacementConfig, alias="deployment", description="where components run on Slurm"
     )
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()  # trainer -> engine transport
+    eval: EvalConfig = EvalConfig()  # held-out evaluation: `rollflow eval`, and during RL with eval.interval > 0
     teacher: TeacherConfig = TeacherConfig()  # on-policy distillation (config/teacher.py); off without a path
 
     @model_validator(mode="after")
@@ -140,6 +142,14 @@ class RunConfig(Strict):
                 f"envs: name {', '.join(map(repr, twice))} is used by more than one [[envs]] entry; the lake and "
                 "the reward tell environments apart by name: give each entry its own `name`"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _eval_envs_configured(self) -> RunConfig:
+        labels = [e.label for e in self.envs]
+        unknown = [n for n in self.eval.envs or [] if n not in labels]
+        if unknown:
+            raise ValueError(f"eval.envs names {unknown}, which no [[envs]] entry is; valid: {labels}")
         return self
 
     @model_validator(mode="after")

@@ -7,6 +7,7 @@ so `--help`, validation and `--dry-run` are instant.
     rollflow resume OUTPUT_DIR [--KEY VALUE ...]
     rollflow submit @ profiles/x.toml [--KEY VALUE ...] [--overwrite | --resume]   (rollflow/submit.py)
     rollflow lake OUTPUT_DIR [--json] [--export FILE ...] [--plot DIR] [--verify]   (rollflow/lake.py)
+    rollflow eval @ profile.toml [--model PATH | --run OUTPUT_DIR --step N] [--KEY VALUE ...]   (rollflow/evalcmd.py)
     rollflow models fetch NAME [--force] | rollflow models check NAME | rollflow models list   (docs/models.md)
 """
 
@@ -17,9 +18,11 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 from config.loader import ConfigError, load_with_sources, stored_with_sources
 from config.run import RunConfig
+from rollflow.evalcmd import EVAL_USAGE
 
 USAGE = """rollflow rl [@ PROFILE.toml ...] [--KEY VALUE ...] [--dry-run] [--overwrite | --resume]
 
@@ -109,6 +112,10 @@ def check_loaded(cfg: RunConfig, env_sources: list[str]) -> None:
     check_backend(cfg)
     check_loss(cfg)
     check_teacher(cfg)
+    if cfg.eval.interval > 0:  # the orchestrator evaluates during the run: the same checks as `rollflow eval`
+        from rollflow.evalcmd import check_eval
+
+        check_eval(cfg, env_sources, "tag" if cfg.model.path is None else "instruct")
 
 
 def check_teacher(cfg: RunConfig) -> None:
@@ -242,6 +249,24 @@ def _run_flow(cfg: RunConfig, flags: set[str], kind: str) -> dict:
     return run(config=cfg.model_dump(mode="json"), overwrite="overwrite" in flags, resume="resume" in flags)
 
 
+def with_prefect_api(run: Callable[[], dict]) -> dict:
+    """`run()` (which starts a flow) against PREFECT_API_URL, or a temporary local Prefect API without it."""
+    if os.environ.get("PREFECT_API_URL"):
+        return run()
+    from runtime.local_api import local_prefect_api
+
+    with local_prefect_api() as url:
+        os.environ["PREFECT_API_URL"] = url
+        try:
+            return run()
+        finally:
+            # Send the queued flow logs while the API still runs, whether the run succeeded or not:
+            # at exit Prefect would retry them against the stopped server for about 70 s.
+            from prefect.logging.handlers import APILogHandler
+
+            APILogHandler().flush()
+
+
 def _launch(cfg: RunConfig, flags: set[str], kind: str = "rl") -> int:
     from config.redact import redact_url
 
@@ -249,21 +274,7 @@ def _launch(cfg: RunConfig, flags: set[str], kind: str = "rl") -> int:
     if uri and redact_url(uri) != uri:  # credentials travel by environment, not as (stored) flow parameters
         os.environ["MLFLOW_TRACKING_URI"] = uri
         cfg.tracking.tracking_uri = None
-    if os.environ.get("PREFECT_API_URL"):
-        summary = _run_flow(cfg, flags, kind)
-    else:
-        from runtime.local_api import local_prefect_api
-
-        with local_prefect_api() as url:
-            os.environ["PREFECT_API_URL"] = url
-            try:
-                summary = _run_flow(cfg, flags, kind)
-            finally:
-                # Send the queued flow logs while the API still runs, whether the run succeeded or not:
-                # at exit Prefect would retry them against the stopped server for about 70 s.
-                from prefect.logging.handlers import APILogHandler
-
-                APILogHandler().flush()
+    summary = with_prefect_api(lambda: _run_flow(cfg, flags, kind))
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -395,6 +406,12 @@ def cmd_models(tokens: list[str]) -> int:
     return 0
 
 
+def cmd_eval(tokens: list[str]) -> int:
+    from rollflow.evalcmd import cmd_eval as eval_main
+
+    return eval_main(tokens)
+
+
 def cmd_lake(tokens: list[str]) -> int:
     from rollflow.lake import main as lake_main
 
@@ -412,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         "lake": (cmd_lake, LAKE_USAGE),
         "models": (cmd_models, MODELS_USAGE),
         "submit": (cmd_submit, SUBMIT_USAGE),
+        "eval": (cmd_eval, EVAL_USAGE),
     }
     sub.add_parser("rl", help="run RL from profiles and overrides", usage=USAGE, add_help=False)
     sub.add_parser("sft", help="supervised fine-tuning on a dataset, as a run", usage=SFT_USAGE, add_help=False)
@@ -419,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("lake", help="inspect a run's rollouts, weights and checkpoints", usage=LAKE_USAGE)
     sub.add_parser("models", help="fetch a pretrained model into the local cache", usage=MODELS_USAGE)
     sub.add_parser("submit", help="submit the run as one Slurm job (no Prefect server needed)", usage=SUBMIT_USAGE)
+    sub.add_parser("eval", help="evaluate a model or a run's policy on held-out tasks", usage=EVAL_USAGE)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0

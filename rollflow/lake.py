@@ -47,8 +47,9 @@ def main(argv: list[str]) -> int:
     from storage.fs import CorruptError, get_fs
 
     fs, root = get_fs(args.output_dir)
-    if not fs.exists(f"{root}/rollouts") and not fs.exists(f"{root}/weights"):
-        print(f"rollflow lake: {args.output_dir} holds no rollouts/ or weights/; not a rollflow run", file=sys.stderr)
+    if not any(fs.exists(f"{root}/{d}") for d in ("rollouts", "weights", "evals")):
+        what = "holds no rollouts/, weights/ or evals/; not a rollflow run"
+        print(f"rollflow lake: {args.output_dir} {what}", file=sys.stderr)
         return EXIT_USAGE
     if args.export:
         try:

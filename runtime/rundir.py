@@ -25,6 +25,7 @@ RUN_ENTRIES = (
     "weights",
     "rollouts",
     "checkpoints",
+    "evals",
     "logs",
     "metrics.jsonl",
     SFT_DATA_FILE,

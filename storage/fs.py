@@ -383,8 +383,8 @@ def read_verified(fs: fsspec.AbstractFileSystem, directory: str, name: str, mani
     return data
 
 
-def committed_steps(fs: fsspec.AbstractFileSystem, parent: str, sub: str = "") -> list[int]:
-    """Steps `N` for which `parent/step=N/<sub>` is committed, ascending.
+def committed_steps(fs: fsspec.AbstractFileSystem, parent: str, sub: str = "", key: str = "step") -> list[int]:
+    """Steps `N` for which `parent/<key>=N/<sub>` is committed, ascending.
 
     One recursive listing (a single paged LIST on an object store) instead of a request per step."""
     fs.invalidate_cache(parent)
@@ -400,7 +400,7 @@ def committed_steps(fs: fsspec.AbstractFileSystem, parent: str, sub: str = "") -
     for path in paths:
         rel = path[len(prefix) :] if path.startswith(prefix) else ""
         head, _, rest = rel.partition("/")
-        if head.startswith("step=") and rest == want:
+        if head.startswith(f"{key}=") and head[len(key) + 1 :].isdigit() and rest == want:
             steps.add(int(head.split("=", 1)[1]))
     return sorted(steps)
 

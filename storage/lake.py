@@ -174,8 +174,24 @@ def inspect(output_dir: str) -> dict[str, Any]:
         "weights": _weights_summary(fs, root, errors),
         "checkpoints": checkpoints.checkpoint_steps(fs, root),
         "eval": _eval_curves(fs, root, errors),
+        "evals": _evals(fs, root, errors),
         "errors": errors,
     }
+
+
+def _evals(fs, root: str, errors: list[dict]) -> dict[str, dict | None]:
+    """Each evaluation's summary (None: unfinished), its committed shards checked against their manifests."""
+    from storage import evals
+    from storage.fs import CorruptError, join
+
+    found = evals.list_evals(fs, root)
+    for name in found:
+        directory = join(evals.evals_root(root), name)
+        try:
+            evals.read_samples(fs, directory)
+        except CorruptError as exc:
+            errors.append({"path": directory, "error": str(exc)})
+    return found
 
 
 def _fmt(v: Any) -> str:
@@ -222,6 +238,8 @@ def render(report: dict[str, Any]) -> str:
     lines.append(f"checkpoints: {report['checkpoints'] or 'none'}")
     if report["eval"]:
         lines += ["", "held-out evaluation (metrics.jsonl) by step:", _eval_table(report["eval"])]
+    for name, summary in report.get("evals", {}).items():
+        lines += ["", render_eval(name, summary)]
     if "verified_files" in report:
         lines.append(f"verified weight and checkpoint files: {report['verified_files']}")
     if report["errors"]:
@@ -236,6 +254,16 @@ def _eval_table(curves: dict[str, list]) -> str:
         for step, v in curve:
             by_step[step][key] = v
     return _table(["step", *curves], [[s, *(by_step[s].get(k) for k in curves)] for s in sorted(by_step)])
+
+
+def render_eval(name: str, summary: dict | None) -> str:
+    """One evaluation's summary as a text table (unfinished: a line saying so)."""
+    from storage.evals import table_rows
+
+    if summary is None:
+        return f"eval {name}: unfinished (no summary; rerun the same command to continue it)"
+    header, rows = table_rows(summary)
+    return f"eval {name} (policy versions {summary['policy_versions']}):\n" + _table(header, rows)
 
 
 def parse_steps(text: str) -> tuple[int | None, int | None]:

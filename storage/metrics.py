@@ -93,3 +93,8 @@ def eval_curve_keys(rows: list[dict]) -> list[str]:
     """The held-out evaluation keys present: `eval/reward_mean` first, then per environment, sorted."""
     keys = {k for r in rows for k, v in r.items() if _EVAL_CURVE.fullmatch(k) and is_number(v)}
     return sorted(keys, key=lambda k: (k != f"{EVAL_PREFIX}reward_mean", k))
+
+
+def mlflow_name(key: str) -> str:
+    """A metrics.jsonl key as an MLflow metric name: MLflow refuses '@' (pass@k is logged as pass_at_k)."""
+    return key.replace("@", "_at_")

@@ -5,6 +5,8 @@ a corrupt one is reported by path and the previous one is tried. Rolling back to
 - weight publications newer than C are removed (the resumed trainer publishes them again, so the
   engine never serves a policy from the abandoned line);
 - metrics rows after C are removed (the trainer records those steps again: each appears once);
+- evaluations during RL (evals/online/version=V) of versions after C are removed (redone when the new V is
+  served), unfinished ones of versions before C too (that policy is never served again), V = C is continued;
 - directories without a manifest (a write cut short by the failure) are removed everywhere;
 - committed rollout steps are all kept: they are valid samples within the staleness bound, and
   throwing them away is what loses buffered rollouts in other frameworks.
@@ -19,7 +21,7 @@ from collections.abc import Callable
 
 import fsspec
 
-from storage import checkpoints, rollouts, weights
+from storage import checkpoints, evals, rollouts, weights
 from storage.fs import MANIFEST, CorruptError, join, remove_committed, step_dirs
 from storage.metrics import MetricsLog
 
@@ -58,6 +60,13 @@ def rollback(fs: fsspec.AbstractFileSystem, root: str, step: int | None) -> list
         if not _has_manifest(fs, directory, checkpoints.TRAINER):
             fs.rm(directory, recursive=True)
             removed.append(directory)
+    for version in evals.online_versions(fs, root, finished=False):
+        # past the checkpoint: the policy is trained again, so is its eval; before it, unfinished: that policy is
+        # not served again (discarded); at it: continued
+        finished = evals.read_summary(fs, evals.online_dir(root, version)) is not None
+        if version > keep_up_to or (version < keep_up_to and not finished):
+            evals.remove(fs, evals.online_dir(root, version))
+            removed.append(evals.online_dir(root, version))
     metrics = MetricsLog(fs, root)
     if any(s > keep_up_to for s in metrics.rows):
         metrics.truncate_after(keep_up_to)

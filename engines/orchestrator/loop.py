@@ -39,6 +39,7 @@ from engines.environments.episodes import GroupEnvironment, MultiTurnEnvironment
 from engines.models import modeldir
 from engines.orchestrator.estimators import StepEstimators
 from engines.orchestrator.multiturn import EpisodeGroup, post_completion, truncation
+from engines.orchestrator.online_eval import OnlineEval
 from engines.orchestrator.overlong import shaped_rewards
 from engines.orchestrator.teacher import Teacher, check_tokenizer
 from engines.protocol import (
@@ -256,12 +257,17 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
         sync.start()
         tea = await start_teacher(cfg)
         orch = Orchestrator(cfg, client, sync, tea)
+        online = OnlineEval(cfg, client, orch.limit, orch.tok, orch.mix.envs, sync, fs, root)
+        online.start()  # eval.interval > 0: held-out evaluations alongside the rollouts (online_eval.py)
         try:
             for step in orch.pending_steps():
                 if sync.follower.done():
                     sync.follower.result()  # surfaces the follower's error
+                online.check()
                 await orch.run_step(step)
+            await online.finish()
         finally:
+            online.cancel()
             sync.follower.cancel()
             for env in orch.mix.envs.values():
                 if hasattr(env, "close"):

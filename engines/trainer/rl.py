@@ -22,6 +22,7 @@ from engines.models.decoder import CausalLM
 from engines.trainer import checkpoint, context_parallel, distributed, parallel
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
 from engines.trainer.common import Scored, log, routing_for, scored_tokens, seed_everything
+from engines.trainer.eval_merge import EvalMerger
 from engines.trainer.losses.objective import MAX_STATS, Objective, StepCounts, step_metrics, token_scores
 from engines.trainer.mismatch import Mismatch, PolicyHistory
 from engines.trainer.tracking import Tracker
@@ -108,6 +109,7 @@ class RLTrainer:
         # the flow's URI: trainer.json holds it redacted, MLFLOW_TRACKING_URI in full (config/tracking.py)
         uri = resolve_tracking_uri(cfg.tracking.tracking_uri, cfg.run.output_dir) if cfg.mlflow_run_id else None
         self.tracker = Tracker(self.fs, self.root, uri, cfg.mlflow_run_id)
+        self.evals = EvalMerger(self.fs, self.root, self.tracker, cfg.eval)  # eval.interval > 0 only
         self.sender = None
         if cfg.weight_broadcast.type == "collective" and self.dist.is_main:  # rank 0 holds the gathered weights
             from engines.weight_transport import Sender
@@ -337,6 +339,7 @@ class RLTrainer:
             row = self.step(step)
             if self.dist.is_main:
                 self._report(step, row)
+                self.evals.merge(step)
             # every rank must checkpoint at the same step: SIGUSR1 may reach them a step apart
             nudged = distributed.all_reduce([float(CHECKPOINT_NOW.is_set())], self.dist, "max")[0]
             if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.max_steps or nudged:
@@ -345,6 +348,8 @@ class RLTrainer:
                 if self.dist.is_main:
                     log.info(f"checkpoint written: {written}")
                     retention.enforce(self.fs, self.root, bases=self.publisher.bases)
+        if self.dist.is_main:
+            self.evals.wait_final(self.cfg.max_steps)
         distributed.shutdown(self.dist)
 
     def _report(self, step: int, row: dict) -> None:

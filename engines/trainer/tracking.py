@@ -6,7 +6,7 @@ import logging
 import math
 import time
 
-from storage.metrics import MetricsLog
+from storage.metrics import MetricsLog, mlflow_name
 
 log = logging.getLogger("rollflow.trainer")
 
@@ -26,14 +26,22 @@ class Tracker:
 
     def record(self, row: dict) -> None:
         self.metrics.record(row)
+        self._log(int(row["step"]), row)
+
+    def merge(self, step: int, values: dict) -> None:
+        """Add `values` to step's row (a row of its own when the step has none yet) and log only them."""
+        self.metrics.record({**self.metrics.rows.get(step, {"step": step}), **values})
+        self._log(step, values)
+
+    def _log(self, step: int, values: dict) -> None:
         if self.client is None or self.run_id is None:
             return
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        values = [
-            Metric(key, float(v), now, int(row["step"]))
-            for key, v in row.items()
+        metrics = [
+            Metric(mlflow_name(key), float(v), now, step)
+            for key, v in values.items()
             if isinstance(v, int | float) and key != "step" and math.isfinite(v)
         ]
-        self.client.log_batch(self.run_id, metrics=values)
+        self.client.log_batch(self.run_id, metrics=metrics)

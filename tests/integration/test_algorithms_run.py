@@ -50,7 +50,10 @@ def test_algorithm_settings_end_to_end(tmp_path, prefect_api):
         "--trainer.loss.zero-advantage", "filter",
         "--orchestrator.advantage.type", "rloo", "--orchestrator.overlong.buffer", "4",
         "--orchestrator.top-p", "0.9",
+        "--eval.interval", "2", "--eval.num-tasks", "4",
     )  # fmt: skip
+    check_online_evals(out, rows)
+    rows = [r for r in rows if "reward_mean" in r]  # version 0's eval has a row of its own
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["optimizer_steps"] == 4 for r in rows)  # 2 mini-batches x 2 epochs
     # the first optimizer step's ratio against the proximal policy is exactly 1; later ones move and get clipped
@@ -77,6 +80,25 @@ def test_algorithm_settings_end_to_end(tmp_path, prefect_api):
     assert all(p is not None and -1.0 <= p <= 0.0 for p in penalties)
     assert any(p < 0 for p in penalties), "a 5-step warm-up writes long completions: some must be penalised"
     assert all(-1.0 <= r["env/overlong_penalty"] <= 0.0 for r in rows)
+
+
+def check_online_evals(out: Path, rows: list[dict]) -> None:
+    """eval.interval = 2 over 3 steps: versions 0, 2 and the final 3, greedy on 4 held-out tasks per env, merged
+    into metrics.jsonl by the trainer (version 0 in a row of its own) from evals/online/version=V/."""
+    merged = {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")} for r in rows}
+    assert sorted(s for s, keys in merged.items() if keys) == [0, 2, 3]
+    keys = {"eval/reward_mean"} | {
+        f"eval/{e}/{m}" for e in ("reverse-text", "sort-letters") for m in ("reward_mean", "pass@1")
+    }
+    assert set(merged[0]) == keys and set(rows[0]) == keys | {"step"}
+    table = ds.dataset(out / "evals" / "online", format="ipc", partitioning="hive").to_table().to_pylist()
+    assert len(table) == 3 * 2 * 4 and not any((out / "rollouts").glob("**/version=*"))
+    for version in (0, 2, 3):
+        mine = [r for r in table if r["version"] == version]
+        assert len(mine) == 8 and all(r["policy_version"] >= version for r in mine)
+        summary = json.loads((out / "evals" / "online" / f"version={version:06d}" / "_summary.json").read_text())
+        assert merged[version] == summary["metrics"]
+        assert summary["reward_mean"] == pytest.approx(sum(r["reward"] for r in mine) / len(mine))
 
 
 @pytest.mark.long

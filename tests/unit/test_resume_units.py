@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from config.eval import EvalConfig
 from config.loader import stored_with_sources
 from config.process import component_configs
 from config.resume import resume_changes
@@ -194,9 +195,11 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
     # got `advantage`), and the vLLM servers are started with the same commands
     slices = component_configs(cfg, stored_config(str(out))["run_id"], "http://127.0.0.1:0")
     no_teacher = {"teacher": TeacherConfig().model_dump(mode="json"), "teacher_url": None}  # [teacher] is newer
+    no_eval = {"eval": EvalConfig().model_dump(mode="json")}  # [eval] came later: its defaults, interval 0
     added = {
-        "orchestrator": {"session_header": "X-Session-ID", **no_teacher},
-        "inference": {"role": "policy"},
+        "orchestrator": {"session_header": "X-Session-ID", **no_teacher, **no_eval},
+        "trainer": no_eval,
+        "inference": {"role": "policy", "serve_version": None, "pretrained": False},  # set by rollflow eval only
         "sft": {"sft_run": None},  # None: the RL warm-up
     }
     for name, sub in slices.items():

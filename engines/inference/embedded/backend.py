@@ -83,28 +83,20 @@ class EmbeddedBackend(Backend):
 
 
 def load_engine(cfg, output_root_url: str, storage):
-    """Build the model (engines/models/modeldir.py), load the newest committed weights, wrap them in an `Engine`."""
+    """Build the model (engines/models/modeldir.py), load the newest committed weights (or what `serve_version`
+    / `pretrained` name), wrap them in an `Engine`."""
     import torch
 
     from engines.inference.embedded.engine import Engine
     from engines.models import lora, modeldir
-    from storage import weights
 
     torch.set_num_threads(cfg.inference.num_threads)
-    if cfg.role == "teacher":  # the directory's own weights, served as version 0 for the whole run
-        loaded = modeldir.load(cfg.model, pretrained=True)
-        model, tokenizer, version = loaded.model, loaded.tokenizer, 0
-    else:
-        fs, root = storage.open(output_root_url)
-        latest = weights.load_latest(fs, root)
-        if latest is None:
-            raise SystemExit(
-                f"no committed weights under {weights.weights_root(output_root_url)}; run the warm-up first"
-            )
-        loaded = modeldir.load(cfg.model, pretrained=False)
-        model, tokenizer = loaded.model, loaded.tokenizer
+    loaded = modeldir.load(cfg.model, pretrained=cfg.pretrained)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    version = 0
+    if not cfg.pretrained:
         lora.attach_to(model, cfg.model.lora)  # adapter publications carry base + adapter tensors
-        version, state = latest
+        version, state = _publication(cfg, storage.open(output_root_url), output_root_url)
         model.load_published(state)
     # inference.dtype: the sampler may run in lower precision than the fp32 trainer (as vLLM serves bf16)
     model.to(getattr(torch, cfg.inference.dtype))
@@ -112,6 +104,23 @@ def load_engine(cfg, output_root_url: str, storage):
     routes = inf.enable_return_routed_experts
     engine = Engine(model, version, tokenizer.eos_id, tokenizer.pad_id, inf.max_batch_size, cfg.seed, routes)
     return engine, tokenizer
+
+
+def _publication(cfg, opened, output_root_url: str) -> tuple[int, dict]:
+    """(version, state dict) of publication `cfg.serve_version`, or of the newest one."""
+    from storage import weights
+    from storage.fs import is_committed
+
+    fs, root = opened
+    if cfg.serve_version is not None:
+        directory = weights.version_dir(root, cfg.serve_version)
+        if not is_committed(fs, directory):
+            raise SystemExit(f"no committed weights at {directory}")
+        return weights.read_version(fs, directory), weights.load(fs, directory)
+    latest = weights.load_latest(fs, root)
+    if latest is None:
+        raise SystemExit(f"no committed weights under {weights.weights_root(output_root_url)}; run the warm-up first")
+    return latest
 
 
 async def create(cfg) -> EmbeddedBackend:

@@ -242,19 +242,19 @@ async def create(cfg) -> VLLMBackend:
     python = processes.vllm_python(cfg.inference)
     fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
     cache = Path(tempfile.gettempdir()) / "rollflow-vllm" / cfg.run.run_id
-    if cfg.role == "teacher":  # the directory as it is, for the whole run
-        from engines.models.modeldir import resolve_dir
+    cache.mkdir(parents=True, exist_ok=True)
+    if cfg.pretrained:  # rollflow eval --model: the directory as it is, served as version 0
+        from engines.models.modeldir import resolve
 
-        assert cfg.model.path is not None  # a teacher always has its directory (config/process.py)
-        model_dir, version = resolve_dir(cfg.model.path), 0
+        model_dir, version = resolve(cfg.model).directory, 0
     else:
-        latest = weights.latest_version(fs, root)
+        latest = cfg.serve_version if cfg.serve_version is not None else weights.latest_version(fs, root)
         if latest is None:
             raise SystemExit(
                 f"no committed weights under {weights.weights_root(cfg.run.output_dir)}; run the warm-up first"
             )
-        cache.mkdir(parents=True, exist_ok=True)
-        model_dir, version = processes.materialize(fs, root, latest, cache), latest
+        version = latest
+        model_dir = processes.materialize(fs, root, version, cache)
     nodes = ["127.0.0.1"] * (vllm_launch.nodes_per_replica(cfg.inference) * cfg.inference.vllm.num_infer_replicas)
     name, max_len = served_name(cfg), cfg.model.max_seq_len
     replicas = vllm_launch.render(
