@@ -113,15 +113,7 @@ def component_configs(
     paths = ComponentPaths(output_dir=cfg.output_dir, run_id=run_id, storage=cfg.storage)
     teacher = teacher_config(cfg, paths)
     slices: dict[str, BaseModel] = {
-        "sft": SFTProcessConfig(
-            run=paths,
-            model=cfg.model,
-            envs=cfg.envs,
-            sft=cfg.sft,
-            num_threads=cfg.trainer.num_threads,
-            seed=cfg.seed,
-            parallel=warmup_parallel(cfg),
-        ),
+        "sft": sft_config(cfg, paths),
         "inference": InferenceProcessConfig(
             run=paths, model=cfg.model, inference=cfg.inference, seed=cfg.seed, weight_broadcast=cfg.weight_broadcast
         ),
@@ -182,6 +174,11 @@ def sft_run_config(
     settings = SFTRunSettings(
         checkpoint=cfg.checkpoint, tracking=cfg.tracking, mlflow_run_id=mlflow_run_id, resume_step=resume_step
     )
+    return sft_config(cfg, paths, settings)
+
+
+def sft_config(cfg: RunConfig, paths: ComponentPaths, sft_run: SFTRunSettings | None = None) -> SFTProcessConfig:
+    """The SFT trainer's slice: the RL warm-up's (`sft_run` None) or a `rollflow sft` run's."""
     return SFTProcessConfig(
         run=paths,
         model=cfg.model,
@@ -190,7 +187,7 @@ def sft_run_config(
         num_threads=cfg.trainer.num_threads,
         seed=cfg.seed,
         parallel=warmup_parallel(cfg),
-        sft_run=settings,
+        sft_run=sft_run,
     )
 
 
