@@ -23,7 +23,7 @@ from conftest import cli_argv, cli_env
 from config.model import ModelConfig
 from config.process import ComponentPaths, SFTProcessConfig
 from config.run import RunConfig
-from config.trainer import SFTConfig
+from config.sft import SFTConfig
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
