@@ -1,6 +1,7 @@
 """`rollflow eval`: what is evaluated (the target), the load-time checks, and the launch of the `eval` flow.
 
     rollflow eval @ PROFILE.toml [--model PATH | --run OUTPUT_DIR --step N] [--overwrite] [--KEY VALUE ...]
+    rollflow eval --compare BEFORE_DIR AFTER_DIR
 
 The profile gives the environments, `[eval]` settings, the inference backend and storage; the target is
 `--model`'s directory, publication N of `--run`'s run (its own stored model config), or the profile's model.
@@ -21,6 +22,7 @@ from config.run import RunConfig
 
 EVAL_USAGE = """rollflow eval [@ PROFILE.toml ...] [--model PATH | --run OUTPUT_DIR --step N] [--overwrite]
                      [--KEY VALUE ...]
+       rollflow eval --compare BEFORE_DIR AFTER_DIR
 
   Evaluate a model on the held-out split of the profile's environments (or eval.envs), with the profile's
   [eval] settings (eval.num_tasks, eval.n, eval.temperature, eval.k, ...; docs/evaluation.md) and inference
@@ -35,7 +37,11 @@ EVAL_USAGE = """rollflow eval [@ PROFILE.toml ...] [--model PATH | --run OUTPUT_
   Results: <eval.output_dir>/evals/<eval.name>/ (samples as Arrow shards, _summary.json). eval.output_dir
   defaults to DIR with --run, else to the profile's output_dir; eval.name defaults to step-NNNNNN with
   --run, else to the model directory's name. A killed evaluation continues where it stopped when the same
-  command runs again. MLflow: a run `eval-<name>` in the results' tracking store."""
+  command runs again. MLflow: a run `eval-<name>` in the results' tracking store.
+
+  --compare           the paired difference AFTER - BEFORE of two evaluations' results folders (evals/<name>)
+                      over the tasks both evaluated: per environment, the mean change of a task's reward with
+                      its 95% interval (JSON)."""
 
 TARGET_FLAGS = ("--model", "--run", "--step")
 
@@ -171,8 +177,37 @@ def _claim(cfg: RunConfig, target: EvalTarget, overwrite: bool) -> None:
         raise ConfigError(str(exc)) from None
 
 
+def compare(before: str, after: str) -> dict:
+    """The paired difference of two evaluations' per-task mean rewards (engines/orchestrator/eval_metrics.py)."""
+    from engines.orchestrator.eval_metrics import paired_difference, task_means
+    from storage import evals
+    from storage.fs import CorruptError, get_fs
+
+    means = []
+    for directory in (before, after):
+        fs, root = get_fs(directory)
+        try:
+            table = evals.read_samples(fs, root)
+        except (CorruptError, OSError) as exc:
+            raise ConfigError(f"cannot read the evaluation in {directory}: {exc}") from None
+        if table.num_rows == 0:
+            raise ConfigError(f"{directory} holds no committed evaluation samples (an evals/<name> folder?)")
+        cols = table.select(["env", "task_index", "reward"]).to_pydict()
+        means.append(task_means(zip(cols["env"], cols["task_index"], cols["reward"], strict=True)))
+    try:
+        return paired_difference(*means)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def cmd_eval(tokens: list[str]) -> int:
     from rollflow.cli import check_loaded, split_args, with_prefect_api
+
+    if tokens[:1] == ["--compare"]:
+        if len(tokens) != 3:
+            raise ConfigError("usage: rollflow eval --compare BEFORE_DIR AFTER_DIR (two evals/<name> folders)")
+        print(json.dumps(compare(tokens[1], tokens[2]), indent=1))
+        return 0
 
     picked, rest = take_target_flags(tokens)
     profiles, overrides, flags = split_args(rest)

@@ -81,3 +81,25 @@ def metric_keys(summary: dict, ks: Iterable[int]) -> dict[str, float]:
         out[f"eval/{env}/reward_mean"] = m["reward_mean"]
         out |= {f"eval/{env}/pass@{k}": m[f"pass@{k}"] for k in ks if f"pass@{k}" in m}
     return out
+
+
+def task_means(rows: Iterable[tuple[str, int, float]]) -> dict[tuple[str, int], float]:
+    """(env, task_index) -> the task's mean reward over its samples."""
+    sums: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for env, task, reward in rows:
+        sums[(env, task)].append(reward)
+    return {key: _mean(values) for key, values in sums.items()}
+
+
+def paired_difference(before: dict[tuple[str, int], float], after: dict[tuple[str, int], float]) -> dict:
+    """Per environment and over all: the mean of `after - before` over the tasks both evaluated, with its 95%
+    normal interval. Pairing by task removes the spread between tasks, so a change is told from noise with
+    fewer tasks than two separate intervals need."""
+    shared = sorted(set(before) & set(after))
+    if not shared:
+        raise ValueError("the two evaluations share no (env, task) pair: compare evaluations of the same tasks")
+    out: dict = {}
+    for env in [*sorted({e for e, _ in shared}), None]:
+        diffs = [after[k] - before[k] for k in shared if env is None or k[0] == env]
+        out[env or "all"] = {"tasks": len(diffs), "difference": _mean(diffs), "ci95": normal_ci(diffs)}
+    return out

@@ -64,3 +64,21 @@ def test_summary_per_env_and_flat_keys():
         "eval/b/pass@1": 1.0,
         "eval/b/pass@2": 1.0,
     }
+
+
+def test_paired_difference_is_the_mean_change_per_task_with_its_interval():
+    from engines.orchestrator.eval_metrics import paired_difference, task_means
+
+    before = task_means([("a", 0, 0.0), ("a", 0, 1.0), ("a", 1, 0.0), ("a", 2, 1.0), ("b", 0, 0.5)])
+    after = task_means([("a", 0, 1.0), ("a", 1, 1.0), ("a", 2, 1.0), ("a", 3, 1.0), ("b", 0, 0.25)])
+    out = paired_difference(before, after)
+    assert out["a"]["tasks"] == 3 and out["a"]["difference"] == pytest.approx((0.5 + 1.0 + 0.0) / 3, abs=1e-12)
+    diffs = [0.5, 1.0, 0.0]
+    mean, s = sum(diffs) / 3, (sum((d - 0.5) ** 2 for d in diffs) / 2) ** 0.5
+    assert out["a"]["ci95"] == pytest.approx(
+        (mean - 1.959963984540054 * s / 3**0.5, mean + 1.959963984540054 * s / 3**0.5)
+    )
+    assert out["b"] == {"tasks": 1, "difference": -0.25, "ci95": None}  # one task: no interval
+    assert out["all"]["tasks"] == 4 and out["all"]["difference"] == pytest.approx(1.25 / 4)
+    with pytest.raises(ValueError, match="share no"):
+        paired_difference(before, {("c", 0): 1.0})
