@@ -30,6 +30,11 @@ class TeacherConfig(Strict):
     reward_coef: float = Field(
         0.0, ge=0, description="weight of the sample's environment advantage (0: pure distillation)"
     )
+    center: bool = Field(
+        False,
+        description="subtract the step's mean teacher - sampler gap (-teacher_kl) from each token's: a baseline that "
+        "lowers the variance of the teacher term without changing its expected gradient",
+    )
     requests_in_flight: int = Field(16, gt=0, description="concurrent scoring requests to the teacher")
     timeout_s: float = Field(120.0, gt=0, description="bound on one scoring request (and the teacher's /health wait)")
 

@@ -41,14 +41,15 @@ def completion_scores(entries: list[dict[str, PromptLogprob] | None], ids: list[
     return out
 
 
-def mix(rows: list[RolloutRow], cfg: TeacherConfig) -> None:
-    """Each row's `token_advantages` from its teacher logprobs and its (environment) `advantage`."""
+def mix(rows: list[RolloutRow], cfg: TeacherConfig, baseline: float = 0.0) -> None:
+    """Each row's `token_advantages` from its teacher logprobs and its (environment) `advantage`; `baseline` is
+    subtracted from every token's teacher - sampler gap (teacher.center: the step's mean gap)."""
     for row in rows:
         if row.teacher_logprobs is None:
             continue
         mask = row.completion_mask or [1] * len(row.completion_ids)
         row.token_advantages = [
-            (cfg.kl_coef * (t - s) + cfg.reward_coef * row.advantage) if m else 0.0
+            (cfg.kl_coef * (t - s - baseline) + cfg.reward_coef * row.advantage) if m else 0.0
             for t, s, m in zip(row.teacher_logprobs, row.completion_logprobs, mask, strict=True)
         ]
 
@@ -95,8 +96,9 @@ class Teacher:
 
     def set_advantages(self, rows: list[RolloutRow]) -> float | None:
         """Mix every row's token advantages (after its environment advantage is set); returns the teacher KL."""
-        mix(rows, self.cfg)
-        return teacher_kl(rows)
+        kl = teacher_kl(rows)
+        mix(rows, self.cfg, -kl if self.cfg.center and kl is not None else 0.0)
+        return kl
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pytest
@@ -117,6 +118,26 @@ def test_the_advantage_mix():
     c.teacher_logprobs = [-0.5]
     teacher.mix([c], TeacherConfig(path="t"))
     assert c.token_advantages == [0.0]
+
+
+def test_centering_subtracts_the_steps_mean_gap_from_every_model_token():
+    a = _row(0, [22, 23, 2], [-0.5, -1.0, -0.25], 0.75)
+    b = _row(1, [22, 9, 23], [-0.5, -0.1, -2.0], -0.5, mask=[1, 0, 1])
+    a.teacher_logprobs, b.teacher_logprobs = [-0.25, -3.0, -0.25], [-1.5, -9.0, -1.0]
+    cfg = TeacherConfig(path="t", kl_coef=2.0, reward_coef=0.0, center=True)
+    kl = teacher.Teacher.set_advantages(SimpleNamespace(cfg=cfg), [a, b])  # type: ignore[arg-type]
+    assert kl == pytest.approx(0.35)
+    gaps = [0.25, -2.0, 0.0, -1.0, 1.0]  # teacher - sampler on the five model tokens; their mean is -0.35
+    centered = [2.0 * (g + 0.35) for g in gaps]
+    model = [
+        a.token_advantages[0],
+        a.token_advantages[1],
+        a.token_advantages[2],
+        b.token_advantages[0],
+        b.token_advantages[2],
+    ]
+    assert model == pytest.approx(centered, abs=1e-12) and sum(model) == pytest.approx(0.0, abs=1e-12)
+    assert b.token_advantages[1] == 0.0  # the environment's token stays out
 
 
 def test_lake_columns_check_lengths_and_older_shards_read_without_them():
