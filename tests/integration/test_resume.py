@@ -129,8 +129,9 @@ def _assert_nothing_lost_or_duplicated(out: Path, max_steps: int, snapshots: dic
     assert json.loads((out / "state.json").read_text())["status"] == "finished"
 
 
-# seed 1 in `make test`; 2 and 3 (other kill targets and times) in `make test-long`, for CI time
-@pytest.mark.parametrize("seed", [1, pytest.param(2, marks=pytest.mark.long), pytest.param(3, marks=pytest.mark.long)])
+# `make test-long` only (three seeds: other kill targets and times); `make test` keeps the exact kill-and-resume
+# comparison above and the killed-rank, MoE, LoRA and multi-turn resumes, for its 25-minute budget
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.long) for s in (1, 2, 3)])
 def test_sigkill_anything_then_resume_loses_and_duplicates_nothing(tmp_path, prefect_api, seed):
     """4 kills per seed. Kill points are trainer steps drawn at random (0: during start-up or the
     warm-up), each hit a random fraction of a step late, so kills land anywhere in a step: mid-generation,
