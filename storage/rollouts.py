@@ -8,7 +8,7 @@ reader goes through the manifest and verifies checksums. Columns are documented 
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, get_args, get_origin
 
 import fsspec
@@ -190,19 +190,25 @@ def metric_means(table: pa.Table) -> dict[str, float]:
     return {f"env/{name}": sum(v) / len(v) for name, v in sorted(sums.items())}
 
 
+def mean_teacher_gap(samples: Iterable[tuple[list[float], list[float] | None, list[int] | None]]) -> float | None:
+    """The mean of sampler logprob - teacher logprob over the model-sampled tokens of (completion_logprobs,
+    teacher_logprobs, completion_mask) triples (a None mask: every token); None without any such token."""
+    total, tokens = 0.0, 0
+    for sampler, teacher, mask in samples:
+        for k, (s, t) in enumerate(zip(sampler, teacher or [], strict=False)):
+            if mask is None or mask[k]:
+                total, tokens = total + s - t, tokens + 1
+    return total / tokens if tokens else None
+
+
 def teacher_kl(table: pa.Table) -> dict[str, float]:
     """The step's `teacher_kl`: the mean over model-sampled completion tokens of sampler logprob - teacher logprob
     (the reverse KL from the teacher, estimated on the student's own samples); {} without teacher logprobs."""
     if "teacher_logprobs" not in table.column_names or table.column("teacher_logprobs").null_count == table.num_rows:
         return {}
-    masks = table.column("completion_mask").to_pylist()
-    total, tokens = 0.0, 0
-    cols = (table.column("completion_logprobs").to_pylist(), table.column("teacher_logprobs").to_pylist(), masks)
-    for sampler, teacher, mask in zip(*cols, strict=True):
-        for k, (s, t) in enumerate(zip(sampler, teacher or [], strict=False)):
-            if mask is None or mask[k]:
-                total, tokens = total + s - t, tokens + 1
-    return {"teacher_kl": total / tokens} if tokens else {}
+    cols = ("completion_logprobs", "teacher_logprobs", "completion_mask")
+    gap = mean_teacher_gap(zip(*(table.column(c).to_pylist() for c in cols), strict=True))
+    return {} if gap is None else {"teacher_kl": gap}
 
 
 def check_routed_experts(table: pa.Table) -> None:

@@ -23,7 +23,7 @@ from config.model import ModelConfig
 from config.teacher import TeacherConfig
 from engines.models import modeldir
 from engines.protocol import CompletionRequest, CompletionResponse, PromptLogprob
-from storage.rollouts import RolloutRow
+from storage.rollouts import RolloutRow, mean_teacher_gap
 
 log = logging.getLogger("rollflow.orchestrator")
 
@@ -56,13 +56,7 @@ def mix(rows: list[RolloutRow], cfg: TeacherConfig, baseline: float = 0.0) -> No
 
 def teacher_kl(rows: list[RolloutRow]) -> float | None:
     """Mean sampler - teacher logprob over the rows' model tokens (what the trainer reports as teacher_kl)."""
-    gaps = []
-    for r in rows:
-        mask = r.completion_mask or [1] * len(r.completion_ids)
-        for s, t, m in zip(r.completion_logprobs, r.teacher_logprobs or [], mask, strict=False):
-            if m:
-                gaps.append(s - t)
-    return sum(gaps) / len(gaps) if gaps else None
+    return mean_teacher_gap((r.completion_logprobs, r.teacher_logprobs, r.completion_mask) for r in rows)
 
 
 class Teacher:
