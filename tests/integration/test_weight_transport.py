@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from config.model import ModelConfig
 from config.transport import TRANSPORT_SECRET_ENV, WeightBroadcastConfig
-from engines.weight_transport import Announce, Receiver, Sender, _mac, transport_key
+from engines.weight_transport import Announce, Receiver, Sender, TransportError, _mac, transport_key
 from runtime.rundir import free_port
 
 pytestmark = pytest.mark.slow
@@ -159,6 +159,26 @@ def test_hostile_store_clients_stage_nothing_and_the_trainer_still_gets_through(
         assert all(rx.take(v) is None for v in forged)  # the replayed 1 is not staged again (2 and 3 are kept)
     finally:
         rx.stop()
+
+
+def test_an_impostor_on_the_port_gets_no_weights_and_a_taken_port_stops_the_engine_clearly():
+    """Ports are chosen before the engine binds them: another local user may take one first. The trainer
+    then finds a store that cannot answer its challenge, and sends nothing; the engine refuses to start."""
+    cfg = WeightBroadcastConfig(type="collective", port=free_port("127.0.0.1"), timeout_s=0.5)
+    impostor = dist.TCPStore("127.0.0.1", cfg.port, is_master=True, wait_for_workers=False)
+    impostor.set("engine", "ab" * 16)
+    assert Sender(cfg, KEY).send(1, _state(1)) is None
+    assert int(impostor.add("generation", 0)) == 2  # it tried twice (hello, no welcome) ...
+    assert not impostor.check(["gen/1/announce/1"]) and not impostor.check(["gen/2/announce/1"])  # ... sent nothing
+    with pytest.raises(TransportError, match=f"cannot listen on 127.0.0.1:{cfg.port}"):
+        _receiver(cfg)
+
+
+def test_either_side_refuses_to_run_without_the_attempts_secret():
+    for env in ({}, {TRANSPORT_SECRET_ENV: "short"}):
+        with pytest.raises(TransportError, match=f"{TRANSPORT_SECRET_ENV}.*the rl flow draws one per attempt"):
+            transport_key(env)
+    assert transport_key({TRANSPORT_SECRET_ENV: SECRET}) != transport_key({TRANSPORT_SECRET_ENV: SECRET + "x"})
 
 
 def _serve_collective(root: str, port: int, secret: str) -> tuple[subprocess.Popen, httpx.Client]:
