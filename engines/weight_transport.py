@@ -262,8 +262,8 @@ class Receiver:
         self.cfg, self.keep, self.key = cfg, keep, key or transport_key()
         self.expected = {name: tuple(shape) for name, shape in expected.items()}
         self.max_announce = 4096 + 512 * len(self.expected)  # the longest announcement of these parameters
-        self.store = listening_store(cfg.host, cfg.port, cfg.timeout_s)
-        self.port = self.store.port
+        self._server = listening_store(cfg.host, cfg.port, cfg.timeout_s)
+        self.store, self.port = self._server, self._server.port
         self.nonce = secrets.token_hex(NONCE_CHARS // 2)
         self.store.set("engine", self.nonce)
         self._cv = threading.Condition()
@@ -285,7 +285,29 @@ class Receiver:
             return self.staged.get(version)
 
     def _generation(self) -> int:
-        return int(self.store.add("generation", 0))
+        """The trainers' counter, read without `add` (the store drops a connection whose `add` meets a value
+        that is not a number, which any client can write there): anything but a number reads as 0."""
+        if not self.store.check(["generation"]):
+            return 0
+        value = self.store.get("generation")
+        return int(value) if value.isdigit() and len(value) < 19 else 0
+
+    def _poll(self, joined: int) -> tuple[int, str] | None:
+        """`_hello_after`, outliving a connection another client's writes broke: then a fresh client
+        connection to our own store (the server stays `self._server`) and None this time."""
+        import torch.distributed as dist
+
+        try:
+            return self._hello_after(joined)
+        except Exception as exc:
+            log.warning(f"weight transport: store unreadable ({exc}); reconnecting")
+        time.sleep(POLL_S * 25)
+        try:
+            timeout = timedelta(seconds=self.cfg.timeout_s)
+            self.store = dist.TCPStore(self.cfg.host, self.port, is_master=False, timeout=timeout)
+        except Exception as exc:
+            log.warning(f"weight transport: cannot reconnect to the store: {exc}")
+        return None
 
     def _hello_after(self, joined: int) -> tuple[int, str] | None:
         """(generation, trainer nonce) of the newest generation after `joined` whose hello verifies."""
@@ -303,7 +325,7 @@ class Receiver:
     def _loop(self) -> None:
         joined = 0
         while not self._stop.is_set():
-            hello = self._hello_after(joined)
+            hello = self._poll(joined)
             if hello is None:
                 time.sleep(POLL_S)
                 continue

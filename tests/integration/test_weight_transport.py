@@ -155,8 +155,10 @@ def test_hostile_store_clients_stage_nothing_and_the_trainer_still_gets_through(
         forged = _hostile_announces(rx, tx, evil)
         assert tx.send(3, _state(3)) is not None  # its session desynchronised: one bounded retry
         assert torch.equal(_wait_staged(rx, 3)["a.weight"], _state(3)["a.weight"])
-        assert rx.stats["refused"] == 4 and rx.stats["received"] == 3 and rx._thread.is_alive()
-        assert all(rx.take(v) is None for v in forged)  # the replayed 1 is not staged again (2 and 3 are kept)
+        evil.set("generation", "not a number")  # a counter torch's store cannot `add` to any more
+        assert tx.send(4, _state(4)) is not None and torch.equal(_wait_staged(rx, 4)["b.bias"], _state(4)["b.bias"])
+        assert rx.stats["refused"] == 4 and rx.stats["received"] == 4 and rx._thread.is_alive()
+        assert all(rx.take(v) is None for v in forged)  # the replayed 1 is not staged again (3 and 4 are kept)
     finally:
         rx.stop()
 
@@ -233,7 +235,7 @@ def test_through_the_server_a_forged_version_is_read_from_the_file(tmp_path):
     _model_state(0, root)
     proc, client = _serve_collective(root, port, SECRET)
     try:
-        tx = Sender(WeightBroadcastConfig(type="collective", port=port, timeout_s=2), KEY)
+        tx = Sender(WeightBroadcastConfig(type="collective", port=port, timeout_s=1), KEY)
         assert tx.send(1, _model_state(1, root)) is not None
         r = client.post("/update_weights", json={"version": 1})
         assert r.status_code == 200 and r.json()["source"] == "collective", r.text
