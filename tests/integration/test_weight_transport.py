@@ -288,7 +288,10 @@ def _own(inodes: set[int]) -> set[int]:
 
 
 def _non_loopback_address() -> str | None:
-    out = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+    try:
+        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=10).stdout.split()
+    except OSError:
+        return None
     return next((a for a in out if "." in a and not a.startswith("127.")), None)
 
 
