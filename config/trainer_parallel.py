@@ -29,7 +29,11 @@ class TrainerParallelConfig(Strict):
     cp: int = Field(1, gt=0, description="context parallel size (splits each sequence)")
     ep: int = Field(1, gt=0, description="expert parallel size for MoE models; borrowed from dp_shard * cp * tp")
     rdzv_port: int = Field(
-        29400, gt=0, lt=65536, description="deployment.trainer_nodes > 1: torchrun's rendezvous port on trainer node 0"
+        29400,
+        gt=0,
+        lt=65536,
+        description="deployment.trainer_nodes > 1: torchrun's rendezvous port on trainer node 0 (the rendezvous id is "
+        "the run's and the attempt's; two runs whose trainers share node 0 should still use different ports)",
     )
     c10d_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto",

@@ -20,17 +20,18 @@ import concurrent.futures
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from config.process import warmup_parallel
 from config.run import RunConfig
+from config.transport import TRANSPORT_SECRET_ENV
 from engines.protocol import ADMIN_TOKEN_ENV
 from flows.progress import live_progress
 from launch.slurm import srun_prefix, teacher_nodes
-from launch.torchrun import torchrun_args
+from launch.torchrun import rdzv_id, torchrun_args
 from runtime.lease import hold_lease
 from runtime.lifecycle import RunHandle, close_run, reopen_run, start_new_run
 from runtime.process import ComponentFailed
@@ -73,12 +74,15 @@ def _component_env(cfg: RunConfig, tracking_uri: str | None) -> dict[str, dict[s
     settings each process needs to read its config file from `output_dir`."""
     storage = {CONFIG_STORAGE_ENV: cfg.storage.model_dump_json()}
     token = {ADMIN_TOKEN_ENV: secrets.token_hex(16)}  # admin routes of this attempt's engine
+    # the MAC key of this attempt's collective weight transport (engines/weight_transport.py)
+    transport = {TRANSPORT_SECRET_ENV: secrets.token_hex(32)} if cfg.weight_broadcast.type == "collective" else {}
+    tracking = {"MLFLOW_TRACKING_URI": tracking_uri} if tracking_uri else {}
     return {
         "warmup": storage,
-        "inference": {**storage, **token},
+        "inference": {**storage, **token, **transport},
         "teacher": storage,
         "orchestrator": {**storage, **token},
-        "trainer": {**storage, **({"MLFLOW_TRACKING_URI": tracking_uri} if tracking_uri else {})},
+        "trainer": {**storage, **tracking, **transport},
     }
 
 
@@ -133,6 +137,15 @@ class Placement:
     inference_node: str | None  # the host the orchestrator reaches inference on; None locally
     trainer_launcher: list[str]  # torchrun's arguments when the trainer has ranks (one agent per trainer node)
     warmup_launcher: list[str]  # the warm-up's, on the first trainer node (config.process.warmup_parallel)
+    trainer_nodes: list[str] = field(default_factory=list)  # several: agents meet under a per-attempt id
+
+    def for_attempt(self, cfg: RunConfig, run_id: str, attempt: int) -> Placement:
+        """This placement with the trainer's rendezvous id of this run and attempt (launch/torchrun.py)."""
+        if len(self.trainer_nodes) <= 1:
+            return self
+        p = cfg.trainer.parallel
+        launcher = torchrun_args(p.world_size, self.trainer_nodes, p.rdzv_port, rdzv_id(run_id, attempt))
+        return replace(self, trainer_launcher=launcher)
 
 
 def _placement(cfg: RunConfig, logger) -> Placement:
@@ -145,7 +158,7 @@ def _placement(cfg: RunConfig, logger) -> Placement:
     if cfg.teacher.enabled:  # the teacher's server beside the first inference server
         srun["teacher"] = srun_prefix("teacher", teacher_nodes(nodes), cfg.placement.slurm)
     trainer = torchrun_args(p.world_size, nodes["trainer"], p.rdzv_port)
-    return Placement(srun, nodes["inference"][0], trainer, warmup)
+    return Placement(srun, nodes["inference"][0], trainer, warmup, nodes["trainer"])
 
 
 def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: WalltimeWatch) -> None:
@@ -164,7 +177,8 @@ def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: W
         budget.attempt_from(attempt.resume_step)
         try:
             env = _component_env(cfg, run.tracking_uri)
-            _run_components(attempt, logs, env, placed, watch, logger)
+            here = placed.for_attempt(cfg, run.run_id, run.state.attempts)
+            _run_components(attempt, logs, env, here, watch, logger)
             return
         except ComponentFailed as exc:
             if watch.reached.is_set():

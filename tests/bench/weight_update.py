@@ -52,17 +52,19 @@ class Server:
         self.url = f"http://{cfg.inference.host}:{cfg.inference.port}"
         self.urls = write_configs(cfg, new_run_id(cfg), self.url)
         self.token = os.urandom(16).hex()
+        self.secret = os.urandom(32).hex()  # the collective transport's, as the flow draws it per attempt
         self.stop = threading.Event()
         self.out = out
 
     def __enter__(self):
         import httpx
 
+        from config.transport import TRANSPORT_SECRET_ENV
         from engines.protocol import ADMIN_TOKEN_ENV
         from runtime.process import supervise
 
         argv = [sys.executable, "-m", "engines.inference", "--config", self.urls["inference"]]
-        env = {ADMIN_TOKEN_ENV: self.token}
+        env = {ADMIN_TOKEN_ENV: self.token, TRANSPORT_SECRET_ENV: self.secret}
         log = str(self.out / "logs" / "inference.log")
         self.thread = threading.Thread(target=supervise, args=("inference", argv, env, lambda _: None, self.stop, log))
         self.thread.start()
@@ -92,9 +94,10 @@ class Server:
 def measure_size(root: Path, model_overrides: dict, n: int, transport: str = "filesystem") -> dict:
     import torch
 
+    from config.transport import TRANSPORT_SECRET_ENV
     from engines.models.decoder import CausalLM
     from engines.models.tokenizer import CharTokenizer
-    from engines.weight_transport import Sender
+    from engines.weight_transport import Sender, transport_key
     from storage import weights
     from storage.fs import get_fs
 
@@ -112,7 +115,8 @@ def measure_size(root: Path, model_overrides: dict, n: int, transport: str = "fi
     ids = torch.randint(4, tok.vocab_size, (8, 32))
     m: dict[str, list[float]] = {k: [] for k in ("send", "publish", "load", "apply", "http", "total", "raw")}
     with Server(out, cfg) as server:
-        sender = Sender(cfg.weight_broadcast) if transport == "collective" else None
+        key = transport_key({TRANSPORT_SECRET_ENV: server.secret})
+        sender = Sender(cfg.weight_broadcast, key) if transport == "collective" else None
         for version in range(1, n + 1):
             model(ids).logsumexp(-1).mean().backward()
             opt.step()

@@ -11,6 +11,7 @@ import pytest
 
 from config.loader import ConfigError, load_run_config
 from launch.slurm import PlacementError, place, render_placement, render_sbatch
+from launch.torchrun import RDZV_ID_PLACEHOLDER
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
@@ -57,7 +58,7 @@ def test_a_trainer_on_two_nodes_runs_one_torchrun_agent_per_node_meeting_on_the_
     assert trainer["srun"][2:6] == ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--nodelist=c,d"]
     assert trainer["launcher"] == [
         *("-m", "engines.trainer.torchrun", "--nnodes", "2", "--nproc-per-node", "4"),
-        *("--rdzv-backend", "c10d", "--rdzv-endpoint", "c:29400", "--rdzv-id", "rollflow-trainer"),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", "c:29400", "--rdzv-id", RDZV_ID_PLACEHOLDER),
     ]
     one = load_run_config(PROFILES[1])
     assert render_placement(one.placement, one.trainer.parallel)["trainer"]["launcher"] == []

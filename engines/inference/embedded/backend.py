@@ -133,8 +133,10 @@ async def create(cfg) -> EmbeddedBackend:
     if cfg.weight_broadcast.type == "collective" and cfg.role == "policy":
         from engines.weight_transport import Receiver
 
-        receiver = Receiver(cfg.weight_broadcast)
-        log.info(f"weight transport: group store on {cfg.weight_broadcast.host}:{cfg.weight_broadcast.port}")
+        # the only tensors the receiver accepts (and so allocates): the served model's own parameters
+        params = {name: tuple(t.shape) for name, t in engine.model.weights_module().state_dict().items()}
+        receiver = Receiver(cfg.weight_broadcast, params)
+        log.info(f"weight transport: group store on {cfg.weight_broadcast.host}:{receiver.port}")
     fs, root = storage.open(cfg.run.output_dir)
     what = f"teacher {cfg.model.path}" if cfg.role == "teacher" else f"policy version {engine.version}"
     log.info(f"embedded engine on {what}")
