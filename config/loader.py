@@ -16,6 +16,7 @@ from pydantic import BaseModel, Tag, ValidationError
 
 from config.base import field_named, flat_keys, profile_keys
 from config.run import SEED_SPELLINGS, RunConfig
+from config.trust import refuse_untrusted
 
 Key = tuple[str, ...]
 
@@ -169,17 +170,26 @@ def load_run_config(profiles: Sequence[str | Path], overrides: Sequence[tuple[st
 
 
 def stored_with_sources(
-    stored: dict, source: str, overrides: Sequence[tuple[str, str]] = ()
+    stored: dict, source: str, overrides: Sequence[tuple[str, str]] = (), trust: bool = False
 ) -> tuple[RunConfig, list[str]]:
     """A run's stored config (`config/run.json`, read from `source`) with overrides on top: what
-    `rollflow resume OUTPUT_DIR [--KEY VALUE ...]` runs with; and where each `[[envs]]` entry came from."""
+    `rollflow resume OUTPUT_DIR [--KEY VALUE ...]` runs with; and where each `[[envs]]` entry came from.
+    Unless `trust`, a stored config that names code other than by a registered name is refused
+    (config/trust.py): writing a run directory must not be enough to run code here."""
     data: dict = {}
     sources: dict[Key, str] = {}
     _merge(data, {k: v for k, v in stored.items() if k != "run_id"}, source, sources)
     _apply_overrides(data, sources, overrides)
     cfg = validate(data, sources)
+    if not trust:
+        try:
+            refuse_untrusted(cfg, source, overrides)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     return cfg, env_sources(cfg, sources)
 
 
-def load_stored_config(stored: dict, source: str, overrides: Sequence[tuple[str, str]] = ()) -> RunConfig:
-    return stored_with_sources(stored, source, overrides)[0]
+def load_stored_config(
+    stored: dict, source: str, overrides: Sequence[tuple[str, str]] = (), trust: bool = False
+) -> RunConfig:
+    return stored_with_sources(stored, source, overrides, trust)[0]

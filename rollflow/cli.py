@@ -46,11 +46,13 @@ SFT_USAGE = """rollflow sft [@ PROFILE.toml ...] [--KEY VALUE ...] [--dry-run] [
   the end (Hugging Face directories: an RL profile's [model] path can start from one); prints a JSON summary.
   Profiles, overrides and flags read as in `rollflow rl`. docs/sft.md explains the keys."""
 
-RESUME_USAGE = """rollflow resume OUTPUT_DIR [--KEY VALUE ...]
+RESUME_USAGE = """rollflow resume OUTPUT_DIR [--KEY VALUE ...] [--trust-run-config]
 
   Continue the run in OUTPUT_DIR (a path or URL) from its last complete checkpoint, with the config it
   was started with plus any overrides (e.g. --max-steps 200). Refused while another process runs it.
-  docs/resume.md explains what is kept and what is redone."""
+  A stored config that names code other than by a registered name (an import path `module:attribute`, a
+  vLLM interpreter, Slurm setup lines ...) is refused unless --trust-run-config says you trust whoever can
+  write OUTPUT_DIR. docs/resume.md explains what is kept and what is redone."""
 
 SUBMIT_USAGE = """rollflow submit [@ PROFILE.toml ...] [--KEY VALUE ...] [--overwrite | --resume]
 
@@ -355,7 +357,9 @@ def cmd_submit(tokens: list[str]) -> int:
 def cmd_resume(tokens: list[str]) -> int:
     if not tokens or tokens[0].startswith("-"):
         raise ConfigError("usage: " + RESUME_USAGE)
-    output_dir, (profiles, overrides, flags) = tokens[0], split_args(tokens[1:])
+    trust = "--trust-run-config" in tokens[1:]
+    rest = [t for t in tokens[1:] if t != "--trust-run-config"]
+    output_dir, (profiles, overrides, flags) = tokens[0], split_args(rest)
     if profiles or flags:
         raise ConfigError("rollflow resume takes OUTPUT_DIR and --KEY VALUE overrides only (no profiles or flags)")
     from runtime.rundir import RunDirError, stored_config
@@ -365,7 +369,7 @@ def cmd_resume(tokens: list[str]) -> int:
     except RunDirError as exc:
         raise ConfigError(str(exc)) from None
     cfg, env_sources = stored_with_sources(
-        stored, f"{output_dir}/config/run.json", [*overrides, ("output_dir", output_dir)]
+        stored, f"{output_dir}/config/run.json", [*overrides, ("output_dir", output_dir)], trust=trust
     )
     check_loaded(cfg, env_sources)
     _precheck(cfg, {"resume"})

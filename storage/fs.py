@@ -348,9 +348,42 @@ def is_committed(fs: fsspec.AbstractFileSystem, directory: str) -> bool:
     return True
 
 
+def check_name(name: Any, where: str) -> str:
+    """A file name read from a run directory (a manifest's `files` key), which whoever can write that directory
+    chose: it must be a plain relative path that stays inside its directory (no absolute path, no `..`, `.` or
+    empty part, no backslash or NUL), else `CorruptError` naming the name and `where` it was read."""
+    if not isinstance(name, str) or not name:
+        raise CorruptError(f"{where}: file name {name!r} is not a non-empty string")
+    parts = name.split("/")
+    bad = (
+        name.startswith("/")
+        or "\\" in name
+        or "\x00" in name
+        or any(p in ("", ".", "..") for p in parts)
+        or re.match(r"^[A-Za-z]:", name) is not None  # a drive letter: absolute on Windows, a URL scheme elsewhere
+    )
+    if bad:
+        raise CorruptError(
+            f"{where}: file name {name!r} is not a relative path inside its directory (absolute, '..', '.', "
+            "empty part, backslash or NUL); the manifest is corrupted or was written by someone else: not read"
+        )
+    return name
+
+
+def local_path(base: str | os.PathLike[str], name: str, where: str) -> str:
+    """Where file `name` (checked with `check_name`) of a manifest goes under local directory `base`;
+    `CorruptError` if, symlinks resolved, that is not inside `base`."""
+    check_name(name, where)
+    root = os.path.realpath(base)
+    path = os.path.realpath(os.path.join(root, name))
+    if os.path.commonpath([root, path]) != root:
+        raise CorruptError(f"{where}: file name {name!r} resolves to {path}, outside {root}; not read")
+    return path
+
+
 def read_manifest(fs: fsspec.AbstractFileSystem, directory: str) -> dict[str, Any]:
-    """A committed directory's manifest; `CorruptError` (naming the path) when it is not valid JSON or
-    fails its own checksum."""
+    """A committed directory's manifest; `CorruptError` (naming the path) when it is not valid JSON, fails its
+    own checksum, or lists a file name that leaves the directory (`check_name`)."""
     path = join(directory, MANIFEST)
     try:
         manifest = json.loads(fs.cat_file(path))
@@ -362,17 +395,20 @@ def read_manifest(fs: fsspec.AbstractFileSystem, directory: str) -> dict[str, An
     # Manifests written before the self-checksum existed have none; those are trusted as before.
     if expected is not None and expected != _manifest_digest(manifest):
         raise CorruptError(f"{path}: manifest checksum mismatch; the manifest was altered or corrupted")
+    for name in manifest["files"]:
+        check_name(name, path)
     return manifest
 
 
 def read_verified(fs: fsspec.AbstractFileSystem, directory: str, name: str, manifest: dict) -> bytes:
     """Read one committed file and check it against its manifest entry."""
-    path = join(directory, name)
+    where = join(directory, MANIFEST)
+    path = join(directory, check_name(name, where))
     entry = manifest["files"].get(name)
     if entry is None:
-        raise CorruptError(f"{path}: not listed in {join(directory, MANIFEST)}")
-    try:
-        data = fs.cat_file(path)
+        raise CorruptError(f"{path}: not listed in {where}")
+    try:  # locally, a symlink in the directory must not lead the read outside it
+        data = fs.cat_file(local_path(directory, name, where) if is_local(fs) else path)
     except FileNotFoundError as exc:
         raise CorruptError(f"{path}: listed in the manifest but missing") from exc
     if len(data) != entry["bytes"] or sha256(data) != entry["sha256"]:

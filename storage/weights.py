@@ -27,12 +27,14 @@ from __future__ import annotations
 import fsspec
 
 from storage.fs import (
+    MANIFEST,
     MANIFEST_CHECKSUM,
     CorruptError,
     commit_dir,
     committed_steps,
     fs_settings,
     join,
+    local_path,
     read_manifest,
     read_verified,
     sha256,
@@ -255,6 +257,9 @@ def export_hf(fs: fsspec.AbstractFileSystem, directory: str, dest: str) -> None:
         base = {k: v for k, v in state.items() if not is_adapter_key(k)}
         state = merge(base, {k: v for k, v in state.items() if is_adapter_key(k)}, scale)
     save_file(state, os.path.join(dest, WEIGHTS_FILE), metadata={"format": "pt"})
+    where = join(directory, MANIFEST)
     for name, data in files.items():
-        with open(os.path.join(dest, name), "wb") as f:
+        path = local_path(dest, name, where)  # a manifest's names stay inside `dest`
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
             f.write(data)

@@ -4,7 +4,8 @@ Save: every rank hands DCP its shard of the optimizer state, keyed by parameter 
 (`get_optimizer_state_dict`), and DCP writes one file per rank plus `.metadata` under
 `checkpoints/step=N/trainer/optimizer/`; rank 0 then checksums them into the checkpoint's manifest (written
 last, storage/checkpoints.py). Load: every rank verifies those files against the manifest and DCP reads
-the slices its own shards need, whatever the number of ranks that wrote them (2 -> 1, 1 -> 2 ...).
+the slices its own shards need, whatever the number of ranks that wrote them (2 -> 1, 1 -> 2 ...), never
+unpickling anything but DCP's metadata classes and plain data (engines/trainer/dcp_safe.py).
 Object stores: DCP writes into a local staging directory and rank 0 uploads the files (one node).
 """
 
@@ -19,7 +20,9 @@ import fsspec
 
 from engines.trainer.distributed import Dist
 from storage.checkpoints import OPTIMIZER_DIR
-from storage.fs import is_local, join, read_verified
+from storage.fs import MANIFEST, CorruptError, is_local, join, local_path, read_verified
+
+METADATA = ".metadata"  # DCP's index of the shards (a pickle: read only through engines/trainer/dcp_safe.py)
 
 
 def _shared_tmp(d: Dist) -> str:
@@ -59,31 +62,47 @@ def load_optimizer(
 ) -> None:
     """Verify the checkpoint's DCP files and load this rank's share of the optimizer state (a collective)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
         set_optimizer_state_dict,
     )
 
+    from engines.trainer.dcp_safe import VerifiedReader, WeightsOnlyPlanner
+
     names = [n for n in manifest["files"] if n.startswith(f"{OPTIMIZER_DIR}/")]
     if not names:
         raise RuntimeError(f"{directory}: the checkpoint holds no optimizer state ({OPTIMIZER_DIR}/ files)")
     data = {n: read_verified(fs, directory, n, manifest) for n in names}  # every rank checks what it reads
-    if is_local(fs):
-        source = join(directory, OPTIMIZER_DIR)
-    else:
-        source = tempfile.mkdtemp(prefix="rollflow-dcp-")
-        for n, b in data.items():
-            (Path(source) / n.split("/", 1)[1]).write_bytes(b)
+    meta_name = f"{OPTIMIZER_DIR}/{METADATA}"
+    if meta_name not in data:
+        raise CorruptError(f"{join(directory, MANIFEST)}: lists no {meta_name}")
+    source = join(directory, OPTIMIZER_DIR) if is_local(fs) else _stage(directory, data)
     try:
-        reader = dcp.FileSystemReader(source)
+        rel = {n.split("/", 1)[1] for n in names}
+        reader = VerifiedReader(source, data[meta_name], join(directory, meta_name), rel)
         state = {"optimizer": _saved_keys_only(get_optimizer_state_dict(model, optimizer), reader)}
-        dcp.load(state, storage_reader=reader, no_dist=not d.enabled)
+        planner = WeightsOnlyPlanner(join(directory, OPTIMIZER_DIR))
+        try:
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=not d.enabled)
+        except CheckpointException as exc:  # DCP wraps each rank's error: a refused file reads as what it is
+            raise next((e for e, _ in exc.failures.values() if isinstance(e, CorruptError)), exc) from None
     finally:
         if not is_local(fs):  # the staged copy of an object-store checkpoint
             shutil.rmtree(source, ignore_errors=True)
     # strict=False: the parameters _saved_keys_only left out stay without state
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
+
+
+def _stage(directory: str, data: dict[str, bytes]) -> str:
+    """A local copy of an object-store checkpoint's verified DCP files (names checked: they stay inside it)."""
+    source = tempfile.mkdtemp(prefix="rollflow-dcp-")
+    for n, b in data.items():
+        target = Path(local_path(source, n.split("/", 1)[1], join(directory, MANIFEST)))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(b)
+    return source
 
 
 def _saved_keys_only(template: dict, reader: Any) -> dict:

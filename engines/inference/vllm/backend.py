@@ -230,9 +230,6 @@ class VLLMBackend(Backend):
 async def create(cfg) -> VLLMBackend:
     """Materialize the newest publication, start the deployment's vLLM servers and routers on this host, wait
     until every one answers, and front them."""
-    import tempfile
-    from pathlib import Path
-
     from engines.inference.vllm import processes
     from launch import vllm as vllm_launch
     from storage import weights
@@ -241,8 +238,7 @@ async def create(cfg) -> VLLMBackend:
     processes.check_local(cfg.inference)
     python = processes.vllm_python(cfg.inference)
     fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
-    cache = Path(tempfile.gettempdir()) / "rollflow-vllm" / cfg.run.run_id
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = processes.cache_dir(cfg.run.run_id)
     if cfg.pretrained:  # rollflow eval --model: the directory as it is, served as version 0
         from engines.models.modeldir import resolve
 

@@ -16,10 +16,13 @@ dies with this process. Multi-node, disaggregated and mooncake shapes run under 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -30,6 +33,7 @@ from pathlib import Path
 from config.inference import InferenceConfig
 from config.vllm import DisaggregatedDeployment, MultiNodeDeployment
 from launch import vllm as vllm_launch
+from storage.fs import check_name
 
 log = logging.getLogger("rollflow.inference.vllm")
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: inference.vllm.python is relative to it
@@ -37,29 +41,105 @@ WORKER_DIR = Path(__file__).resolve().parent / "worker"
 KEEP_MATERIALIZED = 2  # the served version and the one being loaded
 
 
+RECORD = ".rollflow-materialized.json"  # in a materialized directory: what it was built from, each file's sha256
+
+
+def cache_dir(run_id: str) -> Path:
+    """This user's private materialization cache for run `run_id`: `<tmp>/rollflow-vllm-<uid>/<run_id>`, created
+    mode 0700. The system temp directory is shared: a folder there that is not a real directory owned by this
+    user and closed to others (another user may have made it first) is not used; a fresh private one is."""
+    check_name(run_id, "the run id")
+    if "/" in run_id:
+        raise ValueError(f"run id {run_id!r}: one path component expected")
+    top = Path(tempfile.gettempdir()) / f"rollflow-vllm-{os.getuid()}"
+    for d in (top, top / run_id):
+        d.mkdir(mode=0o700, exist_ok=True)
+        if (problem := _not_private(d)) is not None:
+            fresh = Path(tempfile.mkdtemp(prefix=f"rollflow-vllm-{run_id}-"))
+            log.warning(f"{d} is {problem}: not trusted; materializing into {fresh} instead")
+            return fresh
+    return top / run_id
+
+
+def _not_private(d: Path) -> str | None:
+    """Why `d` is not a directory only this user can use, or None."""
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory (a symlink?)"
+    if st.st_uid != os.getuid():
+        return f"owned by uid {st.st_uid}, not this user ({os.getuid()})"
+    if st.st_mode & 0o077:
+        return f"open to other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
 def materialize(fs, root: str, version: int, cache: Path) -> Path:
-    """Publication `version` as a local HF directory under `cache` (atomic: built aside, then renamed)."""
+    """Publication `version` as a local HF directory under `cache` (atomic: built aside, then renamed). A
+    directory already there is used only if it matches the publication's current manifest (`_matches`)."""
     from safetensors.torch import save_file
 
     from storage import weights
-    from storage.fs import read_manifest, read_verified
+    from storage.fs import local_path, read_manifest, read_verified
 
     directory = weights.version_dir(root, version)
     dest = cache / f"step={version}"
-    if dest.exists():
-        return dest
     manifest = read_manifest(fs, directory)
+    if dest.exists():
+        if _matches(dest, manifest):
+            return dest
+        log.warning(f"{dest} does not match {directory}'s manifest: materializing it again")
+        shutil.rmtree(dest)
     if "config.json" not in manifest["files"]:
         raise FileNotFoundError(f"{directory} has no config.json: vLLM serves Hugging Face publications only")
     tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".tmp-"))
+    where = f"{directory}/_manifest.json"
     for name in manifest["files"]:
         if name not in (weights.WEIGHTS_FILE, weights.DELTA_FILE):
-            (tmp / name).write_bytes(read_verified(fs, directory, name, manifest))
+            target = Path(local_path(tmp, name, where))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(read_verified(fs, directory, name, manifest))
     save_file(weights.load(fs, directory), str(tmp / weights.WEIGHTS_FILE), metadata={"format": "pt"})
+    _record(tmp, manifest)
     tmp.rename(dest)
     for old in sorted(cache.glob("step=*"), key=lambda p: int(p.name.split("=")[1]))[:-KEEP_MATERIALIZED]:
         shutil.rmtree(old, ignore_errors=True)
     return dest
+
+
+def _files(d: Path) -> dict[str, str]:
+    """Relative name -> sha256 of every file under `d` but the record."""
+    return {
+        p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file() and p.name != RECORD
+    }
+
+
+def _record(d: Path, manifest: dict) -> None:
+    from storage.fs import MANIFEST_CHECKSUM
+
+    record = {"manifest_sha256": manifest.get(MANIFEST_CHECKSUM), "files": _files(d)}
+    (d / RECORD).write_text(json.dumps(record))
+
+
+def _matches(dest: Path, manifest: dict) -> bool:
+    """Whether `dest` was materialized from this manifest and holds exactly what was written then: the record
+    names the manifest's checksum, the files kept from the publication match their manifest entries, and the
+    weights file matches the sha256 recorded when it was written."""
+    from storage.fs import MANIFEST_CHECKSUM
+    from storage.weights import DELTA_FILE, WEIGHTS_FILE
+
+    try:
+        record = json.loads((dest / RECORD).read_text())
+        files = _files(dest)
+    except (OSError, ValueError):
+        return False
+    if not isinstance(record, dict) or record.get("manifest_sha256") != manifest.get(MANIFEST_CHECKSUM):
+        return False
+    kept = {n: e["sha256"] for n, e in manifest["files"].items() if n not in (WEIGHTS_FILE, DELTA_FILE)}
+    if files != record.get("files") or files.keys() != {*kept, WEIGHTS_FILE}:
+        return False
+    return all(files[n] == sha for n, sha in kept.items())
 
 
 def check_local(cfg: InferenceConfig) -> None:
