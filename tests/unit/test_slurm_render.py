@@ -92,9 +92,9 @@ def test_allocation_with_other_node_count_is_refused() -> None:
             r"deployment.inference_nodes=1 \+ deployment.trainer_nodes=1 must add up to deployment.nodes=3",
         ),
         ([("deployment.trainer_nodes", "2")], r"deployment.nodes=1: every component shares the node"),
-        ([("deployment.slurm.time_limit", "'an hour'")], r"deployment.slurm.time_limit: .*'an hour' is not a Slurm time"),
+        ([("deployment.slurm.time_limit", "'an hour'")], r"time_limit: .*'an hour' is not a Slurm time"),
         ([("deployment.slurm.mem", "'lots'")], r"deployment.slurm.mem: .*'lots' is not sbatch --mem syntax"),
-        ([("deployment.slurm.extra_sbatch", "['exclusive']")], r"deployment.slurm.extra_sbatch: .*'exclusive' must be one long sbatch option"),
+        ([("deployment.slurm.extra_sbatch", "['exclusive']")], r"extra_sbatch: .*'exclusive' must be one long"),
         ([("deployment.gpus", "1")], r"deployment.gpus"),
     ],
 )
