@@ -122,7 +122,7 @@ def checked_job(configuration: SlurmJobConfiguration, flow_run: FlowRun) -> tupl
     Job variables come from whoever can reach the Prefect API: none reaches sbatch unchecked."""
     problems: list[str] = []
     try:
-        slurm = configuration.slurm_config()
+        request = configuration.slurm_config()
     except ValidationError as exc:
         problems += _problem(exc)
     env = {k: v for k, v in configuration.env.items() if v is not None}
@@ -138,16 +138,18 @@ def checked_job(configuration: SlurmJobConfiguration, flow_run: FlowRun) -> tupl
     problems += _check_text("the flow run's name (it names the Slurm job)", flow_run.name, FLOW_RUN_NAME)
     if problems:
         raise JobVariablesRefused("; ".join(problems))
-    return slurm, env
+    return request, env
 
 
 def _write_script(configuration: SlurmJobConfiguration, flow_run: FlowRun) -> Path:
-    slurm_cfg, env = checked_job(configuration, flow_run)
+    """The flow run's batch script, `script_dir/<flow run id>.sbatch`; JobVariablesRefused before anything
+    is written if a value may not reach it."""
+    request, env = checked_job(configuration, flow_run)
     workdir = Path(configuration.working_dir or os.getcwd()).resolve()
     script_dir = (workdir / configuration.script_dir).resolve()
     script_dir.mkdir(parents=True, exist_ok=True)
     text = render_sbatch(
-        slurm_cfg,
+        request,
         configuration.nodes,
         f"prefect-{flow_run.name}",
         configuration.command or configuration._base_flow_run_command(),
