@@ -199,7 +199,7 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
         logger.error(message)
         await self._set_final(flow_run, Failed(message=message))
         if task_status is not None:
-            task_status.started(message)
+            task_status.started(RuntimeError(message))  # an exception: Prefect records no infrastructure id
         return SlurmWorkerResult(identifier="rejected", status_code=0)
 
     async def _follow(self, flow_run: FlowRun, job_id: str, poll_s: float, logger) -> SlurmWorkerResult:
