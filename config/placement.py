@@ -2,7 +2,8 @@
 into `RunConfig.placement`. (How the vLLM servers are laid out is the inference deployment, config/vllm.py.)
 
 Data flow: profile `[deployment]` -> `SlurmPlacementConfig` (validated here: node counts add up, Slurm
-values well-formed; numbers given for `mem` or `time_limit` are read as text) -> `launch.slurm` renders the
+values well-formed and of characters that cannot break out of the batch script, config/script_text.py;
+numbers given for `mem` or `time_limit` are read as text) -> `launch.slurm` renders the
 sbatch script (`rollflow submit`, the Slurm worker, `--dry-run`) and, inside an allocation, the `srun`
 placement of each component. A local run ignores this section. Imports only pydantic, like the rest of
 the config.
@@ -12,13 +13,14 @@ from __future__ import annotations
 
 import re
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from config.base import Strict
+from config.script_text import SLURM_NAME, check_name, check_sbatch_option
 
-# Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
-TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
-MEMORY = re.compile(r"^\d+[KMGT]?$")
+# Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, and no limit (the partition's maximum).
+TIME_LIMIT = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}|(?i:unlimited|infinite)")
+MEMORY = re.compile(r"\d+[KMGT]?")
 
 
 class SlurmJobConfig(Strict):
@@ -34,27 +36,41 @@ class SlurmJobConfig(Strict):
     signal_before_s: int = Field(
         120, ge=0, description="Slurm sends the flow USR1 this long before the time limit (0: no warning)"
     )
-    extra_sbatch: list[str] = Field(default_factory=list, description="more #SBATCH lines, e.g. '--exclusive'")
+    extra_sbatch: list[str] = Field(
+        default_factory=list, description="more #SBATCH lines, one '--name[=value]' each, e.g. '--exclusive'"
+    )
     setup: list[str] = Field(
-        default_factory=list, description="shell lines run before the flow, e.g. 'module load cuda'"
+        default_factory=list,
+        description="shell lines run before the flow, e.g. 'module load cuda': shell by design, not checked",
     )
     srun_args: list[str] = Field(default_factory=list, description="extra srun arguments for every component")
 
-    @model_validator(mode="after")
-    def _formats(self) -> SlurmJobConfig:
-        if not TIME_LIMIT.match(self.time_limit):
+    @field_validator("partition", "account", "qos")
+    @classmethod
+    def _slurm_name(cls, value: str | None) -> str | None:
+        return None if value is None else check_name(value, SLURM_NAME)
+
+    @field_validator("extra_sbatch")
+    @classmethod
+    def _one_option_each(cls, lines: list[str]) -> list[str]:
+        return [check_sbatch_option(line) for line in lines]
+
+    @field_validator("time_limit")
+    @classmethod
+    def _slurm_time(cls, value: str) -> str:
+        if not TIME_LIMIT.fullmatch(value):
             raise ValueError(
-                f"deployment.slurm.time_limit={self.time_limit!r} is not a Slurm time "
-                "(minutes, H:M:S, D-H or D-H:M:S, e.g. '90' or '1-00:00:00')"
+                f"{value!r} is not a Slurm time (minutes, H:M:S, D-H or D-H:M:S, e.g. '90' or '1-00:00:00'; "
+                "or 'UNLIMITED')"
             )
-        if not MEMORY.match(self.mem):
-            raise ValueError(f"deployment.slurm.mem={self.mem!r} is not sbatch --mem syntax (e.g. '4G', '512000M')")
-        for line in self.extra_sbatch:
-            if not line.startswith("-") or "\n" in line:
-                raise ValueError(
-                    f"deployment.slurm.extra_sbatch: {line!r} must be one sbatch option, e.g. '--exclusive'"
-                )
-        return self
+        return value
+
+    @field_validator("mem")
+    @classmethod
+    def _slurm_mem(cls, value: str) -> str:
+        if not MEMORY.fullmatch(value):
+            raise ValueError(f"{value!r} is not sbatch --mem syntax (e.g. '4G', '512000M', '0')")
+        return value
 
 
 class SlurmPlacementConfig(Strict):

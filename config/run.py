@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from config.base import Strict
 from config.envs import EnvSpec
@@ -25,6 +25,7 @@ from config.inference import InferenceConfig
 from config.model import ModelConfig
 from config.orchestrator import OrchestratorConfig
 from config.placement import SlurmPlacementConfig
+from config.script_text import PATH_TEXT, RUN_NAME, check, check_name
 from config.sft import SFTConfig
 from config.storage import StorageConfig
 from config.teacher import TeacherConfig
@@ -77,6 +78,16 @@ class RunConfig(Strict):
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()  # trainer -> engine transport
     eval: EvalConfig = EvalConfig()  # held-out evaluation: `rollflow eval`, and during RL with eval.interval > 0
     teacher: TeacherConfig = TeacherConfig()  # on-policy distillation (config/teacher.py); off without a path
+
+    @field_validator("run_name")
+    @classmethod
+    def _run_name_chars(cls, value: str) -> str:
+        return check_name(value, RUN_NAME)  # it names the Slurm job and the run's directory
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir_chars(cls, value: str) -> str:
+        return check(value, PATH_TEXT)  # the batch script's --output and command line carry it
 
     @model_validator(mode="after")
     def _teacher_port(self) -> RunConfig:

@@ -9,8 +9,11 @@ Per flow run: the base job template's variables (partition, nodes, time limit, .
 the job (squeue, then scontrol / sacct) until it ends; on the way a Prefect cancellation becomes
 `scancel`, and a job that ends while its flow run is not final (killed, node failure, out of memory,
 walltime without the warning) marks the flow run Crashed with Slurm's state. An sbatch rejection fails
-the flow run with Slurm's message; nothing was started. Prefect finds this type through the
-`prefect.collections` entry point in pyproject.toml.
+the flow run with Slurm's message; nothing was started. Before that, the job variables (which anyone who
+can reach the Prefect API may set) pass the profile's own checks of what may be written into the script
+(config/script_text.py); one that does not fails the flow run and never reaches sbatch. `setup` and
+`command` are shell by design: whoever can set them can run code on the cluster (docs/slurm.md).
+Prefect finds this type through the `prefect.collections` entry point in pyproject.toml.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from prefect.client.schemas.objects import FlowRun
 from prefect.states import Cancelled, Crashed, Failed
 from prefect.utilities.asyncutils import run_sync_in_worker_thread
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from config.placement import SlurmJobConfig
+from config.script_text import ENV_VALUE, FLOW_RUN_NAME, PATH_TEXT, Charset, check_env_key, check_name
 from launch.slurm import render_sbatch
 from runtime import slurm
 
@@ -79,26 +83,73 @@ class SlurmJobConfiguration(BaseJobConfiguration):
         return f"{sys.executable} -m prefect.engine"
 
     def slurm_config(self) -> SlurmJobConfig:
-        """The job variables as the sbatch request."""
-        keys = ("partition", "account", "qos", "gpus_per_node", "cpus_per_task", "mem", "time_limit")
-        values = {k: getattr(self, k) for k in keys}
-        # Not validated here: the cluster judges partition, nodes and time, and its message reaches the run.
-        return SlurmJobConfig.model_construct(
-            **values, signal_before_s=self.signal_before_s, extra_sbatch=self.extra_sbatch, setup=self.setup
-        )
+        """The job variables as the sbatch request, validated by the profile's own model (the characters
+        that may reach the script, the time and memory syntax): ValidationError otherwise. Whether the
+        cluster has that partition, those nodes, that much time is Slurm's to judge (its message reaches
+        the flow run)."""
+        keys = ["partition", "account", "qos", "gpus_per_node", "cpus_per_task", "mem", "time_limit"]
+        keys += ["signal_before_s", "extra_sbatch", "setup"]
+        return SlurmJobConfig.model_validate({k: getattr(self, k) for k in keys})
 
 
 class SlurmWorkerResult(BaseWorkerResult):
     """The job id, and 0 when the job and its flow run ended normally."""
 
 
+class JobVariablesRefused(ValueError):
+    """A job variable (or the flow run's name) cannot be written into the batch script."""
+
+
+def _problem(exc: ValidationError) -> list[str]:
+    out = []
+    for err in exc.errors():
+        reason = err.get("ctx", {}).get("error") or err["msg"]  # a validator's own message, without pydantic's prefix
+        out.append(f"job variable {'.'.join(str(p) for p in err['loc'])}: {reason}")
+    return out
+
+
+def _check_text(what: str, value: str, charset: Charset) -> list[str]:
+    try:
+        check_name(value, charset)
+    except ValueError as exc:
+        return [f"{what}: {exc}"]
+    return []
+
+
+def checked_job(configuration: SlurmJobConfiguration, flow_run: FlowRun) -> tuple[SlurmJobConfig, dict[str, str]]:
+    """The sbatch request and the job's environment, once every value that the script will carry passed
+    the same checks as a profile (config/script_text.py); JobVariablesRefused lists every one that did not.
+    Job variables come from whoever can reach the Prefect API: none reaches sbatch unchecked."""
+    problems: list[str] = []
+    try:
+        request = configuration.slurm_config()
+    except ValidationError as exc:
+        problems += _problem(exc)
+    env = {k: v for k, v in configuration.env.items() if v is not None}
+    for key, value in env.items():
+        try:
+            check_env_key(key)
+        except ValueError as exc:
+            problems.append(f"job variable env: {exc}")
+        problems += _check_text(f"job variable env.{key}", value, ENV_VALUE)
+    for key in ("working_dir", "script_dir"):
+        if getattr(configuration, key):
+            problems += _check_text(f"job variable {key}", getattr(configuration, key), PATH_TEXT)
+    problems += _check_text("the flow run's name (it names the Slurm job)", flow_run.name, FLOW_RUN_NAME)
+    if problems:
+        raise JobVariablesRefused("; ".join(problems))
+    return request, env
+
+
 def _write_script(configuration: SlurmJobConfiguration, flow_run: FlowRun) -> Path:
+    """The flow run's batch script, `script_dir/<flow run id>.sbatch`; JobVariablesRefused before anything
+    is written if a value may not reach it."""
+    request, env = checked_job(configuration, flow_run)
     workdir = Path(configuration.working_dir or os.getcwd()).resolve()
     script_dir = (workdir / configuration.script_dir).resolve()
     script_dir.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in configuration.env.items() if v is not None}
     text = render_sbatch(
-        configuration.slurm_config(),
+        request,
         configuration.nodes,
         f"prefect-{flow_run.name}",
         configuration.command or configuration._base_flow_run_command(),
@@ -106,11 +157,7 @@ def _write_script(configuration: SlurmJobConfiguration, flow_run: FlowRun) -> Pa
         str(script_dir / f"{flow_run.id}-%j.out"),
     )
     path = script_dir / f"{flow_run.id}.sbatch"
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it carries the Prefect API settings
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    slurm.write_script(path, text)  # mode 0600: it carries the Prefect API settings
     return path
 
 
@@ -134,19 +181,26 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
         task_status: anyio.abc.TaskStatus[Any] | None = None,
     ) -> SlurmWorkerResult:
         logger = self.get_flow_run_logger(flow_run)
-        script = _write_script(configuration, flow_run)
+        try:
+            script = _write_script(configuration, flow_run)
+        except JobVariablesRefused as exc:
+            return await self._refuse(flow_run, f"the Slurm worker refused the job: {exc}", logger, task_status)
         try:
             job_id = await run_sync_in_worker_thread(slurm.submit, str(script), configuration.working_dir)
         except slurm.SbatchRejected as exc:
-            logger.error(f"sbatch rejected the job: {exc}")
-            await self._set_final(flow_run, Failed(message=f"sbatch rejected the job: {exc}"))
-            if task_status is not None:
-                task_status.started(exc)  # type: ignore[arg-type]
-            return SlurmWorkerResult(identifier="rejected", status_code=0)
+            return await self._refuse(flow_run, f"sbatch rejected the job: {exc}", logger, task_status)
         logger.info(f"submitted Slurm job {job_id} ({script})")
         if task_status is not None:
             task_status.started(job_id)
         return await self._follow(flow_run, job_id, configuration.poll_interval_s, logger)
+
+    async def _refuse(self, flow_run: FlowRun, message: str, logger, task_status) -> SlurmWorkerResult:
+        """No job was created: the flow run fails with `message`."""
+        logger.error(message)
+        await self._set_final(flow_run, Failed(message=message))
+        if task_status is not None:
+            task_status.started(RuntimeError(message))  # an exception: Prefect records no infrastructure id
+        return SlurmWorkerResult(identifier="rejected", status_code=0)
 
     async def _follow(self, flow_run: FlowRun, job_id: str, poll_s: float, logger) -> SlurmWorkerResult:
         """Poll Slurm and the flow run until the job is gone; scancel on a Prefect cancellation."""

@@ -14,12 +14,24 @@ import shlex
 from collections.abc import Mapping, Sequence
 
 from config.placement import SlurmJobConfig, SlurmPlacementConfig
+from config.script_text import (
+    ENV_VALUE,
+    FLOW_RUN_NAME,
+    OPTION_VALUE,
+    PATH_TEXT,
+    SLURM_NAME,
+    Charset,
+    check,
+    check_env_key,
+    check_sbatch_option,
+)
 from config.trainer_parallel import TrainerParallelConfig
 from launch.torchrun import torchrun_args
 
 COMPONENTS = ("warmup", "inference", "orchestrator", "trainer")
 # Slurm's walltime warning reaches the batch shell (sbatch --signal=B:USR1@N); the shell turns it into
-# this file, which the flow watches: the flow itself may run under a Prefect runner that USR1 would kill.
+# this file (in a private directory, see _RUN), which the flow watches: the flow itself may run under a
+# Prefect runner that USR1 would kill.
 WALLTIME_FILE_ENV = "ROLLFLOW_WALLTIME_FILE"
 WALLTIME_GRACE_ENV = "ROLLFLOW_WALLTIME_GRACE_S"  # how long the flow waits for a checkpoint after it
 
@@ -61,25 +73,40 @@ def srun_prefix(name: str, nodes: Sequence[str], slurm: SlurmJobConfig) -> list[
     ]
 
 
+def _value(value: object, charset: Charset = PATH_TEXT) -> str:
+    """A value as one token of the script: checked (the last guard, whatever the caller validated) and
+    quoted. sbatch reads shell-style quotes in #SBATCH lines too; a newline would end the line in both."""
+    return shlex.quote(check(str(value), charset))
+
+
+def _option(line: str) -> str:
+    name, sep, value = check_sbatch_option(line).partition("=")
+    return name + sep + (_value(value, OPTION_VALUE) if sep else "")
+
+
 def sbatch_options(slurm: SlurmJobConfig, nodes: int, job_name: str, output: str) -> list[str]:
-    opts = [f"--job-name={job_name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
-    opts += [f"--cpus-per-task={slurm.cpus_per_task}", f"--mem={slurm.mem}", f"--time={slurm.time_limit}"]
+    opts = [f"--job-name={_value(job_name, FLOW_RUN_NAME)}", f"--nodes={int(nodes)}", "--ntasks-per-node=1"]
+    opts += [f"--cpus-per-task={int(slurm.cpus_per_task)}", f"--mem={_value(slurm.mem, SLURM_NAME)}"]
+    opts.append(f"--time={_value(slurm.time_limit, OPTION_VALUE)}")
     for key in ("partition", "account", "qos"):
         if getattr(slurm, key):
-            opts.append(f"--{key}={getattr(slurm, key)}")
+            opts.append(f"--{key}={_value(getattr(slurm, key), SLURM_NAME)}")
     if slurm.gpus_per_node:
-        opts.append(f"--gpus-per-node={slurm.gpus_per_node}")
+        opts.append(f"--gpus-per-node={int(slurm.gpus_per_node)}")
     if slurm.signal_before_s:
-        opts.append(f"--signal=B:USR1@{slurm.signal_before_s}")
-    return [*opts, f"--output={output}", *slurm.extra_sbatch]
+        opts.append(f"--signal=B:USR1@{int(slurm.signal_before_s)}")
+    return [*opts, f"--output={_value(output)}", *(_option(line) for line in slurm.extra_sbatch)]
 
 
+# The walltime flag lives in a directory the job makes for itself (mktemp -d: mode 0700, a random name):
+# at a fixed path in a shared /tmp any local user could create it and stop the run. runtime/walltime.py
+# also checks that the directory and the flag are the job user's own.
 # The flow runs in the background so that the shell can take Slurm's USR1 (a trap does not run while
 # bash waits for a foreground child); `wait` returns early on a trapped signal, hence the loop.
 _RUN = """\
-export {env_name}="${{TMPDIR:-/tmp}}/rollflow-walltime-$SLURM_JOB_ID"
+rollflow_flag_dir=$(mktemp -d "${{TMPDIR:-/tmp}}/rollflow-walltime.XXXXXXXXXX") || exit 1
+export {env_name}="$rollflow_flag_dir/flag"
 export {grace_name}={grace}
-rm -f "${env_name}"
 trap 'echo "rollflow: Slurm walltime warning (USR1)"; touch "${env_name}"' USR1
 {command} &
 child=$!
@@ -87,7 +114,7 @@ while true; do
     wait "$child"; rc=$?
     kill -0 "$child" 2>/dev/null || break
 done
-rm -f "${env_name}"
+rm -rf "$rollflow_flag_dir"
 exit "$rc"
 """
 
@@ -95,14 +122,14 @@ exit "$rc"
 def render_sbatch(
     slurm: SlurmJobConfig, nodes: int, job_name: str, command: str, env: Mapping[str, str], output: str
 ) -> str:
-    """The whole batch script: #SBATCH options, exported environment, setup lines, the flow command."""
+    """The whole batch script: #SBATCH options, exported environment, setup lines, the flow command.
+    Every value is checked and quoted here (config/script_text.py); `setup` and `command` are shell."""
     lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in sbatch_options(slurm, nodes, job_name, output))]
     lines.append("# rendered by rollflow (launch/slurm.py); one job per run, components are srun steps")
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
+    lines += [f"export {check_env_key(k)}={_value(v, ENV_VALUE)}" for k, v in sorted(env.items())]
     lines += slurm.setup
-    run = _RUN.format(
-        env_name=WALLTIME_FILE_ENV, grace_name=WALLTIME_GRACE_ENV, grace=slurm.signal_before_s // 2, command=command
-    )
+    grace = int(slurm.signal_before_s) // 2
+    run = _RUN.format(env_name=WALLTIME_FILE_ENV, grace_name=WALLTIME_GRACE_ENV, grace=grace, command=command)
     lines.append(run.rstrip("\n"))
     return "\n".join(lines) + "\n"
 

@@ -12,7 +12,6 @@ a temporary local API as a local run does. The Slurm job id is printed on the la
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -65,13 +64,12 @@ def write_preview(cfg: RunConfig, command: str) -> dict[str, str]:
 def submit(cfg: RunConfig, command: str) -> str:
     """Write the script next to the run's configs and sbatch it; returns the job id."""
     from runtime.slurm import submit as sbatch
+    from runtime.slurm import write_script
 
     out = Path(_job_output(cfg)).parent
     out.mkdir(parents=True, exist_ok=True)  # Slurm does not create the output's directory
     script = out / f"{cfg.run_name}.sbatch"
-    tmp = script.with_suffix(".tmp")
-    tmp.write_text(render_job(cfg, command))
-    os.replace(tmp, script)
+    write_script(script, render_job(cfg, command))
     job_id = sbatch(str(script))
     print(json.dumps({"script": str(script), "output": str(out / f"slurm-{job_id}.out")}))
     return job_id

@@ -7,11 +7,14 @@ Slurm >= 22.05 through its CLI only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 
 from config.placement import SlurmPlacementConfig
 from launch.slurm import place
@@ -48,6 +51,22 @@ def allocation_nodes(dep: SlurmPlacementConfig, env: Mapping[str, str] = os.envi
     if not env.get("SLURM_JOB_ID"):
         return None
     return place(dep, hostnames(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")))
+
+
+def write_script(path: Path, text: str) -> None:
+    """Write a batch script atomically, readable by its owner only (the worker's carries the Prefect API
+    settings). The temporary file gets a random name and is created with O_EXCL (mkstemp): a file or a
+    symlink another user planted at a predictable name in the directory is never opened or followed; the
+    rename then replaces whatever is at `path` itself, a symlink included, without following it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def submit(script_path: str, cwd: str | None = None) -> str:

@@ -1,8 +1,11 @@
 """Slurm's walltime warning, as the `rl` flow sees it.
 
 The batch script asks Slurm for USR1 before the time limit (`--signal=B:USR1@N`); its shell turns the
-signal into a file named by $ROLLFLOW_WALLTIME_FILE and exports $ROLLFLOW_WALLTIME_GRACE_S (N/2)
-(launch/slurm.py). A thread here polls for that file. When it appears:
+signal into a file named by $ROLLFLOW_WALLTIME_FILE, inside a directory the job made for itself with
+`mktemp -d`, and exports $ROLLFLOW_WALLTIME_GRACE_S (N/2) (launch/slurm.py). A thread here polls for that
+file. It counts only if the directory is this user's and no one else's (mode 0700 or stricter) and the file
+is a regular file of this user's: on a shared node another user must not be able to stop the run by
+planting a file. When it appears:
   1. `checkpoint_request` is set: the flow relays SIGUSR1 to the trainer, which writes a checkpoint
      after its current step;
   2. it waits for that checkpoint, at most the grace period;
@@ -14,6 +17,7 @@ Outside Slurm (no variable) nothing is watched.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +42,7 @@ class WalltimeWatch:
         self._logger = logger
         self._poll_s = poll_s
         self._thread: threading.Thread | None = None
+        self._ignored = False  # a flag that is not ours was reported once
 
     def attach(self, stop: threading.Event) -> None:
         """Set `stop` when the warning comes (at once if it already came)."""
@@ -57,10 +62,30 @@ class WalltimeWatch:
                 return
         self._logger.warning("no new checkpoint within the grace period; the last complete one is kept")
 
+    def _flag_is_ours(self) -> bool:
+        """The flag exists, is a regular file of this user's, in a directory only this user can enter."""
+        assert self.path is not None
+        try:
+            flag, folder = os.lstat(self.path), os.lstat(os.path.dirname(self.path) or ".")
+        except FileNotFoundError:
+            return False
+        uid = os.geteuid()
+        private = stat.S_ISDIR(folder.st_mode) and folder.st_uid == uid and not folder.st_mode & 0o077
+        if private and stat.S_ISREG(flag.st_mode) and flag.st_uid == uid:
+            return True
+        if not self._ignored:
+            self._ignored = True
+            self._logger.warning(
+                f"ignoring {self.path}: the walltime flag counts only as a file of uid {uid} in a directory of "
+                f"that uid with mode 0700 (file uid {flag.st_uid}, directory uid {folder.st_uid}, "
+                f"mode {stat.S_IMODE(folder.st_mode):o})"
+            )
+        return False
+
     def _watch(self) -> None:
         assert self.path is not None
         while not self._done.wait(self._poll_s):
-            if os.path.exists(self.path):
+            if self._flag_is_ours():
                 if self.grace_s > 0 and self.trainer_running.is_set():
                     self._wait_for_checkpoint()
                 self._logger.warning("stopping the components; the run stays resumable")

@@ -84,11 +84,11 @@ def slurm_worker(prefect_api, slurm_cluster, tmp_path_factory):
     log.close()
 
 
-def _start(deployment: str, parameters: dict, job_variables: dict | None = None):
+def _start(deployment: str, parameters: dict, job_variables: dict | None = None, name: str | None = None):
     from prefect.deployments import run_deployment
 
     variables = {"poll_interval_s": 1.0, **(job_variables or {})}  # the worker follows the job every second
-    return run_deployment(deployment, parameters=parameters, job_variables=variables, timeout=0)
+    return run_deployment(deployment, parameters=parameters, job_variables=variables, timeout=0, flow_run_name=name)
 
 
 def _read(run_id):
@@ -173,7 +173,6 @@ def test_a_deployment_run_completes_as_one_job_with_srun_steps(tmp_path, slurm_w
     [
         ({"partition": "nosuch"}, "invalid partition"),
         ({"nodes": 3}, "more processors requested than permitted"),
-        ({"time_limit": "an hour"}, "invalid --time specification"),
     ],
 )
 def test_an_sbatch_rejection_fails_the_run_with_slurms_message(tmp_path, slurm_worker, job_variables, slurm_says):
@@ -183,6 +182,53 @@ def test_an_sbatch_rejection_fails_the_run_with_slurms_message(tmp_path, slurm_w
     assert run.state.is_failed(), run.state
     assert slurm_says in run.state.message.lower(), run.state.message
     assert not run.infrastructure_pid and not out.exists()  # nothing started
+
+
+@pytest.mark.parametrize(
+    ("job_variables", "name", "said"),
+    [
+        ({"partition": "debug\ntouch {marker}"}, None, "job variable partition: 'debug\\ntouch"),
+        ({"env": {"X=1;touch {marker};Y": "1"}}, None, "job variable env: environment variable name"),
+        ({"time_limit": "an hour"}, None, "job variable time_limit: 'an hour' is not a slurm time"),
+        ({}, "calm-otter\ntouch {marker}", "the flow run's name (it names the slurm job)"),
+    ],
+)
+def test_hostile_job_variables_fail_the_run_before_sbatch(tmp_path, slurm_worker, job_variables, name, said):
+    """Job variables (and the flow run's name) come from whoever can reach the Prefect API: a value that
+    would become a line of the batch script fails the flow run in the worker; no script, no job."""
+    marker, out = tmp_path / "pwned", tmp_path / "run"
+    variables = json.loads(json.dumps(job_variables).replace("{marker}", str(marker)))
+    name = name and name.replace("{marker}", str(marker))
+    fr = _start("rl-from-profile/rl-slurm", {"profiles": PROFILES, "output_dir": str(out)}, variables, name)
+    run, _ = _follow(fr.id, "0", timeout_s=60)
+    assert run.state.is_failed(), run.state
+    assert "the slurm worker refused the job" in run.state.message.lower(), run.state.message
+    assert said in run.state.message.lower(), run.state.message
+    assert not run.infrastructure_pid and not out.exists() and not marker.exists()
+    assert not list(slurm_worker.rglob(f"{fr.id}*")), "no batch script was written"
+
+
+def test_quoted_sbatch_values_reach_slurm_as_written(tmp_path, slurm_cluster):
+    """sbatch reads shell-style quotes in #SBATCH lines: a job name with a space, an output path with a
+    space and an option value that bash would read as a pipe arrive whole."""
+    from config.placement import SlurmJobConfig
+    from launch.slurm import render_sbatch
+
+    logs = tmp_path / "my logs"
+    logs.mkdir()
+    slurm_cfg = SlurmJobConfig(mem="100M", time_limit="1", extra_sbatch=["--comment=a|b"], signal_before_s=0)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_sbatch(slurm_cfg, 1, "prefect-calm otter", "true", {}, str(logs / "o-%j.out")))
+    proc = subprocess.run(["sbatch", "--parsable", "--hold", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip().split(";")[0]
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    finally:
+        slurm.cancel(job_id)
+    assert "JobName=prefect-calm otter\n" in shown or "JobName=prefect-calm otter " in shown, shown
+    assert f"StdOut={logs}/o-{job_id}.out" in shown, shown
+    assert "Comment=a|b" in shown, shown
 
 
 def test_a_cancellation_in_prefect_leaves_no_job_step_or_process(tmp_path, slurm_worker):

@@ -93,9 +93,9 @@ def test_allocation_with_other_node_count_is_refused() -> None:
             r"deployment.inference_nodes=1 \+ deployment.trainer_nodes=1 must add up to deployment.nodes=3",
         ),
         ([("deployment.trainer_nodes", "2")], r"deployment.nodes=1: every component shares the node"),
-        ([("deployment.slurm.time_limit", "'an hour'")], r"deployment.slurm.time_limit='an hour' is not a Slurm time"),
-        ([("deployment.slurm.mem", "'lots'")], r"deployment.slurm.mem='lots'"),
-        ([("deployment.slurm.extra_sbatch", "['exclusive']")], r"deployment.slurm.extra_sbatch: 'exclusive'"),
+        ([("deployment.slurm.time_limit", "'an hour'")], r"time_limit: .*'an hour' is not a Slurm time"),
+        ([("deployment.slurm.mem", "'lots'")], r"deployment.slurm.mem: .*'lots' is not sbatch --mem syntax"),
+        ([("deployment.slurm.extra_sbatch", "['exclusive']")], r"extra_sbatch: .*'exclusive' must be one long"),
         ([("deployment.gpus", "1")], r"deployment.gpus"),
     ],
 )
@@ -130,5 +130,5 @@ def test_numbers_for_mem_and_time_limit_are_read_as_text_from_the_command_line_a
     profile.write_text("[deployment.slurm]\nmem = 512000\ntime_limit = 120\n")
     slurm = load_run_config([tiny, profile]).placement.slurm
     assert (slurm.mem, slurm.time_limit) == ("512000", "120")
-    with pytest.raises(ConfigError, match=r"deployment.slurm.time_limit='1.5' is not a Slurm time"):
+    with pytest.raises(ConfigError, match=r"deployment.slurm.time_limit: .*'1.5' is not a Slurm time"):
         load_run_config([tiny], [("deployment.slurm.time_limit", "1.5")])
