@@ -29,12 +29,36 @@ def cut(text: str, stops: list[str]) -> tuple[str, str | None]:
     return text[:at], stop
 
 
-def stop_check(tokenizer, stops: list[str]) -> Callable[[list[int]], bool] | None:
-    """The engine's per-token check: does a stop string occur in the row's last tokens' text?"""
+class StopMatcher:
+    """One row's stop-string check, which the engine runs after each of its tokens. The row's text is decoded
+    incrementally, as vLLM detokenizes: each call decodes only the tokens since the last complete character,
+    with the ones before them as context, and searches only the new text and the `longest - 1` characters
+    before it. A token costs the same however long the row or its stop strings (up to MAX_STOP_CHARS)."""
+
+    PENDING = 8  # tokens without new text (special ones, split characters) after which their text is taken as is
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tok, self.stops = tokenizer, stops
+        self.keep = max(len(s) for s in stops) - 1  # characters a stop string may reach back before new text
+        self.text = ""  # the last `keep` characters of the row's text
+        self.prefix = self.read = 0  # context starts at ids[prefix]; ids[:read] are in `text`
+
+    def __call__(self, ids: list[int]) -> bool:
+        before = self.tok.decode(ids[self.prefix : self.read])
+        now = self.tok.decode(ids[self.prefix :])
+        if (len(now) <= len(before) or now.endswith("\ufffd")) and len(ids) - self.read < self.PENDING:
+            return False  # no complete character yet (a byte-level token split one)
+        window = self.text + now[len(before) :]
+        self.prefix, self.read = self.read, len(ids)
+        self.text = window[-self.keep :] if self.keep else ""
+        return any(s in window for s in self.stops)
+
+
+def stop_check(tokenizer, stops: list[str]) -> Callable[[], Callable[[list[int]], bool]] | None:
+    """What makes each row's stop check (None without stop strings): a matcher per row, as it keeps state."""
     if not stops:
         return None
-    tail = max(len(s) for s in stops) + 4  # tokens decode to >= 1 character each, with slack for partial ones
-    return lambda ids: any(s in tokenizer.decode(ids[-tail:]) for s in stops)
+    return lambda: StopMatcher(tokenizer, stops)
 
 
 def _top_k(body: api.SamplingFields) -> int:
@@ -87,8 +111,9 @@ class Serving:
             problem = f"min_tokens ({body.min_tokens}) exceeds max_tokens ({limit})"
         if problem:
             raise BackendError(400, problem)
+        temperature = body.temperature if body.temperature >= api.GREEDY_BELOW else 0.0
         request = Request(
-            ids, body.n, limit, body.temperature, body.seed, top_k=max(body.top_k or 0, 0), top_p=body.top_p or 1.0,
+            ids, body.n, limit, temperature, body.seed, top_k=max(body.top_k or 0, 0), top_p=body.top_p or 1.0,
             min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos), stop=stop_check(self.tok, body.stops()),
             top_logprobs=_top_k(body), kept_sizes=bool(body.return_kept_sizes),
             prompt_logprobs=getattr(body, "prompt_logprobs", None),
@@ -122,7 +147,9 @@ class Serving:
             "token_ids": c.token_ids if body.return_token_ids else None,
             "policy_version": c.policy_version,
             "policy_version_end": c.policy_version_end,
-            "routed_experts": None if c.routed_experts is None else c.routed_experts.tolist(),
+            "routed_experts": c.routed_experts.tolist()
+            if c.routed_experts is not None and body.return_routed_experts
+            else None,
             "kept_sizes": c.kept_sizes if body.return_kept_sizes else None,
         }
 
