@@ -202,7 +202,7 @@ def fuzz(client: httpx.Client, seconds: float, examples: int, seed: int) -> int:
 
 
 def test_fuzzed_request_bodies_never_get_a_5xx_nor_stop_the_batch(client):
-    sent = fuzz(client, seconds=4, examples=400, seed=0)
+    sent = fuzz(client, seconds=4, examples=2000, seed=0)
     print(f"fuzz: {sent} hostile requests")
 
 
