@@ -15,8 +15,8 @@ from config.base import Strict
 from config.registry import INFERENCE_BACKEND_GROUP, INFERENCE_BACKENDS, one_of
 from config.vllm import SHAPE_KEYS, VLLMConfig, replay_without_offload
 
-# The default token budget holds this many full batches of max_model_len-token rows: far above the orchestrator's
-# own load (requests_in_flight * group_size rows; config/run.py checks it fits)
+# The default token budget holds this many full batches of max_model_len-token rows (config/run.py raises it to the
+# orchestrator's own load, requests_in_flight * group_size rows, where that is more)
 QUEUED_BATCHES = 4
 
 
@@ -40,7 +40,10 @@ class InferenceConfig(Strict):
     # Retry-After. A request's work is n * (prompt + max_tokens) tokens (max_model_len without max_tokens).
     max_queued_requests: int = Field(1024, gt=0, description="generation requests held at once (running or queued)")
     max_queued_tokens: int | None = Field(
-        None, gt=0, description="tokens of work held at once; None: 4 * max_batch_size * the model's max_seq_len"
+        None,
+        gt=0,
+        description="tokens of work held at once; None: 4 * max_batch_size * the model's max_seq_len, or the "
+        "orchestrator's load (requests_in_flight * group_size * max_seq_len) when more",
     )
     retry_after_s: int = Field(1, gt=0, description="the Retry-After of a 429 (queue or token budget full)")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="backend 'vllm' only (config/vllm.py)")
