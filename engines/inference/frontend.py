@@ -240,12 +240,17 @@ def build_app(backend: Backend, settings: Settings) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     admin = Depends(admin_auth(settings.admin_token))
-    generate = _generation_route(backend, settings)
+    admission = Admission(settings)
+    generate = _generation_route(backend, settings, admission)
     started = int(time.time())
 
     @app.get("/health", responses=_errors(503))
     async def health() -> api.HealthResponse:
-        return await backend.health()
+        """The backend's health, its stats with what admission holds (`held_requests`, `held_tokens`)."""
+        h = await backend.health()
+        return h.model_copy(
+            update={"stats": {**h.stats, "held_requests": admission.requests, "held_tokens": admission.tokens}}
+        )
 
     @app.get("/v1/models")
     def models() -> api.ModelList:
@@ -340,10 +345,9 @@ def check_length(body: api.CompletionRequest | api.ChatRequest, max_model_len: i
         raise HTTPException(400, f"prompt text is not valid Unicode: {exc.reason} at {exc.start}") from None
 
 
-def _generation_route(backend: Backend, settings: Settings):
+def _generation_route(backend: Backend, settings: Settings, admission: Admission):
     """What both generation routes do: check the model name and the prompt's length, hold a place in the
     admission budget while the request runs, answer."""
-    admission = Admission(settings)
 
     async def answer(body: api.CompletionRequest | api.ChatRequest, http: Request) -> Response:
         if body.model is not None and body.model != backend.model_name:
