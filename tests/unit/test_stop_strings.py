@@ -3,9 +3,9 @@ does not grow with the row or with its stop strings."""
 
 from __future__ import annotations
 
-from engines.inference.embedded.serving import StopMatcher, cut, stop_check
+from engines.inference.embedded.serving import Prepared, Serving, StopMatcher, _Texts, cut, stop_check
 from engines.models.tokenizer import CharTokenizer
-from engines.protocol import MAX_STOP_CHARS
+from engines.protocol import MAX_STOP_CHARS, CompletionRequest
 
 
 class Counting(CharTokenizer):
@@ -46,3 +46,21 @@ def test_a_token_costs_the_same_however_long_the_row_and_its_stop_strings():
         assert not check(ids[:k])
         per_token.append(tok.decoded - before)
     assert max(per_token) <= 3, max(per_token)  # the new token and the one before it, twice at most
+
+
+def test_a_streamed_token_costs_the_same_however_long_the_choice():
+    """Streaming decodes each choice's new tokens only (the whole text once, at its end), and sends the text the
+    unstreamed answer has: the stop string cut, nothing held back at the end."""
+    tok = Counting()
+    serving = Serving(None, tok, "m")
+    body = CompletionRequest(prompt=[1], n=1, stream=True, stop=["zz"])
+    texts = _Texts(serving, Prepared(body, [1], None, chat=False, id="x", created=0))  # type: ignore[arg-type]
+    ids = tok.encode("ab" * 1000 + "zzq", bos=False)
+    sent, per_token = "", []
+    for k, t in enumerate(ids):
+        before = tok.decoded
+        (chunk,) = texts.chunks([(0, t, 0.0, k == len(ids) - 1, 0, "length", None)]) or [None]
+        per_token.append(tok.decoded - before)
+        if chunk is not None:
+            sent += chunk["choices"][0]["text"]
+    assert sent == "ab" * 1000 and max(per_token[:-3]) <= 3, max(per_token[:-3])

@@ -29,28 +29,43 @@ def cut(text: str, stops: list[str]) -> tuple[str, str | None]:
     return text[:at], stop
 
 
-class StopMatcher:
-    """One row's stop-string check, which the engine runs after each of its tokens. The row's text is decoded
-    incrementally, as vLLM detokenizes: each call decodes only the tokens since the last complete character,
-    with the ones before them as context, and searches only the new text and the `longest - 1` characters
-    before it. A token costs the same however long the row or its stop strings (up to MAX_STOP_CHARS)."""
+class Detokenizer:
+    """A row's text, decoded incrementally as vLLM detokenizes: each call decodes only the tokens since the last
+    complete character, with the ones before them as context, so a token costs the same however long the row."""
 
     PENDING = 8  # tokens without new text (special ones, split characters) after which their text is taken as is
 
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tok, self.stops = tokenizer, stops
-        self.keep = max(len(s) for s in stops) - 1  # characters a stop string may reach back before new text
-        self.text = ""  # the last `keep` characters of the row's text
-        self.prefix = self.read = 0  # context starts at ids[prefix]; ids[:read] are in `text`
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.prefix = self.read = 0  # context starts at ids[prefix]; the text of ids[:read] was returned
 
-    def __call__(self, ids: list[int]) -> bool:
+    def new_text(self, ids: list[int]) -> str:
+        """The text `ids` (the row's tokens so far) add to what earlier calls returned; "" while a character is
+        still split across tokens."""
         before = self.tok.decode(ids[self.prefix : self.read])
         now = self.tok.decode(ids[self.prefix :])
         if (len(now) <= len(before) or now.endswith("\ufffd")) and len(ids) - self.read < self.PENDING:
-            return False  # no complete character yet (a byte-level token split one)
-        window = self.text + now[len(before) :]
+            return ""
         self.prefix, self.read = self.read, len(ids)
-        self.text = window[-self.keep :] if self.keep else ""
+        return now[len(before) :]
+
+
+class StopMatcher:
+    """One row's stop-string check, which the engine runs after each of its tokens: the row's new text
+    (`Detokenizer`) and the `longest - 1` characters before it are searched, so a token costs the same however
+    long the row or its stop strings (up to MAX_STOP_CHARS)."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.text, self.stops = Detokenizer(tokenizer), stops
+        self.keep = max(len(s) for s in stops) - 1  # characters a stop string may reach back before new text
+        self.tail = ""  # the last `keep` characters of the row's text
+
+    def __call__(self, ids: list[int]) -> bool:
+        new = self.text.new_text(ids)
+        if not new:
+            return False
+        window = self.tail + new
+        self.tail = window[-self.keep :] if self.keep else ""
         return any(s in window for s in self.stops)
 
 
@@ -267,7 +282,9 @@ class _Texts:
         self.hold = max((len(x) for x in self.stops), default=1) - 1  # text that may still be a stop's start
         n = p.body.n
         self.ids: list[list[int]] = [[] for _ in range(n)]
-        self.sent: list[str] = [""] * n
+        self.texts = [Detokenizer(serving.tok) for _ in range(n)]
+        self.unsent = [""] * n  # decoded, not sent yet: held back (a stop's possible start, a partial character)
+        self.sent = [0] * n  # characters sent
         self.ended = [False] * n
         self.first_version: list[int | None] = [None] * n
 
@@ -290,6 +307,21 @@ class _Texts:
     def chunks(self, events: TokenEvents) -> list[dict]:
         return [c for e in events if (c := self._chunk(*e)) is not None]
 
+    def _delta(self, i: int, finished: bool) -> tuple[str, str | None, bool]:
+        """Choice i's text to send now, the stop string that ended it, and whether it ended. Only its new text is
+        decoded and searched (a stop string starts within the held-back text); at the end the whole text is
+        decoded once, so the streamed text is the unstreamed answer's."""
+        self.unsent[i] += self.texts[i].new_text(self.ids[i])
+        stop = next((s for s in self.stops if s in self.unsent[i]), None)
+        if finished or stop is not None:
+            full, stop = cut(self.s.tok.decode(self.ids[i]), self.stops)
+            delta = full[self.sent[i] :]
+        else:
+            delta = self.unsent[i][: max(0, len(self.unsent[i]) - self.hold)].rstrip("\ufffd")  # no partial characters
+            self.unsent[i] = self.unsent[i][len(delta) :]
+        self.sent[i] += len(delta)
+        return delta, stop, finished or stop is not None
+
     def _chunk(
         self, i: int, token: int, logprob: float, finished: bool, version: int, reason: str, alts
     ) -> dict | None:
@@ -298,10 +330,7 @@ class _Texts:
         if self.first_version[i] is None:
             self.first_version[i] = version
         self.ids[i].append(token)
-        full, stop = cut(self.s.tok.decode(self.ids[i]), self.stops)
-        end = finished or stop is not None
-        ready = full if end else full[: len(full) - self.hold].rstrip("\ufffd")  # no partial characters
-        delta, self.sent[i] = ready[len(self.sent[i]) :], ready
+        delta, stop, end = self._delta(i, finished)
         choice: dict = {"index": i, "finish_reason": None, "logprobs": None}
         body = self.p.body
         assert isinstance(body, api.ChatRequest | api.CompletionRequest)
@@ -312,7 +341,7 @@ class _Texts:
         else:
             choice["text"] = delta
             if body.logprobs is not None:
-                offset = len(self.sent[i]) - len(delta)
+                offset = self.sent[i] - len(delta)
                 choice["logprobs"] = {"tokens": [self.s._token(token)], "token_logprobs": [logprob],
                                       "text_offset": [offset],
                                       "top_logprobs": [self.s._top_dict(alts)] if alts else None}  # fmt: skip
