@@ -4,9 +4,10 @@ A request (engines/protocol.py, checked by the front end) is checked against the
 engine `Request` (its token limit, its stop strings as a check the engine runs after each token); the
 completions come back as one response body, or, with `stream=true`, as stream chunks: one per new piece
 of a choice's text, each choice's last chunk with its finish_reason and policy versions, and an optional
-usage chunk (the front end frames them and adds `[DONE]`). Text is decoded from each choice's whole token
-list, so a character split across tokens is sent once complete, and text that could still become a stop
-string is held back until it cannot.
+usage chunk (the front end frames them and adds `[DONE]`). Text is decoded incrementally (`Detokenizer`: a
+token's cost does not grow with the completion; the whole token list is decoded once, at a choice's end), so
+a character split across tokens is sent once complete, and text that could still become a stop string is
+held back until it cannot.
 """
 
 from __future__ import annotations
