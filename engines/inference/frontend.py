@@ -259,12 +259,12 @@ def build_app(backend: Backend, settings: Settings) -> FastAPI:
             data=[api.ModelCard(id=name, created=started, root=name, max_model_len=backend.max_model_len)]
         )
 
-    @app.post("/v1/completions", response_model=api.CompletionResponse, responses=_errors(400, 404, 413, 503))
+    @app.post("/v1/completions", response_model=api.CompletionResponse, responses=_errors(400, 404, 413, 429, 503))
     async def completions(req: api.CompletionRequest, http: Request) -> Response:
         """Token ids or text in; with `stream=true` the answer is `text/event-stream` chunks instead."""
         return await generate(req, http)
 
-    @app.post("/v1/chat/completions", response_model=api.ChatResponse, responses=_errors(400, 404, 413, 503))
+    @app.post("/v1/chat/completions", response_model=api.ChatResponse, responses=_errors(400, 404, 413, 429, 503))
     async def chat(req: api.ChatRequest, http: Request) -> Response:
         """Messages in (the chat template); with `stream=true`, `text/event-stream` chunks."""
         return await generate(req, http)

@@ -297,7 +297,7 @@ def test_openai_errors_are_explicit(oai, server):
     (card,) = c.models.list().data
     assert card.id == name and card.max_model_len == MODEL.max_seq_len
     paths = server[0].get("/openapi.json").json()["paths"]
-    assert {"400", "404", "413", "503"} <= set(paths["/v1/completions"]["post"]["responses"])
+    assert {"400", "404", "413", "429", "503"} <= set(paths["/v1/completions"]["post"]["responses"])
     assert {"401", "409", "422"} <= set(paths["/update_weights"]["post"]["responses"])
     assert "422" not in paths["/v1/completions"]["post"]["responses"]  # a body that does not validate is a 400
 
