@@ -15,6 +15,10 @@ from config.base import Strict
 from config.registry import INFERENCE_BACKEND_GROUP, INFERENCE_BACKENDS, one_of
 from config.vllm import SHAPE_KEYS, VLLMConfig, replay_without_offload
 
+# The default token budget holds this many full batches of max_model_len-token rows (config/run.py raises it to the
+# orchestrator's own load, requests_in_flight * group_size rows, where that is more)
+QUEUED_BATCHES = 4
+
 
 class InferenceConfig(Strict):
     """The settings every inference engine reads, and the vLLM backend's own in `vllm`."""
@@ -32,12 +36,26 @@ class InferenceConfig(Strict):
     enable_return_routed_experts: bool = Field(
         False, description="MoE: return each token's routed expert ids (the `routed_experts` rollout column)"
     )
+    # Admission (docs/inference.md "Limits"): what the server holds at once; one more request is a 429 with
+    # Retry-After. A request's work is n * (prompt + max_tokens) tokens (max_model_len without max_tokens).
+    max_queued_requests: int = Field(1024, gt=0, description="generation requests held at once (running or queued)")
+    max_queued_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="tokens of work held at once; None: 4 * max_batch_size * the model's max_seq_len, or the "
+        "orchestrator's load (requests_in_flight * group_size * max_seq_len) when more",
+    )
+    retry_after_s: int = Field(1, gt=0, description="the Retry-After of a 429 (queue or token budget full)")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="backend 'vllm' only (config/vllm.py)")
 
     @field_validator("backend")
     @classmethod
     def _registered(cls, name: str) -> str:
         return one_of("inference backend", name, INFERENCE_BACKENDS, INFERENCE_BACKEND_GROUP)
+
+    def queued_tokens(self, max_model_len: int) -> int:
+        """The token budget of a server whose model takes `max_model_len` tokens."""
+        return self.max_queued_tokens or QUEUED_BATCHES * self.max_batch_size * max_model_len
 
     @model_validator(mode="after")
     def _vllm_keys_fit(self) -> InferenceConfig:

@@ -62,6 +62,8 @@ class OrchestratorProcessConfig(Strict):
     teacher: TeacherConfig = TeacherConfig()  # with a path: score every completion token there (teacher_url)
     teacher_url: str | None = None
     eval: EvalConfig = EvalConfig()  # eval.interval > 0: evaluate the served policy on held-out tasks as it trains
+    # inference.enable_return_routed_experts: ask for each sample's `routed_experts` (MoE router replay)
+    routed_experts: bool = False
 
 
 class TrainerProcessConfig(Strict):
@@ -131,6 +133,7 @@ def component_configs(
             teacher=cfg.teacher,
             teacher_url=None if teacher is None else teacher_url(cfg),
             eval=cfg.eval,
+            routed_experts=cfg.inference.enable_return_routed_experts,
         ),
         "trainer": TrainerProcessConfig(
             run=paths,

@@ -220,6 +220,30 @@ class RunConfig(Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _inference_admits_the_orchestrator(self) -> RunConfig:
+        """The orchestrator's own load (requests_in_flight requests of group_size, or eval.n, samples) must never
+        be refused by the server's admission limits (a refused request would stop the run): an unset token budget
+        is raised to it, a limit set below it is refused."""
+        inf, o = self.inference, self.orchestrator
+        inflight = max(o.requests_in_flight, self.eval.requests_in_flight or 0)
+        tokens = inflight * max(o.group_size, self.eval.n) * self.model.max_seq_len
+        if inflight > inf.max_queued_requests:
+            raise ValueError(
+                f"inference.max_queued_requests={inf.max_queued_requests} is below the orchestrator's "
+                f"{inflight} concurrent requests (orchestrator.requests_in_flight / eval.requests_in_flight): "
+                f"set inference.max_queued_requests >= {inflight}"
+            )
+        if inf.max_queued_tokens is None and tokens > inf.queued_tokens(self.model.max_seq_len):
+            inf.max_queued_tokens = tokens
+        if tokens > inf.queued_tokens(self.model.max_seq_len):
+            raise ValueError(
+                f"inference.max_queued_tokens={inf.queued_tokens(self.model.max_seq_len)} is below the orchestrator's "
+                f"load of {tokens} tokens ({inflight} requests x {max(o.group_size, self.eval.n)} samples x "
+                f"model.max_seq_len {self.model.max_seq_len}): set inference.max_queued_tokens >= {tokens}"
+            )
+        return self
+
     def _check_algorithm(self) -> None:
         """The trainer's loss schedule against the step's size and the trainer's process layout."""
         samples = self.orchestrator.batch_size * self.orchestrator.group_size

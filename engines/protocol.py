@@ -5,13 +5,23 @@ They cross a process boundary (orchestrator or any OpenAI client -> server), so 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from config.vllm import SESSION_HEADER as SESSION_HEADER  # re-exported for the engines
 
 MAX_TOP_LOGPROBS = 20  # as vLLM's default --max-logprobs
+# Bounds on a request's fields (docs/inference.md "Limits"): a request over one is a 400 before anything is
+# allocated for it. They sit far above what rollflow's own clients send (the orchestrator: n = group_size).
+MAX_N = 1024  # samples per request; the embedded engine also refuses n over its inference.max_batch_size
+MAX_TOP_K = 2**31 - 1  # any value at or above the vocabulary size keeps every token
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_STOP_CHARS = 256  # characters per stop string: the text held back while streaming is one shorter
+MAX_MESSAGES = 1024  # chat messages per request
+MAX_PROMPT_IDS = 2**20  # token ids in a prompt (the server then refuses what exceeds max_model_len)
+# Temperatures under this sample greedily (as vLLM does): dividing by them overflows the logits to inf
+GREEDY_BELOW = 1e-5
 # The admin routes' bearer token: the flow draws one per attempt and gives it to the inference process and
 # the orchestrator through this environment variable (a process without it draws a random one).
 ADMIN_TOKEN_ENV = "ROLLFLOW_ADMIN_TOKEN"
@@ -30,22 +40,26 @@ class SamplingFields(BaseModel):
     orchestrator's) sends only what it set, to either backend.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None  # when given, the served model's name (GET /v1/models), else 404
     max_tokens: int | None = Field(None, gt=0)  # None: up to the model's max_model_len
-    temperature: float = Field(1.0, ge=0)  # 0: greedy (the most likely token)
+    temperature: float = Field(1.0, ge=0)  # 0 (or under GREEDY_BELOW): greedy (the most likely token)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: no limit (vLLM's convention)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # -1 or 0: no limit (vLLM's convention)
     min_tokens: int | None = Field(None, ge=0)  # vLLM extension: end-of-sequence is not drawn before this
     ignore_eos: bool | None = None  # vLLM extension: end-of-sequence does not end the completion
-    stop: str | list[str] | None = None  # the text ends before the first of these; token_ids keep every token
-    n: int = Field(1, gt=0)
+    # the text ends before the first of these; token_ids keep every token
+    stop: str | list[str] | None = None
+    n: int = Field(1, gt=0, le=MAX_N)
     seed: int | None = Field(None, ge=0)  # OpenAI field: same seed + prompt -> same samples, in any batch
     return_token_ids: bool = False  # vLLM extension: completion (and prompt) token ids
     # rollflow extension: per sampled token, the size of the support top-k / top-p truncation kept (`kept_sizes`);
     # None (not sent) or false: not returned. The vLLM backend does not return it (docs/algorithm.md)
     return_kept_sizes: bool | None = None
+    # rollflow extension (MoE with inference.enable_return_routed_experts): each choice's `routed_experts`; not
+    # sent or false: none (they are large: [seq, layers, top_k] per choice)
+    return_routed_experts: bool | None = None
     stream: bool = False  # server-sent events, one chunk per token of a choice
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id: accepted, not used
@@ -62,8 +76,10 @@ class SamplingFields(BaseModel):
             raise ValueError("logit_bias is not supported by the embedded engine (only empty)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream=true")
-        if isinstance(self.stop, list) and not all(self.stop):
-            raise ValueError("stop strings must not be empty")
+        if len(self.stops()) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in self.stops()):
+            raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
         if self.return_kept_sizes and self.stream:
             raise ValueError("return_kept_sizes is not returned when streaming (stream=false)")
         return self
@@ -73,7 +89,8 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]  # text, or token ids (token-in, as vLLM accepts)
+    # text (its length is bounded by the server's max_model_len, frontend.py), or token ids (token-in, as vLLM)
+    prompt: str | Annotated[list[int], Field(max_length=MAX_PROMPT_IDS)]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the sampled token's logprob, and k alternatives
     # vLLM extension: per prompt token (the first has none: null), its logprob given the tokens before it, and k
     # alternatives; what a distillation teacher scores a student's samples with (docs/distillation.md)
@@ -102,7 +119,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, gt=0)  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per position (needs logprobs)

@@ -4,8 +4,11 @@
     POST /v1/completions, /v1/chat/completions    OpenAI-compatible; `stream=true` answers server-sent events
     POST /update_weights, /shutdown               admin: `Authorization: Bearer <token>`
 
-A request body is validated against engines/protocol.py (an unknown field or an unsupported value is a 400
-naming it), bounded in size, and turned into a `Generation` (the configured session header's value, the
+A request body is bounded in size (413, chunked bodies included), validated against engines/protocol.py (an
+unknown field, an unsupported value or one over a limit is a 400 naming it; the message lists the first few
+errors and a count), checked against the model's length (a text prompt before it is tokenised), admitted (at
+most `max_queued_requests` requests and `max_queued_tokens` tokens of work held at once, else a 429 with
+Retry-After), and turned into a `Generation` (the configured session header's value, the
 request id, the client's other x- headers); the backend answers it. Every error, the backend's included, has
 OpenAI's shape (`{"error": {message, type, param, code}, "detail"}`), and OpenAPI lists each route's errors.
 A client that goes away (checked every DISCONNECT_POLL_S while it waits, since a closed connection is not
@@ -31,21 +34,29 @@ from engines.inference.backend import Backend, BackendError, Generation
 
 DISCONNECT_POLL_S = 0.25
 MAX_BODY_BYTES = 8 * 2**20  # far above any prompt of max_model_len tokens; a larger body is a 413
-MAX_IN_FLIGHT = 1024  # generation requests served at once; one more is a 503 (the orchestrator sends <= 64)
+MAX_IN_FLIGHT = 1024  # generation requests held at once (inference.max_queued_requests); one more is a 429
+# A text prompt (or a chat's contents) longer than this many characters per max_model_len token cannot fit
+# any tokenizer's max_model_len (no vocabulary has longer tokens in practice): refused before it is tokenised
+MAX_CHARS_PER_TOKEN = 32
+MAX_ERRORS_SHOWN = 3  # validation errors a 400 lists (then how many more): a bad body never makes a huge answer
+MAX_MESSAGE_CHARS = 2000  # an error message is cut here (a message may quote a client's value)
 REQUEST_ID_HEADER = "x-request-id"
 
 ERRORS = {
-    400: "invalid request: a malformed body, an unknown or unsupported field, or a request that cannot run "
-    "(empty prompt, token ids outside the vocabulary, prompt + max_tokens over max_model_len, n over the batch)",
+    400: "invalid request: a malformed body, an unknown or unsupported field, a value over a limit, or a request "
+    "that cannot run (empty prompt, token ids outside the vocabulary, prompt + max_tokens over max_model_len, "
+    "n over the batch, more tokens of work than the server's whole budget)",
     401: "admin route without the right bearer token",
     404: "unknown model name, or no committed publication at that version or path",
     409: "a publication older than the served version",
     413: f"a request body over {MAX_BODY_BYTES} bytes",
     422: "a corrupted publication or one that does not fit the model (the file or the tensors are named)",
-    503: f"the backend cannot serve now (an upstream server is down), or {MAX_IN_FLIGHT} requests are in flight",
+    429: "the server holds its most requests or tokens of work (inference.max_queued_requests / max_queued_tokens): "
+    "retry after the Retry-After header's seconds",
+    503: "the backend cannot serve now (an upstream server is down)",
 }
-KINDS = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error", 500: "internal_error",
-         503: "service_unavailable_error"}  # fmt: skip
+KINDS = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error",
+         500: "internal_error", 503: "service_unavailable_error"}  # fmt: skip
 T = TypeVar("T")
 
 
@@ -54,7 +65,9 @@ class Settings:
     admin_token: str
     session_header: str = api.SESSION_HEADER  # inference.router.session_header: whose value names the session
     max_body_bytes: int = MAX_BODY_BYTES
-    max_in_flight: int = MAX_IN_FLIGHT
+    max_in_flight: int = MAX_IN_FLIGHT  # inference.max_queued_requests
+    max_tokens: int | None = None  # inference.max_queued_tokens (resolved); None: no token budget
+    retry_after_s: int = 1
 
 
 class ClientGone(Exception):
@@ -62,6 +75,8 @@ class ClientGone(Exception):
 
 
 def error_body(code: int, message: str, param: str | None = None) -> dict:
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[:MAX_MESSAGE_CHARS] + f"... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
     error = api.ErrorBody(message=message, type=KINDS.get(code, "invalid_request_error"), param=param, code=code)
     return api.ErrorResponse(error=error, detail=message).model_dump()
 
@@ -74,8 +89,12 @@ def _errors(*codes: int) -> dict:
 def admin_auth(token: str) -> Callable[..., None]:
     """The dependency of every admin route: `Authorization: Bearer <token>` or 401."""
 
+    expected = f"Bearer {token}".encode()
+
     def check(authorization: str | None = Header(default=None)) -> None:
-        if authorization is None or not secrets.compare_digest(authorization, f"Bearer {token}"):
+        # as bytes: compare_digest refuses a str with non-ASCII characters (a header may carry any latin-1 byte)
+        given = None if authorization is None else authorization.encode("utf-8", "surrogateescape")
+        if given is None or not secrets.compare_digest(given, expected):
             raise HTTPException(status_code=401, detail="admin route: missing or wrong bearer token")
 
     return check
@@ -110,12 +129,12 @@ def install_error_handlers(app: FastAPI) -> None:
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    def reply(code: int, message: str, param: str | None = None) -> JSONResponse:
-        return JSONResponse(error_body(code, message, param), status_code=code)
+    def reply(code: int, message: str, param: str | None = None, headers=None) -> JSONResponse:
+        return JSONResponse(error_body(code, message, param), status_code=code, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
-        return reply(exc.status_code, str(exc.detail))
+        return reply(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(BackendError)
     async def backend_error(request, exc):
@@ -127,9 +146,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc):
-        where = [".".join(str(x) for x in e.get("loc", ())[1:]) for e in exc.errors()]
-        message = "; ".join(f"{w or 'body'}: {e['msg']}" for w, e in zip(where, exc.errors(), strict=True))
-        return reply(400, message, where[0] or None)
+        errors = exc.errors()
+        where = [".".join(str(x) for x in e.get("loc", ())[1:]) for e in errors[:MAX_ERRORS_SHOWN]]
+        message = "; ".join(f"{w or 'body'}: {e['msg']}" for w, e in zip(where, errors, strict=False))
+        if len(errors) > MAX_ERRORS_SHOWN:
+            message += f"; and {len(errors) - MAX_ERRORS_SHOWN} more errors"
+        return reply(400, message, (where[0] or None) if where else None)
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -179,14 +201,16 @@ def sse(chunk: dict) -> str:
     return f"data: {json.dumps(chunk)}\n\n"
 
 
-async def framed(first: dict | None, rest: AsyncIterator[dict], release: Callable[[], None]) -> AsyncIterator[str]:
-    """The event stream: each chunk as `data: {json}`, then `data: [DONE]`; an error after the status line
-    was sent goes in the stream as an error event."""
+async def framed(
+    first: dict | None, rest: AsyncIterator[dict], release: Callable[[], None], routes: bool = False
+) -> AsyncIterator[str]:
+    """The event stream: each chunk as `data: {json}` (`routed_experts` only with `routes`), then `data: [DONE]`;
+    an error after the status line was sent goes in the stream as an error event."""
     try:
         if first is not None:
-            yield sse(first)
+            yield sse(first if routes else without_routes(first))
         async for chunk in rest:
-            yield sse(chunk)
+            yield sse(chunk if routes else without_routes(chunk))
         yield "data: [DONE]\n\n"
     except BackendError as exc:
         yield sse(error_body(exc.status, exc.message, exc.param))
@@ -216,12 +240,17 @@ def build_app(backend: Backend, settings: Settings) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     admin = Depends(admin_auth(settings.admin_token))
-    generate = _generation_route(backend, settings)
+    admission = Admission(settings)
+    generate = _generation_route(backend, settings, admission)
     started = int(time.time())
 
     @app.get("/health", responses=_errors(503))
     async def health() -> api.HealthResponse:
-        return await backend.health()
+        """The backend's health, its stats with what admission holds (`held_requests`, `held_tokens`)."""
+        h = await backend.health()
+        return h.model_copy(
+            update={"stats": {**h.stats, "held_requests": admission.requests, "held_tokens": admission.tokens}}
+        )
 
     @app.get("/v1/models")
     def models() -> api.ModelList:
@@ -230,12 +259,12 @@ def build_app(backend: Backend, settings: Settings) -> FastAPI:
             data=[api.ModelCard(id=name, created=started, root=name, max_model_len=backend.max_model_len)]
         )
 
-    @app.post("/v1/completions", response_model=api.CompletionResponse, responses=_errors(400, 404, 413, 503))
+    @app.post("/v1/completions", response_model=api.CompletionResponse, responses=_errors(400, 404, 413, 429, 503))
     async def completions(req: api.CompletionRequest, http: Request) -> Response:
         """Token ids or text in; with `stream=true` the answer is `text/event-stream` chunks instead."""
         return await generate(req, http)
 
-    @app.post("/v1/chat/completions", response_model=api.ChatResponse, responses=_errors(400, 404, 413, 503))
+    @app.post("/v1/chat/completions", response_model=api.ChatResponse, responses=_errors(400, 404, 413, 429, 503))
     async def chat(req: api.ChatRequest, http: Request) -> Response:
         """Messages in (the chat template); with `stream=true`, `text/event-stream` chunks."""
         return await generate(req, http)
@@ -253,36 +282,104 @@ def build_app(backend: Backend, settings: Settings) -> FastAPI:
     return app
 
 
-def _generation_route(backend: Backend, settings: Settings):
-    """What both generation routes do: check the model name, hold one of the in-flight slots, answer."""
-    in_flight = 0
+class Admission:
+    """What the server holds at once: at most `requests` generation requests and `tokens` tokens of work (each
+    request's `cost`); one more is a 429 with Retry-After. A request over the whole budget is a 400 (it never fits)."""
 
-    def release() -> None:
-        nonlocal in_flight
-        in_flight -= 1
+    def __init__(self, settings: Settings):
+        self.settings, self.requests, self.tokens = settings, 0, 0
+
+    def enter(self, cost: int) -> None:
+        s = self.settings
+        if s.max_tokens is not None and cost > s.max_tokens:
+            whole = f"the server's whole budget of {s.max_tokens} (inference.max_queued_tokens)"
+            raise HTTPException(400, f"the request is {cost} tokens of work (n * (prompt + max_tokens)), over {whole}")
+        full = None
+        if self.requests >= s.max_in_flight:
+            full = f"{self.requests} requests held (inference.max_queued_requests)"
+        elif s.max_tokens is not None and self.tokens + cost > s.max_tokens:
+            full = f"{self.tokens} of {s.max_tokens} tokens of work held (inference.max_queued_tokens)"
+        if full:
+            raise HTTPException(429, f"the server is full: {full}; retry later", {"Retry-After": str(s.retry_after_s)})
+        self.requests, self.tokens = self.requests + 1, self.tokens + cost
+
+    def leave(self, cost: int) -> None:
+        self.requests, self.tokens = self.requests - 1, self.tokens - cost
+
+
+def prompt_texts(body: api.CompletionRequest | api.ChatRequest) -> list[str] | None:
+    """The prompt's text (a chat's contents), or None for token ids."""
+    if isinstance(body, api.ChatRequest):
+        return [m.content for m in body.messages]
+    return [body.prompt] if isinstance(body.prompt, str) else None
+
+
+def prompt_size(body: api.CompletionRequest | api.ChatRequest) -> int:
+    """The prompt's length: characters of text (before tokenising), or token ids."""
+    texts = prompt_texts(body)
+    if texts is None:
+        assert isinstance(body, api.CompletionRequest)
+        return len(body.prompt)
+    return sum(map(len, texts))
+
+
+def cost(body: api.CompletionRequest | api.ChatRequest, max_model_len: int) -> int:
+    """A request's tokens of work: n * (prompt + max_tokens), at most n * max_model_len (text counts a token per
+    character, a bound the max_model_len cap keeps from over-counting much)."""
+    limit = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    size = prompt_size(body)
+    return body.n * (max_model_len if limit is None else min(max_model_len, size + limit))
+
+
+def check_length(body: api.CompletionRequest | api.ChatRequest, max_model_len: int) -> None:
+    """Refuse a prompt that cannot fit max_model_len, or text no tokenizer takes, before it is tokenised."""
+    size, texts = prompt_size(body), prompt_texts(body)
+    most = max_model_len * MAX_CHARS_PER_TOKEN if texts is not None else max_model_len
+    if size > most:
+        unit = "characters" if texts is not None else "token ids"
+        raise HTTPException(400, f"prompt of {size} {unit} cannot fit max_model_len {max_model_len} (at most {most})")
+    try:
+        for text in texts or []:
+            text.encode()
+    except UnicodeEncodeError as exc:  # JSON's escapes can spell a lone surrogate, which is no character
+        raise HTTPException(400, f"prompt text is not valid Unicode: {exc.reason} at {exc.start}") from None
+
+
+def _generation_route(backend: Backend, settings: Settings, admission: Admission):
+    """What both generation routes do: check the model name and the prompt's length, hold a place in the
+    admission budget while the request runs, answer."""
 
     async def answer(body: api.CompletionRequest | api.ChatRequest, http: Request) -> Response:
-        nonlocal in_flight
         if body.model is not None and body.model != backend.model_name:
             raise HTTPException(404, f"model {body.model!r} does not exist: this server serves {backend.model_name!r}")
-        if in_flight >= settings.max_in_flight:
-            raise HTTPException(503, f"{in_flight} requests in flight (the most this server takes); retry later")
-        in_flight += 1
+        check_length(body, backend.max_model_len)
+        work = cost(body, backend.max_model_len)
+        admission.enter(work)
         release_here = True
         try:
             gen = generation(body, http.headers, settings.session_header)
             if body.stream:
-                response = await _stream(backend, gen, http, release)
-                release_here = False  # the stream holds the slot until it ends
+                response = await _stream(backend, gen, http, lambda: admission.leave(work))
+                release_here = False  # the stream holds its place until it ends
                 return response
-            return JSONResponse(_json(await until_gone(backend.generate(gen), http.is_disconnected)))
+            answered = _json(await until_gone(backend.generate(gen), http.is_disconnected))
+            return JSONResponse(answered if body.return_routed_experts else without_routes(answered))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it: the client closed the connection
         finally:
             if release_here:
-                release()
+                admission.leave(work)
 
     return answer
+
+
+def without_routes(body: Any) -> Any:
+    """A response (or stream chunk) without `routed_experts`, which a client gets only when it asks."""
+    if isinstance(body, dict):
+        for choice in body.get("choices") or []:
+            if isinstance(choice, dict) and choice.get("routed_experts") is not None:
+                choice["routed_experts"] = None
+    return body
 
 
 async def _stream(backend: Backend, gen: Generation, http: Request, release: Callable[[], None]) -> Response:
@@ -295,4 +392,5 @@ async def _stream(backend: Backend, gen: Generation, http: Request, release: Cal
     except BaseException:
         await chunks.aclose()  # type: ignore[attr-defined]
         raise
-    return StreamingResponse(framed(first, chunks, release), media_type="text/event-stream")
+    routes = bool(gen.body.return_routed_experts)
+    return StreamingResponse(framed(first, chunks, release, routes), media_type="text/event-stream")

@@ -36,8 +36,13 @@ async def serve(cfg: InferenceProcessConfig) -> bool:
 
     backend = await backends.create(cfg)
     try:
+        inf = cfg.inference
         settings = Settings(
-            os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_hex(16), cfg.inference.vllm.router.session_header
+            os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_hex(16),
+            inf.vllm.router.session_header,
+            max_in_flight=inf.max_queued_requests,
+            max_tokens=inf.queued_tokens(backend.max_model_len),
+            retry_after_s=inf.retry_after_s,
         )
         app = build_app(backend, settings)
         # Keep-alive longer than the client's (httpx: 5 s): with equal timeouts a request can reuse a connection

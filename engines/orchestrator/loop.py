@@ -9,7 +9,8 @@ and commit
 `rollouts/step=N/`. A background task follows `weights/` and pushes each new publication to the engine
 while generation runs, so one rollout may span two policy versions. Requests and responses are the
 inference API's own types (engines/protocol.py); each sample becomes a typed `RolloutRow`, carrying
-the engine's `routed_experts` when it returns them (MoE with inference.enable_return_routed_experts).
+the engine's `routed_experts`, which it asks for (`return_routed_experts`) with
+inference.enable_return_routed_experts (MoE).
 Multi-turn environments run `group_size` episodes per prompt instead (engines/orchestrator/multiturn.py),
 and an environment that runs its own episodes (verifiers) samples through the same `EpisodeGroup`;
 a step's episodes are committed together with its other samples, so an episode is in the lake whole or not
@@ -183,6 +184,7 @@ class Orchestrator:
             # a pure function of (seed, step, group): a resumed run redraws exactly these samples
             seed=derive_seed(self.cfg.seed, step, group),
             **truncation(self.ocfg),  # orchestrator.top_p / top_k, and the kept support sizes with them
+            return_routed_experts=self.cfg.routed_experts or None,  # the server sends them only when asked
         )
         group_id = rollouts.group_id(step, group)
         response = await post_completion(self.client, self.limit, request, group_id, self.cfg.session_header)

@@ -8,11 +8,6 @@ model of the version the response itself reports (`models[policy_version]`).
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,34 +15,23 @@ import httpx
 import pytest
 import torch
 
-from config.inference import InferenceConfig
 from config.model import ModelConfig
-from config.process import ComponentPaths, InferenceProcessConfig
-from config.storage import StorageConfig
 from engines.models.decoder import CausalLM, token_logprobs
 from engines.models.tokenizer import CharTokenizer
-from engines.protocol import ADMIN_TOKEN_ENV
 from storage import weights
 from storage.fs import get_fs
+from tests.inference_fixture import ADMIN, publish, serving
 
-TOKEN = "test-admin-token"
 # max_seq_len leaves room for requests long enough to be aborted half-way (test_a_client_that_goes_away_*)
 MODEL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_seq_len=1024)
 
 
 def _publish(root: str, version: int, seed: int) -> CausalLM:
-    torch.manual_seed(seed)
-    model = CausalLM(MODEL, CharTokenizer().vocab_size).eval()
-    fs, r = get_fs(root)
-    weights.publish(fs, r, version, model.publishable_state_dict())
-    return model
+    return publish(root, MODEL, version, seed)
 
 
 def _served(client: httpx.Client) -> int:
     return client.get("/health").json()["policy_version"]
-
-
-ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def _assert_logprobs_match(model: CausalLM, prompt: list[int], choice: dict, temperature: float) -> None:
@@ -62,35 +46,8 @@ def _assert_logprobs_match(model: CausalLM, prompt: list[int], choice: dict, tem
 def server(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("run"))
     models = {0: _publish(root, 0, seed=1)}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cfg = InferenceProcessConfig(
-        run=ComponentPaths(output_dir=root, run_id="t", storage=StorageConfig()),
-        model=MODEL,
-        inference=InferenceConfig(port=port),
-        seed=0,
-    )
-    path = f"{root}/inference.json"
-    with open(path, "w") as f:
-        json.dump(cfg.model_dump(mode="json"), f)
-    env = {**os.environ, ADMIN_TOKEN_ENV: TOKEN}
-    proc = subprocess.Popen([sys.executable, "-m", "engines.inference", "--config", path], env=env)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if client.get("/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("inference server did not become healthy")
-    yield client, root, models
-    client.close()
-    proc.terminate()
-    proc.wait(timeout=10)
+    with serving(root, MODEL) as client:
+        yield client, root, models
 
 
 def test_completions_return_ids_and_logprobs_that_match_the_model(server):
@@ -340,7 +297,7 @@ def test_openai_errors_are_explicit(oai, server):
     (card,) = c.models.list().data
     assert card.id == name and card.max_model_len == MODEL.max_seq_len
     paths = server[0].get("/openapi.json").json()["paths"]
-    assert {"400", "404", "413", "503"} <= set(paths["/v1/completions"]["post"]["responses"])
+    assert {"400", "404", "413", "429", "503"} <= set(paths["/v1/completions"]["post"]["responses"])
     assert {"401", "409", "422"} <= set(paths["/update_weights"]["post"]["responses"])
     assert "422" not in paths["/v1/completions"]["post"]["responses"]  # a body that does not validate is a 400
 

@@ -294,3 +294,15 @@ def test_cli_refuses_tensor_parallelism_on_moe_layers_at_load(tmp_path, capsys):
         main(["rl", "@", str(TINY), "--output-dir", str(tmp_path / "ok"), "--dry-run", "--model.path", str(dense), *tp])
         == 0
     )
+
+
+def test_inference_admission_limits_must_admit_the_orchestrators_load():
+    """The server's admission limits never refuse the orchestrator's own requests: a run whose limits would is
+    refused at load, naming the key and the value that fits; an unset token budget rises to the load."""
+    load_run_config([TINY])
+    with pytest.raises(ConfigError, match=r"inference.max_queued_requests >= 16"):
+        load_run_config([TINY], [("inference.max_queued_requests", "8")])
+    with pytest.raises(ConfigError, match=r"inference.max_queued_tokens >= 8192"):  # 16 requests x 8 x 64
+        load_run_config([TINY], [("inference.max_queued_tokens", "8000")])
+    cfg = load_run_config([TINY], [("orchestrator.requests_in_flight", "200")])  # over 4 batches: the budget rises
+    assert cfg.inference.queued_tokens(cfg.model.max_seq_len) == 200 * 8 * 64 > 4 * 256 * 64

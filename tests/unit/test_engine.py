@@ -232,3 +232,47 @@ def test_a_queued_request_that_is_aborted_never_runs():
         assert len(running.future.result(timeout=30)[0].token_ids) == 30
     finally:
         e.stop()
+
+
+def _joining_mid_batch(engine: Engine, *late: Request) -> Request:
+    """A long request; once it has drawn 3 tokens, `late` are submitted together (they join its batch)."""
+    first = Request(TOK.encode("rev:abcdef="), n=2, max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
+    steps = 0
+
+    def submit_late(events) -> None:
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            for r in late:
+                engine.submit(r)
+
+    first.on_tokens = submit_late
+    engine.submit(first)
+    return first
+
+
+def test_a_request_that_cannot_join_fails_alone(engine):
+    """A sampling value no tensor holds (top_k = 2**63) fails its own request when it joins a running batch; the
+    running request and one that joins with it finish as they would alone."""
+    bad = Request(TOK.encode("rev:ab="), n=1, max_tokens=5, temperature=1.0, seed=1, top_k=2**63)
+    good = Request(TOK.encode("sort:zyx="), n=2, max_tokens=5, temperature=1.0, seed=7)
+    first = _joining_mid_batch(engine, bad, good)
+    with pytest.raises((RuntimeError, ValueError), match="Overflow"):
+        bad.future.result(timeout=30)
+    assert len(first.future.result(timeout=30)[0].token_ids) == 40
+    alone = engine.submit(Request(TOK.encode("sort:zyx="), n=2, max_tokens=5, temperature=1.0, seed=7)).result(30)
+    assert [c.token_ids for c in good.future.result(timeout=30)] == [c.token_ids for c in alone]
+
+
+def test_a_stop_check_that_raises_fails_only_its_request(engine):
+    def broken():
+        def check(ids: list[int]) -> bool:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a tokenizer that cannot decode")
+
+        return check
+
+    bad = Request(TOK.encode("rev:ab="), n=2, max_tokens=5, temperature=1.0, seed=1, stop=broken)
+    first = _joining_mid_batch(engine, bad)
+    with pytest.raises(UnicodeDecodeError):
+        bad.future.result(timeout=30)
+    assert [len(c.token_ids) for c in first.future.result(timeout=30)] == [40, 40]

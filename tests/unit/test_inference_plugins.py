@@ -154,7 +154,7 @@ def echo(monkeypatch):
         del sys.modules[name]
 
 
-def test_requests_over_the_in_flight_bound_fail_alone_with_503(echo):
+def test_requests_over_the_in_flight_bound_fail_alone_with_429(echo):
     """max_in_flight = 2: of four slow requests at once, two are served and two refused at once; the
     server serves again afterwards."""
     from engines.inference.frontend import Settings
@@ -168,9 +168,10 @@ def test_requests_over_the_in_flight_bound_fail_alone_with_503(echo):
                 return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(4)))
 
         codes = sorted(r.status_code for r in asyncio.run(burst()))
-        assert codes == [200, 200, 503, 503]
-        refused = next(r for r in asyncio.run(burst()) if r.status_code == 503).json()
-        assert refused["error"]["type"] == "service_unavailable_error" and "in flight" in refused["error"]["message"]
+        assert codes == [200, 200, 429, 429]
+        refused = next(r for r in asyncio.run(burst()) if r.status_code == 429)
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "rate_limit_error" and "max_queued_requests" in refused.text
         assert httpx.post(served.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
     finally:
         served.close()

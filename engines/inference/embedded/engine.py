@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engines.inference.embedded.generate import Completion, Decoder, Sampling
+from engines.inference.embedded.generate import Completion, Decoder, Refused, Sampling
 from engines.models.decoder import CausalLM
 from engines.seeds import row_seeds
 
@@ -37,7 +37,8 @@ class Request:
     top_p: float = 1.0
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop: Callable[[list[int]], bool] | None = None  # given a row's tokens, True ends it (stop strings)
+    # makes each row's stop-string check (which keeps per-row state): given the row's tokens, True ends it
+    stop: Callable[[], Callable[[list[int]], bool]] | None = None
     top_logprobs: int = 0  # also the k most likely (token, logprob) per position
     kept_sizes: bool = False  # also each token's kept support size (top-k / top-p truncation)
     prompt_logprobs: int | None = None  # also score the prompt's tokens, with this many alternatives
@@ -54,7 +55,7 @@ class Request:
                 top_p=self.top_p,
                 min_tokens=self.min_tokens,
                 ignore_eos=self.ignore_eos,
-                stop=self.stop,
+                stop=self.stop() if self.stop is not None else None,
                 top_logprobs=self.top_logprobs,
                 kept_sizes=self.kept_sizes,
                 prompt_logprobs=self.prompt_logprobs,
@@ -218,10 +219,21 @@ class Engine:
                 self._admit(decoder, running)
 
     def _admit(self, decoder: Decoder, running: dict[int, tuple[_Running, int]]) -> None:
-        """Prefill the queued requests that fit and add their rows to the running batch."""
+        """Prefill the queued requests that fit and add their rows to the running batch. A request that
+        cannot join (a bad sampling value, a failed prefill) fails alone: the others join without it."""
         taken = self._take(decoder.live)
         if not taken:
             return
+        try:
+            self._join(decoder, running, taken)
+        except Refused:  # some of them cannot join: find which, each joining on its own
+            for req in taken:
+                self._join(decoder, running, [req])
+        self.stats["joins"] += 1
+
+    def _join(self, decoder: Decoder, running: dict[int, tuple[_Running, int]], taken: list[Request]) -> None:
+        """Add `taken` to the batch. When they cannot join (Refused) the batch is unchanged: one request alone
+        then fails, several raise Refused. Any other failure is the batch's: it fails them all."""
         prompts, params = [], []
         for req in taken:
             seed = req.seed if req.seed is not None else int(torch.randint(2**62, (1,), generator=self.generator))
@@ -229,11 +241,15 @@ class Engine:
             params += req.sampling(seed)
         try:
             made = decoder.add(prompts, params)
-        except Exception as exc:  # their prefill failed: they are not in `running` yet, so fail them here
+        except Refused as exc:  # the batch is as it was: only these requests fail
+            if len(taken) == 1:
+                taken[0].future.set_exception(exc.__cause__ or exc)
+                return
+            raise
+        except Exception as exc:  # the batch itself failed: they are not in `running` yet, so fail them here
             for req in taken:
                 req.future.set_exception(exc)
             raise
-        self.stats["joins"] += 1
         start = 0
         for req in taken:
             rows = made[start : start + req.n]
@@ -277,7 +293,11 @@ class Engine:
                     entry.request.on_tokens = None
             if entry.left == 0:
                 self.stats["sequences"] += len(entry.outs)
-                entry.request.future.set_result(entry.outs)
+                failed = next((c.error for c in entry.outs if c.error is not None), None)
+                if failed is not None:  # its own check failed (a stop check raised): it alone fails
+                    entry.request.future.set_exception(failed)
+                else:
+                    entry.request.future.set_result(entry.outs)
 
 
 __all__ = ["Completion", "Engine", "Request"]

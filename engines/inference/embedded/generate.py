@@ -49,6 +49,12 @@ class Completion:
     kept_sizes: list[int] = field(default_factory=list)
     # with Sampling.prompt_logprobs: per prompt token after the first, (logprob, rank, k alternatives)
     prompt_logprobs: list[PromptScore] | None = None
+    error: Exception | None = None  # the row's own check failed (its stop check raised): its request fails
+
+
+class Refused(Exception):
+    """Rows that cannot join the batch (a sampling value a tensor cannot hold, a failed prefill); the batch is
+    unchanged. The cause is the original error."""
 
 
 # A prompt token's score: its logprob given the tokens before it, its rank (1 = the most likely), and the k most
@@ -149,18 +155,15 @@ class _Rows:
     top_k: torch.Tensor
     top_p: torch.Tensor
 
-    @classmethod
-    def new(cls, origins: list[int], valid: torch.Tensor, next_pos: torch.Tensor, params: list[Sampling]) -> _Rows:
+    @staticmethod
+    def columns(params: list[Sampling]) -> dict[str, torch.Tensor]:
+        """The per-row sampling columns; raises for a value the column's dtype cannot hold."""
+
         def col(name: str, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor([getattr(s, name) for s in params], dtype=dtype)
 
         temps = col("temperature", torch.float32)
-        return cls(
-            origin=torch.tensor(origins),
-            live=torch.ones(len(params), dtype=torch.bool),
-            valid=valid,
-            next_pos=next_pos,
-            steps=torch.zeros(len(params), dtype=torch.int64),
+        return dict(
             temps=torch.where(temps > 0, temps, 1.0)[:, None],
             greedy=temps == 0,
             seeds=col("seed", torch.int64),
@@ -169,6 +172,17 @@ class _Rows:
             ignore_eos=col("ignore_eos", torch.bool),
             top_k=col("top_k", torch.int64),
             top_p=col("top_p", torch.float32),
+        )
+
+    @classmethod
+    def new(cls, origins: list[int], valid: torch.Tensor, next_pos: torch.Tensor, columns: dict) -> _Rows:
+        return cls(
+            origin=torch.tensor(origins),
+            live=torch.ones(len(origins), dtype=torch.bool),
+            valid=valid,
+            next_pos=next_pos,
+            steps=torch.zeros(len(origins), dtype=torch.int64),
+            **columns,
         )
 
     def select(self, rows: torch.Tensor) -> _Rows:
@@ -218,11 +232,18 @@ class Decoder:
         `sample`. Returns (origin id, completion) per row, filled in as the rows run."""
         origins = list(range(self._next_origin, self._next_origin + len(prompts)))
         self._next_origin += len(prompts)
-        scored = [s.prompt_logprobs for s in params]
-        logits, cache, valid, next_pos, scores = self._prefill(
-            prompts, origins, max(s.max_tokens for s in params), scored
-        )
-        rows = _Rows.new(origins, valid, next_pos, params)
+        try:  # nothing of the batch changes before the merge below
+            columns = _Rows.columns(params)
+            scored = [s.prompt_logprobs for s in params]
+            logits, cache, valid, next_pos, scores = self._prefill(
+                prompts, origins, max(s.max_tokens for s in params), scored
+            )
+        except Exception as exc:
+            if self.log:
+                for o in origins:
+                    self.log.parts.pop(o, None)
+            raise Refused(f"{type(exc).__name__}: {exc}") from exc
+        rows = _Rows.new(origins, valid, next_pos, columns)
         tokens = torch.full((len(prompts),), self.pad_id, dtype=torch.long)
         if self.rows is None:
             self.rows, self.cache, self.logits, self.tokens = rows, cache, logits, tokens
@@ -361,19 +382,29 @@ class Decoder:
             c.token_ids.append(token)
             c.logprobs.append(lp)
             if alts is not None and (k := self.alternatives.get(origin)):
-                c.top_logprobs.append(list(zip(alts[j][0][:k], alts[j][1][:k], strict=True)))
+                # tokens the row's truncation removed (logprob -inf) are no alternatives (nor valid JSON)
+                pairs = zip(alts[j][0][:k], alts[j][1][:k], strict=True)
+                c.top_logprobs.append([(t, v) for t, v in pairs if v > float("-inf")])
             if kept is not None and origin in self.kept_rows:
                 c.kept_sizes.append(kept[j])
             if c.policy_version < 0:
                 c.policy_version = version
             c.policy_version_end = version
-            stop = self.stops.get(origin)
-            if is_eos or (stop is not None and stop(c.token_ids)):
+            if is_eos or self._stopped(origin, c):
                 c.finished, c.finish_reason = True, "stop"
             elif is_full:
                 c.finished, c.finish_reason = True, "length"
             stepped.append(origin)
         return stepped
+
+    def _stopped(self, origin: int, c: Completion) -> bool:
+        """The row's stop check; one that raises ends the row with the error (its request alone fails)."""
+        stop = self.stops.get(origin)
+        try:
+            return stop is not None and stop(c.token_ids)
+        except Exception as exc:
+            c.error = exc
+            return True
 
     @torch.no_grad()
     def forward(self) -> None:

@@ -4,9 +4,10 @@ A request (engines/protocol.py, checked by the front end) is checked against the
 engine `Request` (its token limit, its stop strings as a check the engine runs after each token); the
 completions come back as one response body, or, with `stream=true`, as stream chunks: one per new piece
 of a choice's text, each choice's last chunk with its finish_reason and policy versions, and an optional
-usage chunk (the front end frames them and adds `[DONE]`). Text is decoded from each choice's whole token
-list, so a character split across tokens is sent once complete, and text that could still become a stop
-string is held back until it cannot.
+usage chunk (the front end frames them and adds `[DONE]`). Text is decoded incrementally (`Detokenizer`: a
+token's cost does not grow with the completion; the whole token list is decoded once, at a choice's end), so
+a character split across tokens is sent once complete, and text that could still become a stop string is
+held back until it cannot.
 """
 
 from __future__ import annotations
@@ -29,12 +30,51 @@ def cut(text: str, stops: list[str]) -> tuple[str, str | None]:
     return text[:at], stop
 
 
-def stop_check(tokenizer, stops: list[str]) -> Callable[[list[int]], bool] | None:
-    """The engine's per-token check: does a stop string occur in the row's last tokens' text?"""
+class Detokenizer:
+    """A row's text, decoded incrementally as vLLM detokenizes: each call decodes only the tokens since the last
+    complete character, with the ones before them as context, so a token costs the same however long the row."""
+
+    PENDING = 8  # tokens without new text (special ones, split characters) after which their text is taken as is
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.prefix = self.read = 0  # context starts at ids[prefix]; the text of ids[:read] was returned
+
+    def new_text(self, ids: list[int]) -> str:
+        """The text `ids` (the row's tokens so far) add to what earlier calls returned; "" while a character is
+        still split across tokens."""
+        before = self.tok.decode(ids[self.prefix : self.read])
+        now = self.tok.decode(ids[self.prefix :])
+        if (len(now) <= len(before) or now.endswith("\ufffd")) and len(ids) - self.read < self.PENDING:
+            return ""
+        self.prefix, self.read = self.read, len(ids)
+        return now[len(before) :]
+
+
+class StopMatcher:
+    """One row's stop-string check, which the engine runs after each of its tokens: the row's new text
+    (`Detokenizer`) and the `longest - 1` characters before it are searched, so a token costs the same however
+    long the row or its stop strings (up to MAX_STOP_CHARS)."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.text, self.stops = Detokenizer(tokenizer), stops
+        self.keep = max(len(s) for s in stops) - 1  # characters a stop string may reach back before new text
+        self.tail = ""  # the last `keep` characters of the row's text
+
+    def __call__(self, ids: list[int]) -> bool:
+        new = self.text.new_text(ids)
+        if not new:
+            return False
+        window = self.tail + new
+        self.tail = window[-self.keep :] if self.keep else ""
+        return any(s in window for s in self.stops)
+
+
+def stop_check(tokenizer, stops: list[str]) -> Callable[[], Callable[[list[int]], bool]] | None:
+    """What makes each row's stop check (None without stop strings): a matcher per row, as it keeps state."""
     if not stops:
         return None
-    tail = max(len(s) for s in stops) + 4  # tokens decode to >= 1 character each, with slack for partial ones
-    return lambda ids: any(s in tokenizer.decode(ids[-tail:]) for s in stops)
+    return lambda: StopMatcher(tokenizer, stops)
 
 
 def _top_k(body: api.SamplingFields) -> int:
@@ -87,8 +127,9 @@ class Serving:
             problem = f"min_tokens ({body.min_tokens}) exceeds max_tokens ({limit})"
         if problem:
             raise BackendError(400, problem)
+        temperature = body.temperature if body.temperature >= api.GREEDY_BELOW else 0.0
         request = Request(
-            ids, body.n, limit, body.temperature, body.seed, top_k=max(body.top_k or 0, 0), top_p=body.top_p or 1.0,
+            ids, body.n, limit, temperature, body.seed, top_k=max(body.top_k or 0, 0), top_p=body.top_p or 1.0,
             min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos), stop=stop_check(self.tok, body.stops()),
             top_logprobs=_top_k(body), kept_sizes=bool(body.return_kept_sizes),
             prompt_logprobs=getattr(body, "prompt_logprobs", None),
@@ -122,7 +163,9 @@ class Serving:
             "token_ids": c.token_ids if body.return_token_ids else None,
             "policy_version": c.policy_version,
             "policy_version_end": c.policy_version_end,
-            "routed_experts": None if c.routed_experts is None else c.routed_experts.tolist(),
+            "routed_experts": c.routed_experts.tolist()
+            if c.routed_experts is not None and body.return_routed_experts
+            else None,
             "kept_sizes": c.kept_sizes if body.return_kept_sizes else None,
         }
 
@@ -240,7 +283,9 @@ class _Texts:
         self.hold = max((len(x) for x in self.stops), default=1) - 1  # text that may still be a stop's start
         n = p.body.n
         self.ids: list[list[int]] = [[] for _ in range(n)]
-        self.sent: list[str] = [""] * n
+        self.texts = [Detokenizer(serving.tok) for _ in range(n)]
+        self.unsent = [""] * n  # decoded, not sent yet: held back (a stop's possible start, a partial character)
+        self.sent = [0] * n  # characters sent
         self.ended = [False] * n
         self.first_version: list[int | None] = [None] * n
 
@@ -263,6 +308,21 @@ class _Texts:
     def chunks(self, events: TokenEvents) -> list[dict]:
         return [c for e in events if (c := self._chunk(*e)) is not None]
 
+    def _delta(self, i: int, finished: bool) -> tuple[str, str | None, bool]:
+        """Choice i's text to send now, the stop string that ended it, and whether it ended. Only its new text is
+        decoded and searched (a stop string starts within the held-back text); at the end the whole text is
+        decoded once, so the streamed text is the unstreamed answer's."""
+        self.unsent[i] += self.texts[i].new_text(self.ids[i])
+        stop = next((s for s in self.stops if s in self.unsent[i]), None)
+        if finished or stop is not None:
+            full, stop = cut(self.s.tok.decode(self.ids[i]), self.stops)
+            delta = full[self.sent[i] :]
+        else:
+            delta = self.unsent[i][: max(0, len(self.unsent[i]) - self.hold)].rstrip("\ufffd")  # no partial characters
+            self.unsent[i] = self.unsent[i][len(delta) :]
+        self.sent[i] += len(delta)
+        return delta, stop, finished or stop is not None
+
     def _chunk(
         self, i: int, token: int, logprob: float, finished: bool, version: int, reason: str, alts
     ) -> dict | None:
@@ -271,10 +331,7 @@ class _Texts:
         if self.first_version[i] is None:
             self.first_version[i] = version
         self.ids[i].append(token)
-        full, stop = cut(self.s.tok.decode(self.ids[i]), self.stops)
-        end = finished or stop is not None
-        ready = full if end else full[: len(full) - self.hold].rstrip("\ufffd")  # no partial characters
-        delta, self.sent[i] = ready[len(self.sent[i]) :], ready
+        delta, stop, end = self._delta(i, finished)
         choice: dict = {"index": i, "finish_reason": None, "logprobs": None}
         body = self.p.body
         assert isinstance(body, api.ChatRequest | api.CompletionRequest)
@@ -285,7 +342,7 @@ class _Texts:
         else:
             choice["text"] = delta
             if body.logprobs is not None:
-                offset = len(self.sent[i]) - len(delta)
+                offset = self.sent[i] - len(delta)
                 choice["logprobs"] = {"tokens": [self.s._token(token)], "token_logprobs": [logprob],
                                       "text_offset": [offset],
                                       "top_logprobs": [self.s._top_dict(alts)] if alts else None}  # fmt: skip
