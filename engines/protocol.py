@@ -5,6 +5,8 @@ They cross a process boundary (orchestrator or any OpenAI client -> server), so 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -25,6 +27,15 @@ GREEDY_BELOW = 1e-5
 # The admin routes' bearer token: the flow draws one per attempt and gives it to the inference process and
 # the orchestrator through this environment variable (a process without it draws a random one).
 ADMIN_TOKEN_ENV = "ROLLFLOW_ADMIN_TOKEN"
+# The teacher server's token, as the orchestrator receives it (the teacher itself reads ADMIN_TOKEN_ENV).
+TEACHER_TOKEN_ENV = "ROLLFLOW_TEACHER_TOKEN"
+
+
+def identity_proof(token: str, nonce: str) -> str:
+    """What GET /identity answers: proof that the server holds `token`, without revealing it. A client checks
+    it before it sends the token or trusts the server's samples, since the port the flow chose may have been
+    taken by another local process between the flow's probe and the server's bind."""
+    return hmac.new(token.encode(), b"rollflow-identity:" + nonce.encode(), hashlib.sha256).hexdigest()
 
 
 class StreamOptions(BaseModel):
@@ -154,6 +165,10 @@ class UpdateWeightsResponse(BaseModel):
     # where the tensors came from: the publication's files, or the trainer's collective group (weight_broadcast)
     source: Literal["filesystem", "collective"] = "filesystem"
     workers: list[dict[str, Any]] | None = None  # what each worker reported (the vLLM backend's servers)
+
+
+class IdentityResponse(BaseModel):
+    proof: str  # identity_proof(admin token, nonce)
 
 
 class HealthResponse(BaseModel):

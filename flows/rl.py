@@ -28,7 +28,7 @@ from prefect.artifacts import create_markdown_artifact
 from config.process import warmup_parallel
 from config.run import RunConfig
 from config.transport import TRANSPORT_SECRET_ENV
-from engines.protocol import ADMIN_TOKEN_ENV
+from engines.protocol import ADMIN_TOKEN_ENV, TEACHER_TOKEN_ENV
 from flows.progress import live_progress
 from launch.slurm import srun_prefix, teacher_nodes
 from launch.torchrun import rdzv_id, torchrun_args
@@ -74,14 +74,15 @@ def _component_env(cfg: RunConfig, tracking_uri: str | None) -> dict[str, dict[s
     settings each process needs to read its config file from `output_dir`."""
     storage = {CONFIG_STORAGE_ENV: cfg.storage.model_dump_json()}
     token = {ADMIN_TOKEN_ENV: secrets.token_hex(16)}  # admin routes of this attempt's engine
+    teacher = secrets.token_hex(16)  # the teacher's own: the orchestrator checks the teacher holds it
     # the MAC key of this attempt's collective weight transport (engines/weight_transport.py)
     transport = {TRANSPORT_SECRET_ENV: secrets.token_hex(32)} if cfg.weight_broadcast.type == "collective" else {}
     tracking = {"MLFLOW_TRACKING_URI": tracking_uri} if tracking_uri else {}
     return {
         "warmup": storage,
         "inference": {**storage, **token, **transport},
-        "teacher": storage,
-        "orchestrator": {**storage, **token},
+        "teacher": {**storage, ADMIN_TOKEN_ENV: teacher},
+        "orchestrator": {**storage, **token, TEACHER_TOKEN_ENV: teacher},
         "trainer": {**storage, **tracking, **transport},
     }
 

@@ -1,6 +1,7 @@
 """The inference HTTP API, written once over any `Backend` (engines/inference/backend.py).
 
     GET  /health, /v1/models, /openapi.json
+    GET  /identity?nonce=HEX                      proof that the server holds the admin token (no token sent)
     POST /v1/completions, /v1/chat/completions    OpenAI-compatible; `stream=true` answers server-sent events
     POST /update_weights, /shutdown               admin: `Authorization: Bearer <token>`
 
@@ -23,9 +24,9 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
@@ -251,6 +252,11 @@ def build_app(backend: Backend, settings: Settings) -> FastAPI:
         return h.model_copy(
             update={"stats": {**h.stats, "held_requests": admission.requests, "held_tokens": admission.tokens}}
         )
+
+    @app.get("/identity")
+    def identity(nonce: Annotated[str, Query(pattern="^[0-9a-f]{32,128}$")]) -> api.IdentityResponse:
+        """Proof that this server holds the attempt's admin token (engines/protocol.py identity_proof)."""
+        return api.IdentityResponse(proof=api.identity_proof(settings.admin_token, nonce))
 
     @app.get("/v1/models")
     def models() -> api.ModelList:

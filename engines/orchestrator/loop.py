@@ -25,8 +25,10 @@ advantage (engines/orchestrator/teacher.py: the `teacher_logprobs` and `token_ad
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
+import secrets
 import sys
 import time
 from collections import Counter
@@ -45,11 +47,13 @@ from engines.orchestrator.overlong import shaped_rewards
 from engines.orchestrator.teacher import Teacher, check_tokenizer
 from engines.protocol import (
     ADMIN_TOKEN_ENV,
+    TEACHER_TOKEN_ENV,
     CompletionChoice,
     CompletionRequest,
     HealthResponse,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
+    identity_proof,
 )
 from engines.seeds import derive_seed
 from storage import rollouts, weights
@@ -119,17 +123,33 @@ def _required(value, name: str):
     return value
 
 
-async def wait_healthy(client: httpx.AsyncClient, timeout_s: float = 120.0) -> None:
+async def wait_healthy(client: httpx.AsyncClient, timeout_s: float = 120.0, token: str = "") -> None:
+    """Until the server answers /health; then, given its admin token, check the server holds it."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             if (await client.get("/health")).status_code == 200:
-                return
+                break
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"inference server at {client.base_url} not healthy after {timeout_s}s")
         await asyncio.sleep(0.2)
+    if token:
+        await verify_identity(client, token)
+
+
+async def verify_identity(client: httpx.AsyncClient, token: str) -> None:
+    """Refuse a server that cannot prove it holds `token` (engines/protocol.py identity_proof): another local
+    process that took the port before the server bound it gets neither the token nor the run's requests."""
+    nonce = secrets.token_hex(16)
+    r = await client.get("/identity", params={"nonce": nonce})
+    proof = r.json().get("proof", "") if r.status_code == 200 else ""
+    if not hmac.compare_digest(str(proof), identity_proof(token, nonce)):
+        raise RuntimeError(
+            f"the server at {client.base_url} does not hold this attempt's admin token (HTTP {r.status_code}): "
+            "another process holds the port; the attempt restarts on a new one"
+        )
 
 
 class Orchestrator:
@@ -252,7 +272,7 @@ class Orchestrator:
 async def run(cfg: OrchestratorProcessConfig) -> None:
     token = os.environ.get(ADMIN_TOKEN_ENV, "")
     async with httpx.AsyncClient(base_url=cfg.inference_url, timeout=httpx.Timeout(600.0)) as client:
-        await wait_healthy(client, cfg.orchestrator.inference_timeout_s)
+        await wait_healthy(client, cfg.orchestrator.inference_timeout_s, token)
         fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
         sync = WeightSync(client, fs, root, token, cfg.orchestrator.poll_interval_s)
         await sync.refresh()
@@ -285,7 +305,7 @@ async def start_teacher(cfg: OrchestratorProcessConfig) -> Teacher | None:
         return None
     await asyncio.to_thread(check_tokenizer, cfg.model, cfg.teacher)
     tea = Teacher(cfg.teacher, cfg.teacher_url)
-    await wait_healthy(tea.client, cfg.orchestrator.inference_timeout_s)
+    await wait_healthy(tea.client, cfg.orchestrator.inference_timeout_s, os.environ.get(TEACHER_TOKEN_ENV, ""))
     return tea
 
 

@@ -141,6 +141,48 @@ def test_a_non_ascii_authorization_header_is_a_401(client):
     _healthy(client)  # the same connection still answers
 
 
+def test_the_orchestrator_checks_the_server_holds_the_token_before_sending_it(client):
+    """A process that took the port first (it answers /health like a server) gets no token and no requests."""
+    import asyncio
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from engines.orchestrator.loop import wait_healthy
+    from tests.inference_fixture import TOKEN
+
+    seen: list[str] = []
+
+    class Squatter(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            seen.append(f"{self.path} {self.headers.get('authorization')}")
+            body = json.dumps({"status": "ok", "policy_version": 0, "stats": {}, "proof": "0" * 64}).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    squatter = ThreadingHTTPServer(("127.0.0.1", 0), Squatter)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+
+    async def check(url: str) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+            await wait_healthy(c, 10, TOKEN)
+
+    try:
+        with pytest.raises(RuntimeError, match="does not hold this attempt's admin token"):
+            asyncio.run(check(f"http://127.0.0.1:{squatter.server_address[1]}"))
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+    assert [s.split(" ")[0].split("?")[0] for s in seen] == ["/health", "/identity"]
+    assert not any(TOKEN in s for s in seen)
+    assert all(s.endswith(" None") for s in seen)  # no Authorization header reached it
+    asyncio.run(check(str(client.base_url)))  # the real server proves it holds the token
+    assert client.get("/identity", params={"nonce": "x"}).status_code == 400
+
+
 # --- fuzzing the OpenAPI document's request bodies -------------------------------------------------------------
 
 HOSTILE: list = [
