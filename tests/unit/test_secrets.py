@@ -163,3 +163,36 @@ def test_inside_a_slurm_job_inference_serves_on_its_node_and_vllm_stays_on_loopb
     assert server["argv"][server["argv"].index("--host") + 1] == "127.0.0.1"
     inference, orchestrator, _ = placed(socket.gethostname().split(".")[0])  # the flow's own node
     assert inference["inference"]["host"] == "127.0.0.1"
+
+
+def test_the_vllm_middleware_guards_every_route_but_health_and_fails_closed(monkeypatch):
+    """rollflow_vllm_auth.RequireToken (what vLLM loads with --middleware) around a plain ASGI app; the
+    integration test (tests/integration/test_vllm_backend.py) checks it inside a real vLLM server."""
+    import asyncio
+    import sys
+
+    import httpx
+
+    monkeypatch.syspath_prepend(str(processes.WORKER_DIR))
+    sys.modules.pop("rollflow_vllm_auth", None)
+    import rollflow_vllm_auth
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    monkeypatch.delenv(vllm_launch.TOKEN_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="ROLLFLOW_VLLM_TOKEN must hold"):
+        rollflow_vllm_auth.RequireToken(app)
+    token = processes.new_token()
+    monkeypatch.setenv(vllm_launch.TOKEN_ENV, token)
+    guarded = rollflow_vllm_auth.RequireToken(app)
+
+    async def statuses() -> list[int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guarded), base_url="http://v") as c:
+            calls = [c.get("/health"), c.post("/pause"), c.post("/collective_rpc"), c.get("/v1/models")]
+            calls += [c.post("/pause", headers={"Authorization": "Bearer " + token[:-1]})]
+            calls += [c.post("/pause", headers={"Authorization": "Bearer " + token})]
+            return [(await call).status_code for call in calls]
+
+    assert asyncio.run(statuses()) == [200, 401, 401, 401, 401, 200]
