@@ -70,7 +70,7 @@ def free_port_pair() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
-def start_run(out: Path, policy: str, steps: int, shape: tuple[str, ...] = MULTI_NODE, extra: tuple[str, ...] = ()):
+def start_run(out: Path, policy: str, steps: int, shape: tuple[str, ...] = MULTI_NODE):
     ports = {"inference": free_port(), "backend": free_port_pair(), "router": free_port(), "metrics": free_port()}
     while {ports["inference"], ports["router"], ports["metrics"]} & {ports["backend"], ports["backend"] + 1}:
         ports["backend"] = free_port_pair()
@@ -82,7 +82,6 @@ def start_run(out: Path, policy: str, steps: int, shape: tuple[str, ...] = MULTI
     args += ["--inference.router.policy", policy, "--inference.router.port", str(ports["router"])]
     args += ["--inference.router.metrics_port", str(ports["metrics"])]
     args += ["--inference.vllm_extra.enforce_eager", "true", "--inference.vllm_extra.enable_log_requests", "true"]
-    args += list(extra)
     out.parent.mkdir(parents=True, exist_ok=True)
     return start_cli(out.parent, out.parent / "cli.log", None, *args), ports
 
@@ -252,17 +251,10 @@ def check_affinity(sessions: dict[str, list[Served]], killed_at: int, back_at: i
 
 
 @pytest.mark.long  # two vLLM replicas (~2.5 min): `make test-long`
-def test_round_robin_spreads_a_run_over_both_replicas(tmp_path, monkeypatch):
-    """Also: a secret vLLM's environment names by reference reaches no file of the run (configs, plan, logs,
-    the MLflow store) and the CLI's log, and the router passes the proxy's vLLM secret through."""
-    planted = "planted-secret-5d1e"
-    monkeypatch.setenv("ROLLFLOW_TEST_SOURCE", planted)
+def test_round_robin_spreads_a_run_over_both_replicas(tmp_path):
     out = tmp_path / "run"
-    cli, _ = start_run(out, "round_robin", steps=3, extra=("--inference.vllm.env.HF_TOKEN", "${ROLLFLOW_TEST_SOURCE}"))
+    cli, _ = start_run(out, "round_robin", steps=3)
     finish(cli, out)
-    assert (out / "mlflow.db").exists() and (out / "config" / "vllm-commands.sh").exists()
-    leaked = [str(p) for p in tmp_path.rglob("*") if p.is_file() and planted.encode() in p.read_bytes()]
-    assert not leaked, leaked
     counts: dict[str, int] = defaultdict(int)
     for served in served_by(out).values():
         for s in served:
