@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from config.base import Strict
-from config.redact import redact_url
+from config.redact import is_redacted, redact_url
 
 ENV_VAR = "MLFLOW_TRACKING_URI"
 
@@ -30,7 +30,7 @@ def resolve_tracking_uri(
     env = (os.environ if environ is None else environ).get(ENV_VAR) or None
     if configured and env and redact_url(env) == configured:
         return env
-    if configured and "://***@" in configured:
+    if configured and is_redacted(configured):
         raise ValueError(
             f"tracking.tracking_uri={configured!r} has its credentials redacted and {ENV_VAR} "
             f"{'is not set' if env is None else 'holds another URI'}: give the full URI in {ENV_VAR}"
@@ -42,3 +42,16 @@ def resolve_tracking_uri(
         return None
     path = Path(output_dir.removeprefix("file://")).resolve() / "mlflow.db"
     return f"sqlite:///{path}"
+
+
+def refuse_credentials_in_config(configured: str | None) -> None:
+    """A flow's config (its Prefect parameters) must not carry the tracking URI's credentials: Prefect stores and
+    shows them, run.json keeps the URI redacted, and a resume (`rollflow resume`, the scheduled resume flow)
+    could not recover them. The CLI moves such a URI to MLFLOW_TRACKING_URI before it starts the flow; a
+    deployment's worker needs it in its own environment."""
+    if configured and redact_url(configured) != configured:
+        raise ValueError(
+            f"tracking.tracking_uri={redact_url(configured)!r} carries credentials in the flow's parameters: set "
+            f"{ENV_VAR} (or MLflow's MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD) in the environment of the "
+            "process that runs the flow (a Prefect worker's) and leave tracking.tracking_uri unset or credential-free"
+        )

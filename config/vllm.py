@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from config.base import Strict
+from config.redact import env_problems, is_secret_key
 
 
 class VLLMParallelConfig(Strict):
@@ -118,6 +119,8 @@ OWNED_FLAGS = {
     "kv_transfer_config": "inference.kv_cache_offload / inference.deployment.type",
     "worker_extension_cls": "nothing (rollflow's weight loader must stay installed)",
     "max_model_len": "model.max_seq_len",
+    "api_key": "nothing: rollflow's own per-attempt secret guards every vLLM route (docs/inference.md)",
+    "uds": "nothing: the inference proxy reaches vLLM over TCP, guarded by a per-attempt secret",
 }
 
 
@@ -143,13 +146,14 @@ class VLLMConfig(Strict):
     python: str = Field(".venv-vllm/bin/python", description="interpreter of the vLLM environment (infra/vllm)")
     env: dict[str, str] = Field(
         default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "1"},
-        description="environment of every vLLM server (VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on CPU)",
+        description="environment of every vLLM server (VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on CPU); a secret "
+        'only as a reference, "${HF_TOKEN}", taken from the launching environment at launch',
     )
     startup_timeout_s: float = Field(600.0, gt=0)
 
     @model_validator(mode="after")
     def _serving_rules(self) -> VLLMConfig:
-        for check in (_wide_ep_fits, _extra_not_owned):
+        for check in (_wide_ep_fits, _extra_not_owned, _env_by_reference):
             check(self)
         return self
 
@@ -175,8 +179,24 @@ def replay_without_offload(routed_experts: bool, s: VLLMConfig) -> None:
         )
 
 
+def _env_by_reference(s: VLLMConfig) -> None:
+    """Every environment a vLLM process gets is written to run.json, inference.json and the plan: names a shell
+    takes, and secrets as references ("${HF_TOKEN}", resolved at launch) only."""
+    envs = {"inference.vllm.env": s.env}
+    if isinstance(d := s.deployment, DisaggregatedDeployment):
+        envs |= {"inference.deployment.prefill_env_overrides": d.prefill_env_overrides}
+        envs |= {"inference.deployment.decode_env_overrides": d.decode_env_overrides}
+    if problems := [p for where, env in envs.items() for p in env_problems(where, env)]:
+        raise ValueError("; ".join(problems))
+
+
 def _extra_not_owned(s: VLLMConfig) -> None:
     for key in s.vllm_extra:
         name = key.lstrip("-").replace("-", "_")
         if name in OWNED_FLAGS:
             raise ValueError(f"inference.vllm_extra.{key} is set by rollflow; use {OWNED_FLAGS[name]} instead")
+        if is_secret_key(name):  # a flag's value is in the plan and in the argv every local user can read
+            raise ValueError(
+                f"inference.vllm_extra.{key}: a secret as a flag would be written to the plan and be visible in "
+                'the process list; pass it by environment, e.g. inference.vllm.env.HF_TOKEN = "${HF_TOKEN}"'
+            )

@@ -21,10 +21,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from config.inference import InferenceConfig
+from config.redact import ENV_KEY, is_reference, redact_env
 from config.vllm import DisaggregatedDeployment, KVCacheOffloadConfig, MultiNodeDeployment, VLLMConfig
 
 API_SERVER = "vllm.entrypoints.openai.api_server"  # the `vllm` console script looks for a dist named `vllm`
 WORKER_EXTENSION = "rollflow_vllm_worker.WeightLoader"
+# Every route but /health needs the per-attempt secret the launcher puts in TOKEN_ENV (worker/rollflow_vllm_auth.py):
+# vLLM's --api-key would leave the dev-mode routes (/collective_rpc, /pause, /sleep, ...) open.
+AUTH_MIDDLEWARE = "rollflow_vllm_auth.RequireToken"
+TOKEN_ENV = "ROLLFLOW_VLLM_TOKEN"
+LOOPBACK = "127.0.0.1"  # a single-node server and its proxy share the host: nothing else needs to reach it
 DP_RPC_PORT = 13345  # the data-parallel coordinator's port on a spanning server's first node
 NIXL_SIDE_CHANNEL_PORT = 5600  # P/D: the k-th server's NIXL handshake port is this + k
 MOONCAKE_MASTER_PORT, MOONCAKE_METADATA_PORT = 50051, 8080
@@ -44,8 +50,18 @@ class Process:
     files: dict[str, str] = field(default_factory=dict)  # written (relative to the config dir) before it starts
 
     def shell(self) -> str:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
-        return (env + " " if env else "") + shlex.join(self.argv)
+        """The command as one shell line: secrets stay references ("${HF_TOKEN}", expanded by the shell that
+        runs the line) or are masked; the keys were validated at load and are checked again here."""
+        return (" ".join(_assignments(self.env)) + " " if self.env else "") + shlex.join(self.argv)
+
+
+def _assignments(env: dict[str, str]) -> list[str]:
+    out = []
+    for key, value in sorted(redact_env(env).items()):
+        if not ENV_KEY.fullmatch(key):
+            raise RenderError(f"environment key {key!r} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)")
+        out.append(f'{key}="{value}"' if is_reference(value) else f"{key}={shlex.quote(value)}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -163,8 +179,7 @@ def _shape(ctx: Context, r: int, nodes: list[str]) -> Replica:
     elif isinstance(d, MultiNodeDeployment):
         servers = [_server(ctx, f"r{r}-node{i}", node, _base_flags(ctx, role=None), {}) for i, node in enumerate(nodes)]
     else:
-        bind = ctx.cfg.host
-        servers = [_server(ctx, f"r{r}", nodes[0], _base_flags(ctx, role=None), {}, bind=bind)]
+        servers = [_server(ctx, f"r{r}", nodes[0], _base_flags(ctx, role=None), {}, bind=LOOPBACK)]
     if len(servers) == 1:
         return Replica(r, nodes, servers, _url(servers[0]))
     router = _router(ctx, r, nodes[0], ["--worker-urls", *[_url(s) for s in servers if s.url]])
@@ -213,6 +228,7 @@ def _base_flags(ctx: Context, role: str | None) -> list[str]:
     v = ctx.vllm
     flags = ["--model", ctx.model, "--served-model-name", ctx.name, "--max-model-len", str(ctx.max_model_len)]
     flags += ["--dtype", ctx.cfg.dtype, "--seed", "0", "--worker-extension-cls", WORKER_EXTENSION]
+    flags += ["--middleware", AUTH_MIDDLEWARE]
     flags += ["--tensor-parallel-size", str(v.parallel.tp), "--data-parallel-size", str(v.parallel.dp)]
     if v.enable_expert_parallel or role is not None:
         flags.append("--enable-expert-parallel")
@@ -271,7 +287,8 @@ def _server(ctx: Context, name: str, node: str, flags: list[str], env: dict[str,
     ctx.next_server += 1
     port = ctx.vllm.deployment.server_port + k
     argv = [ctx.python, "-m", API_SERVER, *flags, "--host", bind or node, "--port", str(port)]
-    # dev mode serves /pause, /resume and /collective_rpc, which the vLLM backend's weight updates use
+    # dev mode serves /pause, /resume and /collective_rpc, which the vLLM backend's weight updates use; with
+    # AUTH_MIDDLEWARE only the holder of the attempt's secret (given at launch, never rendered) reaches them
     full_env = {**ctx.vllm.env, "PYTHONPATH": ctx.worker_path, "VLLM_SERVER_DEV_MODE": "1", **env}
     if (offload := ctx.vllm.kv_cache_offload) is not None and offload.type == "mooncake":
         full_env["MOONCAKE_CONFIG_PATH"] = f"{{config_dir}}/mooncake-{name.split('-')[0]}.json"
@@ -284,12 +301,14 @@ def _server(ctx: Context, name: str, node: str, flags: list[str], env: dict[str,
 
 
 def _router(ctx: Context, r: int, node: str, flags: list[str]) -> Process:
+    """A replica's vllm-router on its first node. It forwards the proxy's Authorization header to the servers
+    and probes their /health without one; its own routes (/add_worker, ...) have no authentication."""
     rc = ctx.vllm.router
     port = rc.port + r
-    argv = [ctx.router_bin, "--host", ctx.cfg.host, "--port", str(port), "--policy", rc.policy]
+    argv = [ctx.router_bin, "--host", node, "--port", str(port), "--policy", rc.policy]
     # vllm-router always serves Prometheus metrics, by default on 29000: two routers on a host would clash
-    argv += ["--prometheus-host", ctx.cfg.host, "--prometheus-port", str(rc.metrics_port + r), *flags]
-    return Process(f"router-r{r}", node, argv, {}, f"http://{ctx.cfg.host}:{port}")
+    argv += ["--prometheus-host", node, "--prometheus-port", str(rc.metrics_port + r), *flags]
+    return Process(f"router-r{r}", node, argv, {}, f"http://{node}:{port}")
 
 
 def _url(p: Process) -> str:

@@ -269,13 +269,18 @@ def with_prefect_api(run: Callable[[], dict]) -> dict:
             APILogHandler().flush()
 
 
-def _launch(cfg: RunConfig, flags: set[str], kind: str = "rl") -> int:
+def _tracking_credentials_to_env(cfg: RunConfig) -> None:
+    """Credentials travel by environment, not as (stored) flow parameters or batch-script lines."""
     from config.redact import redact_url
 
     uri = cfg.tracking.tracking_uri
-    if uri and redact_url(uri) != uri:  # credentials travel by environment, not as (stored) flow parameters
+    if uri and redact_url(uri) != uri:
         os.environ["MLFLOW_TRACKING_URI"] = uri
         cfg.tracking.tracking_uri = None
+
+
+def _launch(cfg: RunConfig, flags: set[str], kind: str = "rl") -> int:
+    _tracking_credentials_to_env(cfg)
     summary = with_prefect_api(lambda: _run_flow(cfg, flags, kind))
     print(json.dumps(summary, indent=2))
     return 0
@@ -291,8 +296,12 @@ def cmd_rl(tokens: list[str]) -> int:
         from runtime.rundir import new_run_id, write_configs
 
         url = f"http://{cfg.inference.host}:{cfg.inference.port}"
+        try:
+            command = job_command(profiles, overrides, flags)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         urls = write_configs(cfg, new_run_id(cfg), url, plan=launch_plan(cfg) | teacher_plan(cfg))
-        urls.update(write_preview(cfg, job_command(profiles, overrides, flags)))
+        urls.update(write_preview(cfg, command))
         print(json.dumps(urls, indent=2))
         return 0
     return _launch(cfg, flags)
@@ -346,7 +355,12 @@ def cmd_submit(tokens: list[str]) -> int:
     from runtime.slurm import SbatchRejected, SlurmNotFound
 
     try:
-        job_id = submit(cfg, job_command(profiles, overrides, flags))
+        command = job_command(profiles, overrides, flags)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    _tracking_credentials_to_env(cfg)  # sbatch exports it to the job
+    try:
+        job_id = submit(cfg, command)
     except (SbatchRejected, SlurmNotFound) as exc:
         print(f"rollflow: {exc}", file=sys.stderr)
         return 1

@@ -23,11 +23,26 @@ SCRIPT_NAME = "slurm.sbatch"
 PLACEMENT_NAME = "slurm-placement.json"
 
 
+TRACKING_URI_KEY = "tracking.tracking_uri"
+
+
 def job_command(profiles: list[str], overrides: list[tuple[str, str]], flags: set[str]) -> str:
+    """The job's `rollflow rl` line. It is written into the batch script, so it holds no credential: a tracking
+    URI with credentials reaches the job as MLFLOW_TRACKING_URI (sbatch exports the submitting environment;
+    `rollflow submit` sets it), and any other override carrying one is refused."""
+    from config.redact import redact_text
+
     argv = [sys.executable, "-m", "rollflow.cli", "rl"]
     for path in profiles:
         argv += ["@", str(Path(path).resolve())]
     for key, value in overrides:
+        if redact_text(value) != value:
+            if key.replace("-", "_") == TRACKING_URI_KEY:
+                continue
+            raise ValueError(
+                f"--{key} {redact_text(value)!r} carries a credential, which would be written into the batch "
+                "script: give it by environment instead"
+            )
         argv += [f"--{key}", value]
     argv += [f"--{f}" for f in sorted(flags & {"overwrite", "resume"})]
     return shlex.join(argv)

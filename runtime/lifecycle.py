@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from config.run import RunConfig
-from config.tracking import resolve_tracking_uri
+from config.tracking import refuse_credentials_in_config, resolve_tracking_uri
 from runtime.rundir import (
     check_resumable,
     claim_output_dir,
@@ -33,6 +33,7 @@ class RunHandle:
 
 
 def _tracking_uri(cfg: RunConfig) -> str | None:
+    refuse_credentials_in_config(cfg.tracking.tracking_uri)
     return resolve_tracking_uri(cfg.tracking.tracking_uri, cfg.output_dir) if cfg.tracking.mlflow else None
 
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from config.process import component_configs, sft_run_config
-from config.redact import redact_url
+from config.redact import redact_config, redact_url
 from config.resume import resume_changes
 from config.run import RunConfig
 from config.storage import StorageConfig
@@ -112,10 +112,9 @@ def check_resumable(cfg: RunConfig) -> dict[str, tuple]:
 
 
 def public_config(cfg: RunConfig) -> dict:
-    """The run config as JSON with credentials redacted: what goes to disk and to MLflow params."""
-    data = cfg.model_dump(mode="json")
-    data["tracking"]["tracking_uri"] = redact_url(data["tracking"]["tracking_uri"])
-    return data
+    """The run config as JSON with credentials redacted (config/redact.py: URL user info, query-string tokens,
+    secret-named environment values): what goes to disk and to MLflow params, and what a resume compares."""
+    return redact_config(cfg.model_dump(mode="json"))
 
 
 def write_run_config(cfg: RunConfig, run_id: str) -> None:

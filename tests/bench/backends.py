@@ -14,7 +14,6 @@ max_tokens and ignore_eos). Then the weight update: a new publication loaded by 
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -69,7 +68,9 @@ class VLLMServer:
             cfg, str(model_dir), max_model_len, ["127.0.0.1"], vllm.vllm_python(cfg), False, str(vllm.WORKER_DIR)
         )
         (proc,) = replica.processes
-        env = {**os.environ, **proc.env, "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": THREADS}
+        self.token = vllm.new_token()  # the server answers only requests that carry it, as in a run
+        self.headers = {"Authorization": f"Bearer {self.token}"}
+        env = {**vllm.process_env(proc, self.token), "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": THREADS}
         self.log = open(log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(proc.argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = replica.url
@@ -82,10 +83,11 @@ class VLLMServer:
         self.log.close()
 
 
-async def _vllm_generate(url: str, prompts: list[list[int]], group: int, tokens: int, fixed: bool) -> int:
+async def _vllm_generate(server: VLLMServer, prompts: list[list[int]], group: int, tokens: int, fixed: bool) -> int:
     import httpx
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:
+    url = server.url
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), headers=server.headers) as client:
 
         async def one(i: int, prompt: list[int]) -> int:
             body = {"prompt": prompt, "n": group, "max_tokens": tokens, "temperature": 1.0, "seed": i}
@@ -100,7 +102,7 @@ async def _vllm_generate(url: str, prompts: list[list[int]], group: int, tokens:
 def vllm_generate(server: VLLMServer, pair: Pair, group: int, tokens: int, fixed: bool) -> tuple[float, int]:
     prompts = pair.prompts[::group]
     t0 = time.perf_counter()
-    count = asyncio.run(_vllm_generate(server.url, prompts, group, tokens, fixed))
+    count = asyncio.run(_vllm_generate(server, prompts, group, tokens, fixed))
     return time.perf_counter() - t0, count
 
 
@@ -118,7 +120,7 @@ def vllm_update(server: VLLMServer, out: Path, version: int, cache: Path) -> tup
     t1 = time.perf_counter()
 
     async def apply() -> None:
-        async with httpx.AsyncClient(timeout=600) as client:
+        async with httpx.AsyncClient(timeout=600, headers=server.headers) as client:
             up = Upstream([server.url], [server.url], version - 1)
             up.open_gate.set()
             await apply_update(client, up, str(path), version)

@@ -26,6 +26,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 TOKEN = "test-admin-token"
+# A secret the config names by reference only: vLLM must receive it, no file or log may hold it.
+PLANTED = "planted-secret-7f3a9c"
 
 
 def free_port() -> int:
@@ -51,6 +53,7 @@ def served(tmp_path_factory):
     shape = {"type": "single_node", "backend_port": free_port()}
     # eager: no torch.compile warm-up, the largest part of vLLM's start on a busy CPU
     inf = InferenceConfig(backend="vllm", port=port, deployment=shape, vllm_extra={"enforce_eager": True})
+    inf.vllm.env["ROLLFLOW_TEST_API_TOKEN"] = "${ROLLFLOW_TEST_SOURCE}"
     cfg = InferenceProcessConfig(
         run=ComponentPaths(output_dir=str(tmp / "run"), run_id=tmp.name, storage=StorageConfig()),
         model=mc,
@@ -58,7 +61,7 @@ def served(tmp_path_factory):
         seed=0,
     )
     (tmp / "inference.json").write_text(cfg.model_dump_json())
-    env = {**os.environ, ADMIN_TOKEN_ENV: TOKEN, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, ADMIN_TOKEN_ENV: TOKEN, "PYTHONPATH": str(ROOT), "ROLLFLOW_TEST_SOURCE": PLANTED}
     log = open(tmp / "inference.log", "wb")  # noqa: SIM115 - closed at teardown
     argv = [sys.executable, "-m", "engines.inference", "--config", str(tmp / "inference.json")]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -77,7 +80,8 @@ def served(tmp_path_factory):
         print(f"vLLM backend ready in {time.monotonic() - t0:.1f} s")
         # the weights of each version published here: a test compares with whatever version is served
         states = {0: {k: v.clone() for k, v in loaded.model.state_dict().items()}}
-        yield {"url": url, "loaded": loaded, "tmp": tmp, "proc": proc, "states": states}
+        vllm_url = f"http://127.0.0.1:{shape['backend_port']}"
+        yield {"url": url, "loaded": loaded, "tmp": tmp, "proc": proc, "states": states, "vllm_url": vllm_url}
     finally:
         proc.terminate()
         try:
@@ -162,6 +166,45 @@ def test_streamed_and_chat_answers_through_the_openai_client(served):
             c.completions.create(**{**kw, "model": "gpt-4"})
         with pytest.raises(openai.BadRequestError, match="repetition_penalty"):  # refused before it reaches vLLM
             c.completions.create(**kw, extra_body={"repetition_penalty": 1.1})
+
+
+def vllm_server_pid(proc: subprocess.Popen) -> int:
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    (pid,) = [int(c) for c in children if b"vllm.entrypoints" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return pid
+
+
+def test_vllm_answers_the_proxy_only(served):
+    """vLLM's own port: dev-mode routes (weight loads, pause, sleep) and the OpenAI routes refuse a client
+    without the attempt's secret, which only the proxy holds; generation through the proxy works."""
+    vllm = served["vllm_url"]
+    assert httpx.get(vllm + "/health").status_code == 200  # what vllm-router and the launcher probe
+    for path in ("/server_info", "/is_sleeping", "/v1/models", "/metrics"):
+        r = httpx.get(vllm + path)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, r.text)
+    wrong = {"Authorization": "Bearer " + "x" * 43}
+    assert (
+        httpx.post(vllm + "/collective_rpc", json={"method": "rollflow_fingerprint"}, headers=wrong).status_code == 401
+    )
+    assert httpx.post(vllm + "/pause", headers=wrong).status_code == 401
+    assert len(complete(served["url"])["choices"]) == 2
+
+
+def test_a_referenced_secret_reaches_vllm_and_no_file_or_log(served):
+    """inference.vllm.env names the secret ("${ROLLFLOW_TEST_SOURCE}"): vLLM's environment holds its value, the
+    config, the inference log and vLLM's argv do not, nor the attempt's vLLM secret."""
+    pid = vllm_server_pid(served["proc"])
+    environ = dict(
+        item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item
+    )
+    assert environ[b"ROLLFLOW_TEST_API_TOKEN"] == PLANTED.encode()
+    vllm_token = environ[b"ROLLFLOW_VLLM_TOKEN"]
+    assert len(vllm_token) >= 32
+    assert vllm_token not in Path(f"/proc/{pid}/cmdline").read_bytes()  # argv is readable by every local user
+    for name in ("inference.log", "inference.json"):
+        text = (served["tmp"] / name).read_bytes()
+        assert PLANTED.encode() not in text and vllm_token not in text, name
+    assert b'ROLLFLOW_TEST_API_TOKEN="${ROLLFLOW_TEST_SOURCE}"' in (served["tmp"] / "inference.log").read_bytes()
 
 
 def test_weight_update_needs_the_admin_token(served):

@@ -131,7 +131,7 @@ async def apply_update(client: httpx.AsyncClient, up: Upstream, path: str, versi
 
 
 class VLLMBackend(Backend):
-    """`client` talks to vLLM (the servers bind loopback unless configured otherwise); `procs` are the vLLM
+    """`client` talks to vLLM (with the attempt's secret: processes.launch); `procs` are the vLLM
     processes this backend watches and stops (none when something else runs them)."""
 
     def __init__(self, up: Upstream, materialize: Materialize, client: httpx.AsyncClient, model_name: str,
@@ -256,7 +256,8 @@ async def create(cfg) -> VLLMBackend:
     replicas = vllm_launch.render(
         cfg.inference, str(model_dir), max_len, nodes, python, False, str(processes.WORKER_DIR), name
     )
-    procs = processes.launch(replicas)
+    token = processes.new_token()  # this attempt's: every vLLM route but /health answers only to it
+    procs = processes.launch(replicas, token)
     try:
         urls = [p.url for r in replicas for p in r.processes if p.url]
         waited = processes.wait_ready(urls, procs, cfg.inference.vllm.startup_timeout_s)
@@ -271,7 +272,7 @@ async def create(cfg) -> VLLMBackend:
     async def local_file(v: int) -> str:
         return str(await asyncio.to_thread(processes.materialize, fs, root, v, cache) / "model.safetensors")
 
-    client = httpx.AsyncClient(timeout=httpx.Timeout(900.0))
+    client = httpx.AsyncClient(timeout=httpx.Timeout(900.0), headers={"Authorization": f"Bearer {token}"})
     backend = VLLMBackend(up, local_file, client, name, max_len, procs)
     backend.fixed = cfg.role == "teacher"
     return backend

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import stat
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 from config.inference import InferenceConfig
+from config.redact import MissingReference, resolve_env
 from config.vllm import DisaggregatedDeployment, MultiNodeDeployment
 from launch import vllm as vllm_launch
 from storage.fs import check_name
@@ -190,13 +192,31 @@ def _relay(name: str, stream) -> None:
         sys.stdout.buffer.flush()
 
 
-def launch(replicas: list[vllm_launch.Replica]) -> list[subprocess.Popen]:
+def new_token() -> str:
+    """The attempt's secret for vLLM's routes (launch/vllm.py AUTH_MIDDLEWARE): only the proxy sends it."""
+    return secrets.token_urlsafe(32)
+
+
+def process_env(p: vllm_launch.Process, token: str) -> dict[str, str]:
+    """What a process runs with: ours, its rendered environment with every "${NAME}" resolved from ours (at
+    launch only: configs, plans and logs keep the reference), and the attempt's secret (servers only)."""
+    try:
+        env = {**os.environ, **resolve_env(p.env, os.environ, where=f"the environment of {p.name}")}
+    except MissingReference as exc:
+        raise SystemExit(str(exc.args[0])) from None
+    if p.argv[1:3] == ["-m", vllm_launch.API_SERVER]:
+        env[vllm_launch.TOKEN_ENV] = token
+    return env
+
+
+def launch(replicas: list[vllm_launch.Replica], token: str) -> list[subprocess.Popen]:
+    """Start every process of `replicas`; each vLLM server answers only requests that carry `token`."""
     procs = []
     for p in (p for r in replicas for p in r.processes):
-        log.info(f"starting {p.name}: {p.shell()}")
+        log.info(f"starting {p.name}: {p.shell()}")  # secrets as references or masked (Process.shell)
         proc = subprocess.Popen(
             p.argv,
-            env={**os.environ, **p.env},
+            env=process_env(p, token),
             preexec_fn=_die_with_parent,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

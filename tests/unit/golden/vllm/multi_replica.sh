@@ -1,8 +1,8 @@
 # rendered by rollflow (launch/vllm.py); one line per process
-# replica 0: entry http://127.0.0.1:8000
+# replica 0: entry http://{node0}:8000
 # vllm-r0-node0 on {node0}
-PYTHONPATH='{worker_path}' VLLM_CPU_KVCACHE_SPACE=1 VLLM_SERVER_DEV_MODE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model '{model}' --served-model-name rollflow --max-model-len 64 --dtype float32 --seed 0 --worker-extension-cls rollflow_vllm_worker.WeightLoader --tensor-parallel-size 2 --data-parallel-size 4 --host '{node0}' --port 8100
+PYTHONPATH='{worker_path}' VLLM_CPU_KVCACHE_SPACE=1 VLLM_SERVER_DEV_MODE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model '{model}' --served-model-name rollflow --max-model-len 64 --dtype float32 --seed 0 --worker-extension-cls rollflow_vllm_worker.WeightLoader --middleware rollflow_vllm_auth.RequireToken --tensor-parallel-size 2 --data-parallel-size 4 --host '{node0}' --port 8100
 # vllm-r0-node1 on {node1}
-PYTHONPATH='{worker_path}' VLLM_CPU_KVCACHE_SPACE=1 VLLM_SERVER_DEV_MODE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model '{model}' --served-model-name rollflow --max-model-len 64 --dtype float32 --seed 0 --worker-extension-cls rollflow_vllm_worker.WeightLoader --tensor-parallel-size 2 --data-parallel-size 4 --host '{node1}' --port 8101
+PYTHONPATH='{worker_path}' VLLM_CPU_KVCACHE_SPACE=1 VLLM_SERVER_DEV_MODE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model '{model}' --served-model-name rollflow --max-model-len 64 --dtype float32 --seed 0 --worker-extension-cls rollflow_vllm_worker.WeightLoader --middleware rollflow_vllm_auth.RequireToken --tensor-parallel-size 2 --data-parallel-size 4 --host '{node1}' --port 8101
 # router-r0 on {node0}
-.venv-vllm/bin/vllm-router --host 127.0.0.1 --port 8000 --policy consistent_hash --prometheus-host 127.0.0.1 --prometheus-port 29000 --worker-urls 'http://{node0}:8100' 'http://{node1}:8101'
+.venv-vllm/bin/vllm-router --host '{node0}' --port 8000 --policy consistent_hash --prometheus-host '{node0}' --prometheus-port 29000 --worker-urls 'http://{node0}:8100' 'http://{node1}:8101'
