@@ -148,6 +148,9 @@ class VLLMBackend(Backend):
         # vLLM cannot report the support its top-k / top-p kept: the choices come back without `kept_sizes`
         # (a run that needs them is refused at load, engines/inference/backend.py `kept_support`)
         body.pop("return_kept_sizes", None)
+        # rollflow's opt-in for routes: vLLM returns them whenever its server records them (the front end drops
+        # them from an answer that did not ask)
+        body.pop("return_routed_experts", None)
         path = "/v1/chat/completions" if gen.chat else "/v1/completions"
         return self.up.entry(gen.session) + path, body, upstream_headers(gen), start
 
