@@ -11,16 +11,13 @@ pydantic-only. `orchestrator.normalize_advantages` (older profiles) reads as `ty
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
 
 from config.base import Strict
-from config.registry import ADVANTAGES
+from config.registry import ADVANTAGES, is_plugin_name
 
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-_ENTRY_POINT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 EPS = 1e-4  # added to every std a built-in divides by (what the group estimator always used)
 
 
@@ -98,7 +95,7 @@ class AdvantageConfig(Strict):
 
 
 def _check_plugin_name(name: str) -> None:
-    if _IMPORT_PATH.match(name) or (":" not in name and _ENTRY_POINT.match(name)):
+    if is_plugin_name(name):
         return
     raise ValueError(
         f"advantage type {name!r} is neither a built-in ({', '.join(sorted(ADVANTAGES))}), an entry point name in "

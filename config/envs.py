@@ -8,18 +8,15 @@ load step does (engines/environments/plugins.py, called by the CLI), so this mod
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from config.advantage import AdvantageConfig
 from config.base import Strict
-from config.registry import ENVIRONMENTS, STRING_TASKS
+from config.registry import ENVIRONMENTS, STRING_TASKS, is_plugin_name
 
 # `module.sub:attribute` (an import path) or `name` (an entry point in the `rollflow.envs` group).
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-_ENTRY_POINT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 # The built-in string tasks' arguments that older profiles set at the top level of an `[[envs]]` entry.
 LEGACY_ARGS = ("min_chars", "max_chars", "lengths")
@@ -78,7 +75,7 @@ class EnvSpec(Strict):
     @field_validator("id")
     @classmethod
     def _id_syntax(cls, env_id: str) -> str:
-        if _IMPORT_PATH.match(env_id) or (":" not in env_id and _ENTRY_POINT.match(env_id)):
+        if is_plugin_name(env_id):
             return env_id
         raise ValueError(
             f"env id {env_id!r} is neither an import path `module:attribute` (e.g. 'my_pkg.envs:load') "

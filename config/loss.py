@@ -10,18 +10,15 @@ run loads (engines/trainer/losses/registry.py). Pure pydantic: no torch here.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from config.base import Strict
+from config.registry import is_plugin_name
 
 Aggregation = Literal["token_mean", "sequence_mean", "constant"]
 OldPolicy = Literal["sampler", "proximal"]
-
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-_ENTRY_POINT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class LossCommon(Strict):
@@ -131,7 +128,7 @@ class PluginLoss(LossCommon):
 
     @model_validator(mode="after")
     def _type_syntax(self) -> PluginLoss:
-        if _IMPORT_PATH.match(self.type) or (":" not in self.type and _ENTRY_POINT.match(self.type)):
+        if is_plugin_name(self.type):
             return self
         raise ValueError(
             f"loss type {self.type!r} is neither a built-in ({', '.join(BUILTIN_LOSSES)}), an entry point "

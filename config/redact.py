@@ -17,8 +17,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from config.script_text import ENV_KEY as ENV_KEY  # one definition of a variable name, re-exported
+
 MASK = "***"
-ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SECRET_WORDS = "TOKEN|KEY|APIKEY|SECRET|SECRETS|PASSWORD|PASSWD|CREDENTIAL|CREDENTIALS|AUTH|SIG|SIGNATURE"
 SECRET_KEY = re.compile(rf"(^|[_.-])({_SECRET_WORDS})($|[_.-])", re.IGNORECASE)

@@ -9,10 +9,22 @@ engines/registry.py resolves a name to its object.
 
 from __future__ import annotations
 
+import re
+
 # `[[envs]] id` names an environment factory by an import path (`module:attribute`) or by an entry point
 # in this group (docs/environments.md). rollflow's own are registered there too (pyproject.toml); this
 # table repeats them so they resolve where rollflow's installed metadata predates them (an editable
 # install from an older checkout), and tests/unit/test_env_plugins.py keeps the two equal.
+# How a plugin is named: an import path `module:attribute`, or an entry point's name in its group.
+IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+ENTRY_POINT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def is_plugin_name(name: str) -> bool:
+    """Whether `name` reads as an import path or an entry point name (whether it resolves is checked later)."""
+    return bool(IMPORT_PATH.match(name) or (":" not in name and ENTRY_POINT.match(name)))
+
+
 ENV_GROUP = "rollflow.envs"
 ENVIRONMENTS: dict[str, str] = {
     "reverse-text": "engines.environments.base:reverse_text",

@@ -15,7 +15,6 @@ on the command line:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -24,7 +23,6 @@ from pydantic import BaseModel
 from config import registry
 
 # `module.sub:attribute` (config/envs.py's syntax for an import path)
-IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # (model class, field): settings that execute what they name
 RUNS_WHAT_IT_NAMES = {
     ("VLLMConfig", "python"): "the interpreter started for vLLM",
@@ -68,7 +66,7 @@ def code_settings(cfg: BaseModel) -> list[tuple[str, Any, str]]:
     found = []
     for path, value, model, name in _leaves(cfg):
         key = ".".join(path)
-        if isinstance(value, str) and IMPORT_PATH.match(value) and value not in targets:
+        if isinstance(value, str) and registry.IMPORT_PATH.match(value) and value not in targets:
             found.append((key, value, "an import path, not a registered entry point"))
         elif model is not None and (why := RUNS_WHAT_IT_NAMES.get((type(model).__name__, name))):
             default = type(model).model_fields[name].get_default(call_default_factory=True)

@@ -22,6 +22,7 @@ from rollflow.cli import main
 from runtime.rundir import write_run_config
 from storage import runstate, weights
 from storage.fs import MANIFEST, MANIFEST_CHECKSUM, CorruptError, get_fs, read_manifest, read_verified
+from tests.unit.test_checkpoint_formats import Tiny
 
 
 def _recommit(directory: Path, files: dict[str, bytes]) -> None:
@@ -83,18 +84,6 @@ class _Marker:
 
     def __reduce__(self):
         return os.system, (f"touch {self.path}",)
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Linear(3, 2)
-
-    def publishable_state_dict(self):
-        return self.state_dict()
-
-    def load_published(self, sd):
-        self.load_state_dict(sd)
 
 
 def _trained(seed: int) -> tuple[Tiny, torch.optim.AdamW, checkpoint.TrainerState]:
