@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from config.envs import STRING_TASK_DEFAULTS, EnvSpec
 from config.eval import EvalConfig
+from config.inference import InferenceConfig
 from config.orchestrator import OrchestratorConfig
 from config.registry import STRING_TASKS
 from config.run import resolve_seed_keys
@@ -52,6 +53,7 @@ def _current_keys(config: dict) -> dict:
             ("trainer", TrainerConfig),
             ("sft", SFTConfig),
             ("eval", EvalConfig),
+            ("inference", InferenceConfig),
         ):
             if isinstance(config.get(name), dict):
                 config = {**config, name: model.model_validate(config[name]).model_dump(mode="json")}

@@ -176,6 +176,11 @@ def _stored(name: str, out: Path) -> dict:
     return json.loads((STORED / name).read_text().replace("OUTPUT_DIR", str(out)))
 
 
+def _admission(sub) -> dict:
+    limits = ("max_queued_requests", "max_queued_tokens", "retry_after_s")
+    return {k: getattr(sub.inference, k) for k in limits}
+
+
 def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unchanged(tmp_path):
     out = tmp_path / "run"
     fs, root = get_fs(str(out))
@@ -197,7 +202,8 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
     no_teacher = {"teacher": TeacherConfig().model_dump(mode="json"), "teacher_url": None}  # [teacher] is newer
     no_eval = {"eval": EvalConfig().model_dump(mode="json")}  # [eval] came later: its defaults, interval 0
     added = {
-        "orchestrator": {"session_header": "X-Session-ID", **no_teacher, **no_eval},
+        # routed_experts: the orchestrator asks for routes now that the server sends them only when asked
+        "orchestrator": {"session_header": "X-Session-ID", "routed_experts": True, **no_teacher, **no_eval},
         "trainer": no_eval,
         "inference": {"role": "policy", "serve_version": None, "pretrained": False},  # set by rollflow eval only
         "sft": {"sft_run": None},  # None: the RL warm-up
@@ -224,6 +230,8 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
         if "sft" in stored:  # the warm-up's section gained the data source (the environments: what it always read)
             stored["sft"] = SFTConfig.model_validate(stored["sft"]).model_dump(mode="json")
             assert stored["sft"]["data"] == {"type": "envs"} and stored["sft"]["packing"] is False
+        if "inference" in stored:  # admission limits came later: their defaults (an unset token budget rises at load)
+            stored["inference"] = {**stored["inference"], **_admission(sub)}
         assert sub.model_dump(mode="json") == {**stored, **added.get(name, {})}, name
     script = vllm_launch.plan_script(vllm_launch.render(cfg.inference, max_model_len=64, under_slurm=True))
     # added since that run was written: vLLM answers the proxy only
