@@ -298,8 +298,25 @@ def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
 
 
 def _manifest_digest(manifest: dict) -> str:
-    body = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}
+    """The checksum of the manifest as a reader sees it: JSON turns integer keys (a step's `versions`) into
+    strings, whose sorted order differs ("10" < "9"), so the digest is taken over that form."""
+    body = json.loads(json.dumps({k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}))
     return sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _legacy_digest(manifest: dict) -> str:
+    """What writers before that fix recorded: integer keys sorted as numbers (digit-string keys read back)."""
+
+    def ints(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {(int(k) if isinstance(k, str) and k.isdigit() else k): ints(x) for k, x in v.items()}
+        return [ints(x) for x in v] if isinstance(v, list) else v
+
+    body = ints({k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM})
+    try:
+        return sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    except TypeError:  # digit and other keys in one table: no writer made that
+        return ""
 
 
 def commit_dir(
@@ -393,7 +410,7 @@ def read_manifest(fs: fsspec.AbstractFileSystem, directory: str) -> dict[str, An
         raise CorruptError(f"{path}: manifest has no 'files' table")
     expected = manifest.get(MANIFEST_CHECKSUM)
     # Manifests written before the self-checksum existed have none; those are trusted as before.
-    if expected is not None and expected != _manifest_digest(manifest):
+    if expected is not None and expected not in (_manifest_digest(manifest), _legacy_digest(manifest)):
         raise CorruptError(f"{path}: manifest checksum mismatch; the manifest was altered or corrupted")
     for name in manifest["files"]:
         check_name(name, path)

@@ -3,6 +3,7 @@ and committed-step discovery from one listing."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeou
 from config.storage import StorageConfig
 from storage.fs import (
     MANIFEST,
+    MANIFEST_CHECKSUM,
     CorruptError,
     StorageUnavailable,
     call_with_retry,
@@ -148,6 +150,25 @@ def test_manifest_carries_and_checks_its_own_checksum(tmp_path):
         read_manifest(fs, f"{root}/d")
     path.write_text(json.dumps({"rows": 4}))
     with pytest.raises(CorruptError, match="no 'files' table"):
+        read_manifest(fs, f"{root}/d")
+
+
+def test_a_manifest_with_integer_keys_reads_back(tmp_path):
+    """A step whose samples came from versions 9 and 10: JSON sorts the written keys as text ("10" < "9")."""
+    fs, root = get_fs(str(tmp_path))
+    commit_dir(fs, f"{root}/d", {"a.bin": b"abc"}, {"versions": {9: 208, 10: 48}})
+    assert read_manifest(fs, f"{root}/d")["versions"] == {"9": 208, "10": 48}
+    path = Path(root) / "d" / MANIFEST  # as written before the fix: the digest over numerically sorted keys
+    data = json.loads(path.read_text())
+    body = {"files": data["files"], "versions": {9: 208, 10: 48}}
+    data[MANIFEST_CHECKSUM] = hashlib.sha256(
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+    path.write_text(json.dumps(data))
+    assert read_manifest(fs, f"{root}/d")["versions"] == {"9": 208, "10": 48}
+    data["versions"]["9"] = 207
+    path.write_text(json.dumps(data))
+    with pytest.raises(CorruptError, match="manifest checksum mismatch"):
         read_manifest(fs, f"{root}/d")
 
 
