@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from launch.slurm import render_sbatch
 from runtime import slurm
 
 WORKER_TYPE = "rollflow-slurm"
+SETTLE_S, SETTLE_POLL_S = 20.0, 0.5  # how long, and how often, a cancelled run is kept Cancelled after its job
 _DEFAULTS = SlurmJobConfig()
 
 
@@ -231,15 +233,27 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
     ) -> SlurmWorkerResult:
         """The job is over: make sure its flow run ends in a final state that says what happened."""
         run = await self.client.read_flow_run(flow_run.id)
-        if cancelled:  # the flow may have reported the termination signal as a crash; it was a cancellation
-            if run.state is None or not run.state.is_cancelled():
-                await self._set_final(flow_run, Cancelled(message=f"cancelled: Slurm job {job_id} was scancel'ed"))
+        if cancelled:
+            await self._keep_cancelled(flow_run, job_id)
             return SlurmWorkerResult(identifier=job_id, status_code=0)
         if run.state is not None and run.state.is_final():
             return SlurmWorkerResult(identifier=job_id, status_code=0)
         message = f"Slurm job {job_id} ended ({state or 'unknown'}, {reason or 'no details'}) before its flow reported"
         await self._set_final(flow_run, Crashed(message=message))
         return SlurmWorkerResult(identifier=job_id, status_code=0)
+
+    async def _keep_cancelled(self, flow_run: FlowRun, job_id: str) -> None:
+        """A cancelled run ends Cancelled. Its flow process reports the termination signal as a crash, and may
+        do so after Slurm counts the job as gone (a process the batch shell leaves behind is not tracked), so
+        for SETTLE_S the run is put back to Cancelled whenever it is not."""
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            run = await self.client.read_flow_run(flow_run.id)
+            if run.state is None or not run.state.is_cancelled():
+                await self._set_final(flow_run, Cancelled(message=f"cancelled: Slurm job {job_id} was scancel'ed"))
+            if time.monotonic() >= deadline:
+                return
+            await anyio.sleep(SETTLE_POLL_S)
 
     async def _set_final(self, flow_run: FlowRun, state: Any) -> None:
         await self.client.set_flow_run_state(flow_run.id, state, force=True)
