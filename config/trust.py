@@ -22,7 +22,6 @@ from pydantic import BaseModel
 
 from config import registry
 
-# `module.sub:attribute` (config/envs.py's syntax for an import path)
 # (model class, field): settings that execute what they name
 RUNS_WHAT_IT_NAMES = {
     ("VLLMConfig", "python"): "the interpreter started for vLLM",

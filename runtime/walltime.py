@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 from launch.slurm import WALLTIME_FILE_ENV, WALLTIME_GRACE_ENV
+from storage.fs import not_private
 
 
 class WalltimeReached(RuntimeError):
@@ -66,19 +67,18 @@ class WalltimeWatch:
         """The flag exists, is a regular file of this user's, in a directory only this user can enter."""
         assert self.path is not None
         try:
-            flag, folder = os.lstat(self.path), os.lstat(os.path.dirname(self.path) or ".")
+            flag = os.lstat(self.path)
+            problem = not_private(os.path.dirname(self.path) or ".")
         except FileNotFoundError:
             return False
         uid = os.geteuid()
-        private = stat.S_ISDIR(folder.st_mode) and folder.st_uid == uid and not folder.st_mode & 0o077
-        if private and stat.S_ISREG(flag.st_mode) and flag.st_uid == uid:
+        if problem is None and stat.S_ISREG(flag.st_mode) and flag.st_uid == uid:
             return True
         if not self._ignored:
             self._ignored = True
             self._logger.warning(
                 f"ignoring {self.path}: the walltime flag counts only as a file of uid {uid} in a directory of "
-                f"that uid with mode 0700 (file uid {flag.st_uid}, directory uid {folder.st_uid}, "
-                f"mode {stat.S_IMODE(folder.st_mode):o})"
+                f"that uid with mode 0700 (file uid {flag.st_uid}; directory: {problem or 'private'})"
             )
         return False
 

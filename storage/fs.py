@@ -26,6 +26,7 @@ import logging
 import os
 import random
 import re
+import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -396,6 +397,19 @@ def local_path(base: str | os.PathLike[str], name: str, where: str) -> str:
     if os.path.commonpath([root, path]) != root:
         raise CorruptError(f"{where}: file name {name!r} resolves to {path}, outside {root}; not read")
     return path
+
+
+def not_private(path: str | os.PathLike[str]) -> str | None:
+    """Why local directory `path` is not one only this user can use (a shared /tmp lets another user make it
+    first), or None: it must be a real directory (not a symlink), owned by this user, closed to group and others."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory (a symlink?)"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not this user ({os.geteuid()})"
+    if st.st_mode & 0o077:
+        return f"open to other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
 
 
 def read_manifest(fs: fsspec.AbstractFileSystem, directory: str) -> dict[str, Any]:

@@ -23,7 +23,6 @@ import os
 import secrets
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from config.inference import InferenceConfig
 from config.redact import MissingReference, resolve_env
 from config.vllm import DisaggregatedDeployment, MultiNodeDeployment
 from launch import vllm as vllm_launch
-from storage.fs import check_name
+from storage.fs import check_name, not_private
 
 log = logging.getLogger("rollflow.inference.vllm")
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: inference.vllm.python is relative to it
@@ -56,23 +55,11 @@ def cache_dir(run_id: str) -> Path:
     top = Path(tempfile.gettempdir()) / f"rollflow-vllm-{os.getuid()}"
     for d in (top, top / run_id):
         d.mkdir(mode=0o700, exist_ok=True)
-        if (problem := _not_private(d)) is not None:
+        if (problem := not_private(d)) is not None:
             fresh = Path(tempfile.mkdtemp(prefix=f"rollflow-vllm-{run_id}-"))
             log.warning(f"{d} is {problem}: not trusted; materializing into {fresh} instead")
             return fresh
     return top / run_id
-
-
-def _not_private(d: Path) -> str | None:
-    """Why `d` is not a directory only this user can use, or None."""
-    st = os.lstat(d)
-    if not stat.S_ISDIR(st.st_mode):
-        return "not a directory (a symlink?)"
-    if st.st_uid != os.getuid():
-        return f"owned by uid {st.st_uid}, not this user ({os.getuid()})"
-    if st.st_mode & 0o077:
-        return f"open to other users (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
 
 
 def materialize(fs, root: str, version: int, cache: Path) -> Path:
