@@ -64,13 +64,17 @@ log = logging.getLogger("rollflow.orchestrator")
 
 
 class WeightSync:
-    """Tracks the engine's policy version and pushes newer publications to it."""
+    """Tracks the engine's policy version and pushes newer publications to it.
+
+    `hold`, when set (online evaluation, engines/orchestrator/online_eval.py), is a version the engine does not
+    move past: every sample of that evaluation comes from that one policy."""
 
     def __init__(self, client: httpx.AsyncClient, fs, root: str, token: str, poll_s: float):
         self.client, self.poll_s = client, poll_s
         self.fs, self.root = fs, root
         self.headers = {"Authorization": f"Bearer {token}"}
         self.engine_version = -1
+        self.hold: int | None = None
         self.changed = asyncio.Event()
         self.follower: asyncio.Task
 
@@ -80,7 +84,7 @@ class WeightSync:
         self.engine_version = HealthResponse.model_validate_json(r.content).policy_version
 
     async def push_latest(self) -> None:
-        latest = await asyncio.to_thread(weights.latest_version, self.fs, self.root)
+        latest = await asyncio.to_thread(self.target)
         if latest is not None and latest > self.engine_version:
             body = UpdateWeightsRequest(version=latest).model_dump(exclude_none=True)
             r = await self.client.post("/update_weights", json=body, headers=self.headers)
@@ -89,6 +93,14 @@ class WeightSync:
             self.engine_version = resp.policy_version
             log.info(f"engine now serves policy version {self.engine_version} (from {resp.source}, {resp.load_s:.3f}s)")
             self.changed.set()
+
+    def target(self) -> int | None:
+        """The newest committed publication; under a hold, the newest at or below it, unless the held version's
+        own publication is gone while newer ones exist (a rollback): then the hold cannot be met and is ignored."""
+        versions = weights.committed_versions(self.fs, self.root)
+        if self.hold is None or not versions or versions[-1] <= self.hold or self.hold not in versions:
+            return versions[-1] if versions else None
+        return self.hold
 
     async def follow(self) -> None:
         while True:
@@ -276,11 +288,11 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
         fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
         sync = WeightSync(client, fs, root, token, cfg.orchestrator.poll_interval_s)
         await sync.refresh()
-        sync.start()
         tea = await start_teacher(cfg)
         orch = Orchestrator(cfg, client, sync, tea)
         online = OnlineEval(cfg, client, orch.limit, orch.tok, orch.mix.envs, sync, fs, root)
         online.start()  # eval.interval > 0: held-out evaluations alongside the rollouts (online_eval.py)
+        sync.start()  # after online.start() has set its first hold
         try:
             for step in orch.pending_steps():
                 if sync.follower.done():
