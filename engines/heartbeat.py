@@ -27,7 +27,7 @@ class Heartbeat:
         self.progress, self.doing = 0, "starting"
         self.server = False  # a server: idle while it holds nothing
         self.held = 0
-        self._waits: dict[int, str] = {}  # token -> component waited on; the newest wait is reported
+        self._waits: dict[int, str] = {}  # token -> component waited on; the oldest open wait is reported
         self._tokens = itertools.count()
         self._thread: threading.Thread | None = None
 
@@ -39,7 +39,8 @@ class Heartbeat:
 
     @contextlib.contextmanager
     def waiting_on(self, component: str, doing: str | None = None) -> Iterator[None]:
-        """Inside: this component waits on `component`, which the flow judges instead."""
+        """Inside: this component waits on `component`, which the flow judges instead. With several waits
+        open at once (concurrent tasks) the oldest is reported: it is the one holding the component up."""
         token = next(self._tokens)
         self._waits[token] = component
         if doing is not None:
@@ -61,7 +62,7 @@ class Heartbeat:
 
     def beat(self) -> Beat:
         waits = list(self._waits.values())
-        waiting = waits[-1] if waits else (IDLE if self.server and self.held == 0 else "")
+        waiting = waits[0] if waits else (IDLE if self.server and self.held == 0 else "")
         doing = f"{self.held} held" if self.server else self.doing
         return Beat(self.progress, waiting, self.rank, doing)
 

@@ -127,11 +127,18 @@ class StallWatch:
                 return None  # a working component at the end: it is judged on its own progress
             chain[-1] += " (idle)"
         tracks = [self._tracks.get((c.split(" ")[0], 0)) for c in chain]
+        if any(x is not None and self._silent(x, now) for x in tracks[1:]):
+            return None  # one it waits on is silent: that one is stuck, by its own rule, not this one
         last = max((x.moved or x.launched) for x in tracks if x is not None)
         if now - last <= limit:
             return None
         path = " -> ".join(chain)
         return f"waiting on {path}, none of which moved for {now - last:.0f}s (timeout {limit:.0f}s)"
+
+    def _silent(self, t: Track, now: float) -> bool:
+        """No heartbeat for two intervals: stopped or blocked (its own timeout then decides)."""
+        heard = t.last_beat if t.last_beat is not None else t.launched
+        return now - heard > 2 * self.cfg.heartbeat_s
 
     def _label(self, name: str, rank: int) -> str:
         return name if rank == 0 and (name, 1) not in self._tracks else f"{name} rank {rank}"

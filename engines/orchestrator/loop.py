@@ -84,7 +84,8 @@ class WeightSync:
         latest = await asyncio.to_thread(weights.latest_version, self.fs, self.root)
         if latest is not None and latest > self.engine_version:
             body = UpdateWeightsRequest(version=latest).model_dump(exclude_none=True)
-            r = await self.client.post("/update_weights", json=body, headers=self.headers)
+            with heartbeat().waiting_on("inference", f"updating the engine to version {latest}"):
+                r = await self.client.post("/update_weights", json=body, headers=self.headers)
             r.raise_for_status()
             resp = UpdateWeightsResponse.model_validate_json(r.content)
             self.engine_version = resp.policy_version

@@ -100,6 +100,19 @@ def test_an_idle_server_is_never_stuck_but_a_wait_on_it_is_bounded():
     assert "waiting on orchestrator -> inference (idle), none of which moved" in why
 
 
+def test_a_silent_server_is_blamed_not_the_one_waiting_on_it():
+    watch, clock = _watch()
+    for name in ("orchestrator", "inference"):
+        watch.launched(name)
+        watch.beat(name, Beat(0, ""))
+        watch.beat(name, Beat(1, ""))
+    clock.now += 1
+    watch.beat("inference", Beat(1, IDLE))  # its last heartbeat, then SIGSTOP: it accepts and never answers
+    _run(watch, clock, 12, {"orchestrator": Beat(1, "inference", 0, "generating step 2")})
+    assert watch.verdict("orchestrator") is None
+    assert "inference is stuck: no heartbeat for 12s" in (watch.verdict("inference") or "")
+
+
 def test_two_components_waiting_on_each_other_are_stuck():
     watch, clock = _watch()
     for name in ("trainer", "orchestrator"):
