@@ -105,9 +105,14 @@ class StallWatch:
         if t.beat is None or t.beat.waiting == IDLE:
             return None
         if not t.beat.waiting:
-            if now - t.active_from > limit:
-                return f"no progress for {now - t.active_from:.0f}s (timeout {limit:.0f}s)"
-            return None
+            if now - t.active_from <= limit:
+                return None
+            silent = (
+                f"; no heartbeat for {now - heard:.0f}s either: it is stopped or blocked"
+                if self._silent(t, now)
+                else ""
+            )
+            return f"no progress for {now - t.active_from:.0f}s (timeout {limit:.0f}s){silent}"
         return self._why_waiting(name, t, now, limit)
 
     def _why_waiting(self, name: str, t: Track, now: float, limit: float) -> str | None:
