@@ -27,7 +27,7 @@ class Heartbeat:
         self.progress, self.doing = 0, "starting"
         self.server = False  # a server: idle while it holds nothing
         self.held = 0
-        self._waits: dict[int, str] = {}  # token -> component waited on; the oldest open wait is reported
+        self._waits: dict[int, tuple[int, str]] = {}  # token -> (priority, component waited on)
         self._tokens = itertools.count()
         self._thread: threading.Thread | None = None
 
@@ -38,11 +38,12 @@ class Heartbeat:
             self.doing = doing
 
     @contextlib.contextmanager
-    def waiting_on(self, component: str, doing: str | None = None) -> Iterator[None]:
-        """Inside: this component waits on `component`, which the flow judges instead. With several waits
-        open at once (concurrent tasks) the oldest is reported: it is the one holding the component up."""
+    def waiting_on(self, component: str, doing: str | None = None, priority: int = 0) -> Iterator[None]:
+        """Inside: this component waits on `component`, which the flow judges instead. With several waits open
+        at once (concurrent tasks) the one of highest `priority`, then the newest, is reported: a request in
+        flight that the other waits depend on outranks them (the orchestrator's weight push)."""
         token = next(self._tokens)
-        self._waits[token] = component
+        self._waits[token] = (priority, component)
         if doing is not None:
             self.doing = doing
         try:
@@ -61,8 +62,8 @@ class Heartbeat:
             self.advance()
 
     def beat(self) -> Beat:
-        waits = list(self._waits.values())
-        waiting = waits[0] if waits else (IDLE if self.server and self.held == 0 else "")
+        waits = sorted(self._waits.items(), key=lambda item: (item[1][0], item[0]))
+        waiting = waits[-1][1][1] if waits else (IDLE if self.server and self.held == 0 else "")
         doing = f"{self.held} held" if self.server else self.doing
         return Beat(self.progress, waiting, self.rank, doing)
 

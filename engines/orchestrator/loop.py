@@ -84,7 +84,8 @@ class WeightSync:
         latest = await asyncio.to_thread(weights.latest_version, self.fs, self.root)
         if latest is not None and latest > self.engine_version:
             body = UpdateWeightsRequest(version=latest).model_dump(exclude_none=True)
-            with heartbeat().waiting_on("inference", f"updating the engine to version {latest}"):
+            # the step waiting for this version waits on this request now, not on the trainer
+            with heartbeat().waiting_on("inference", f"updating the engine to version {latest}", priority=1):
                 r = await self.client.post("/update_weights", json=body, headers=self.headers)
             r.raise_for_status()
             resp = UpdateWeightsResponse.model_validate_json(r.content)

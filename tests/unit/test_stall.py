@@ -14,6 +14,7 @@ import pytest
 
 from config.loader import ConfigError, load_run_config
 from config.stall import HEARTBEAT_ENV, IDLE, Beat, StallConfig, format_beat, split_beat
+from engines.heartbeat import Heartbeat
 from runtime.process import ComponentStalled, supervise
 from runtime.stall import StallWatch
 from storage.runstate import pid_alive
@@ -153,6 +154,23 @@ def test_a_disabled_watch_says_nothing():
     watch.launched("trainer")
     watch.clock.now += 100  # type: ignore[attr-defined]
     assert watch.verdict("trainer") is None
+
+
+def test_a_weight_push_in_flight_outranks_the_wait_for_its_version():
+    """The orchestrator waits for a policy version (on the trainer); once its push of that version to the engine
+    is in flight, whichever began first, it waits on the engine."""
+    beat = Heartbeat(None)
+    with beat.waiting_on("trainer"), beat.waiting_on("inference", priority=1):
+        assert beat.beat().waiting == "inference"
+    with beat.waiting_on("inference", priority=1), beat.waiting_on("trainer"):
+        assert beat.beat().waiting == "inference"
+    with beat.waiting_on("orchestrator"):
+        assert beat.beat().waiting == "orchestrator"
+    assert beat.beat().waiting == ""
+    beat.server = True
+    with beat.hold():
+        assert beat.beat().waiting == "" and beat.beat().doing == "1 held"
+    assert beat.beat().waiting == IDLE and beat.progress == 1  # finishing held work is progress
 
 
 def test_a_heartbeat_survives_a_partial_line_before_it():
