@@ -27,6 +27,7 @@ from config.orchestrator import OrchestratorConfig
 from config.placement import SlurmPlacementConfig
 from config.script_text import PATH_TEXT, RUN_NAME, check, check_name
 from config.sft import SFTConfig
+from config.stall import StallConfig
 from config.storage import StorageConfig
 from config.teacher import TeacherConfig
 from config.tracking import TrackingConfig
@@ -49,6 +50,7 @@ class RestartConfig(Strict):
     lease_ttl_s: float = Field(
         30.0, gt=0, description="a run whose lease is not renewed for this long counts as not running"
     )
+    stall: StallConfig = StallConfig()  # a live component that makes no progress restarts the attempt
 
 
 class RunConfig(Strict):

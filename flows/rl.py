@@ -9,7 +9,8 @@ Flow (this process)               subprocess tasks
            components ----------> python -m engines.{inference,orchestrator,trainer} --config ...
                                   (+ a second engines.inference, "teacher", with a [teacher]: distillation)
   on a component failure: stop the rest, back off, next attempt (bounded by restart.max_restarts
-  attempts in a row that make no checkpoint progress)
+  attempts in a row that make no checkpoint progress); a live component that makes no progress for its
+  stall timeout (restart.stall, runtime/stall.py: the components' heartbeats) is a failure too
   while the attempts run: a watcher thread keeps the progress artifacts current (flows/progress.py)
   close the run: state.json, MLflow status, summary artifact (with the reward and evaluation curves)
 """
@@ -27,6 +28,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from config.process import warmup_parallel
 from config.run import RunConfig
+from config.stall import HEARTBEAT_ENV
 from config.transport import TRANSPORT_SECRET_ENV
 from engines.protocol import ADMIN_TOKEN_ENV, TEACHER_TOKEN_ENV
 from flows.progress import live_progress
@@ -38,6 +40,7 @@ from runtime.process import ComponentFailed
 from runtime.restarts import RestartBudget
 from runtime.rundir import logs_dir
 from runtime.slurm import allocation_nodes
+from runtime.stall import StallWatch
 from runtime.summary import summarize, to_markdown
 from runtime.walltime import WalltimeReached, WalltimeWatch
 from storage.checkpoints import checkpoint_steps
@@ -72,7 +75,8 @@ def _supervise(futures: dict, stop: threading.Event, logger) -> None:
 def _component_env(cfg: RunConfig, tracking_uri: str | None) -> dict[str, dict[str, str]]:
     """Per-component environment: secrets (never in configs on disk, argv, or logs), and the storage
     settings each process needs to read its config file from `output_dir`."""
-    storage = {CONFIG_STORAGE_ENV: cfg.storage.model_dump_json()}
+    beat = {HEARTBEAT_ENV: str(cfg.restart.stall.heartbeat_s)} if cfg.restart.stall.enabled else {}
+    storage = {CONFIG_STORAGE_ENV: cfg.storage.model_dump_json(), **beat}  # every component's (heartbeat: stall watch)
     token = {ADMIN_TOKEN_ENV: secrets.token_hex(16)}  # admin routes of this attempt's engine
     teacher = secrets.token_hex(16)  # the teacher's own: the orchestrator checks the teacher holds it
     # the MAC key of this attempt's collective weight transport (engines/weight_transport.py)
@@ -94,9 +98,11 @@ def _run_components(
     placed: Placement,
     watch: WalltimeWatch,
     logger,
+    stall: StallWatch | None = None,
 ) -> None:
     """Warm-up to completion if needed, then inference, orchestrator and trainer side by side, where
-    `placed` puts them (srun job steps inside a Slurm job) and launched by torchrun where they have ranks."""
+    `placed` puts them (srun job steps inside a Slurm job) and launched by torchrun where they have ranks.
+    `stall`: this attempt's watch of their heartbeats; a component stuck by its rules fails the attempt."""
     srun = placed.srun
     stop = threading.Event()
     watch.attach(stop)
@@ -105,7 +111,7 @@ def _run_components(
             log = join(logs, "warmup.log")
             module, url = attempt.modules["warmup"], attempt.urls["sft"]
             launcher = placed.warmup_launcher
-            run_component("warmup", module, url, env["warmup"], log, stop, srun.get("warmup"), None, launcher)
+            run_component("warmup", module, url, env["warmup"], log, stop, srun.get("warmup"), None, launcher, stall)
             if stop.is_set():
                 raise ComponentFailed("stopped during the warm-up")
         watch.trainer_running.set()
@@ -120,6 +126,7 @@ def _run_components(
                 srun.get(name),
                 watch.checkpoint_request if name == "trainer" else None,
                 placed.trainer_launcher if name == "trainer" else None,
+                stall,
             )
             for name in ("inference", "teacher", "orchestrator", "trainer")
             if name in attempt.urls  # the teacher's server runs only with a [teacher] (distillation)
@@ -179,7 +186,8 @@ def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: W
         try:
             env = _component_env(cfg, run.tracking_uri)
             here = placed.for_attempt(cfg, run.run_id, run.state.attempts)
-            _run_components(attempt, logs, env, here, watch, logger)
+            stall = StallWatch(cfg.restart.stall) if cfg.restart.stall.enabled else None
+            _run_components(attempt, logs, env, here, watch, logger, stall)
             return
         except ComponentFailed as exc:
             if watch.reached.is_set():

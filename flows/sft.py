@@ -21,12 +21,14 @@ from prefect.artifacts import create_markdown_artifact
 
 from config.process import EXIT_REFUSED, warmup_parallel
 from config.run import RunConfig
+from config.stall import HEARTBEAT_ENV
 from launch.torchrun import torchrun_args
 from runtime.lease import hold_lease
 from runtime.lifecycle import RunHandle, close_run, reopen_run, start_new_run
 from runtime.process import ComponentFailed
 from runtime.restarts import RestartBudget
 from runtime.rundir import logs_dir, write_sft_configs
+from runtime.stall import StallWatch
 from runtime.summary import sft_markdown, summarize_sft
 from storage.fs import CONFIG_STORAGE_ENV, Storage, join
 from storage.metrics import read_metrics
@@ -55,9 +57,11 @@ def _prepare(cfg: RunConfig, run: RunHandle, logger) -> tuple[int | None, str]:
 
 
 def _env(cfg: RunConfig, tracking_uri: str | None) -> dict[str, str]:
-    """The trainer's environment: storage settings to read its config, the tracking URI with credentials."""
+    """The trainer's environment: storage settings to read its config, the tracking URI with credentials, and
+    the heartbeat interval of the stall watch (restart.stall)."""
     return {
         CONFIG_STORAGE_ENV: cfg.storage.model_dump_json(),
+        **({HEARTBEAT_ENV: str(cfg.restart.stall.heartbeat_s)} if cfg.restart.stall.enabled else {}),
         **({"MLFLOW_TRACKING_URI": tracking_uri} if tracking_uri else {}),
     }
 
@@ -76,7 +80,9 @@ def _attempts(cfg: RunConfig, run: RunHandle, logger) -> None:
         budget.attempt_from(step)
         stop = threading.Event()
         try:
-            run_component("sft", TRAINER_MODULE, url, _env(cfg, run.tracking_uri), log_path, stop, None, None, launcher)
+            stall = StallWatch(cfg.restart.stall) if cfg.restart.stall.enabled else None  # a stuck trainer fails it
+            env = _env(cfg, run.tracking_uri)
+            run_component("sft", TRAINER_MODULE, url, env, log_path, stop, None, None, launcher, stall)
             return
         except ComponentFailed as exc:
             if exc.returncode == EXIT_REFUSED:

@@ -39,6 +39,7 @@ from config.process import OrchestratorProcessConfig
 from engines.entry import read_process_config
 from engines.environments.base import EnvMix, Task
 from engines.environments.episodes import GroupEnvironment, MultiTurnEnvironment, is_multi_turn
+from engines.heartbeat import heartbeat
 from engines.models import modeldir
 from engines.orchestrator.estimators import StepEstimators
 from engines.orchestrator.multiturn import EpisodeGroup, post_completion, truncation
@@ -87,7 +88,9 @@ class WeightSync:
         latest = await asyncio.to_thread(self.target)
         if latest is not None and latest > self.engine_version:
             body = UpdateWeightsRequest(version=latest).model_dump(exclude_none=True)
-            r = await self.client.post("/update_weights", json=body, headers=self.headers)
+            # the step waiting for this version waits on this request now, not on the trainer
+            with heartbeat().waiting_on("inference", f"updating the engine to version {latest}", priority=1):
+                r = await self.client.post("/update_weights", json=body, headers=self.headers)
             r.raise_for_status()
             resp = UpdateWeightsResponse.model_validate_json(r.content)
             self.engine_version = resp.policy_version
@@ -195,6 +198,7 @@ class Orchestrator:
         rows = await self.scored_group(step, group)
         if self.teacher is not None:
             await self.teacher.score(rows)
+        heartbeat().advance()
         return rows
 
     async def scored_group(self, step: int, group: int) -> list[RolloutRow]:
@@ -250,9 +254,12 @@ class Orchestrator:
         ]
 
     async def run_step(self, step: int) -> None:
-        waited = await self.sync.wait_for(step - 1 - self.cfg.async_level)
+        version = step - 1 - self.cfg.async_level
+        with heartbeat().waiting_on("trainer", f"waiting for policy version {version}"):
+            waited = await self.sync.wait_for(version)
         t0 = time.perf_counter()
-        groups = await asyncio.gather(*(self.group(step, g) for g in range(self.ocfg.batch_size)))
+        with heartbeat().waiting_on("inference", f"generating step {step}"):
+            groups = await asyncio.gather(*(self.group(step, g) for g in range(self.ocfg.batch_size)))
         gen_s = time.perf_counter() - t0
         counts: dict = self.set_advantages(list(groups))  # before the staleness filter: over whole groups
         rows = [row for grp in groups for row in grp]
@@ -265,6 +272,7 @@ class Orchestrator:
         meta = {"gen_s": gen_s, "wait_s": waited, "dropped": len(rows) - len(kept), "versions": dict(versions)}
         meta |= counts
         await asyncio.to_thread(rollouts.write_step, self.fs, self.root, step, rollouts.to_table(kept), meta)
+        heartbeat().advance(f"committed step {step}")
         reward = sum(r.reward for r in kept) / len(kept)
         log.info(
             f"step {step}/{self.cfg.max_steps}: {len(kept)} samples (dropped {meta['dropped']}), "
@@ -283,8 +291,18 @@ class Orchestrator:
 
 async def run(cfg: OrchestratorProcessConfig) -> None:
     token = os.environ.get(ADMIN_TOKEN_ENV, "")
+    beats = asyncio.create_task(heartbeat().run())  # progress for the flow's stall watch (engines/heartbeat.py)
+    try:
+        await _run(cfg, token)
+    finally:
+        beats.cancel()
+    log.info("all rollout steps committed")
+
+
+async def _run(cfg: OrchestratorProcessConfig, token: str) -> None:
     async with httpx.AsyncClient(base_url=cfg.inference_url, timeout=httpx.Timeout(600.0)) as client:
-        await wait_healthy(client, cfg.orchestrator.inference_timeout_s, token)
+        with heartbeat().waiting_on("inference", "waiting for the inference server"):
+            await wait_healthy(client, cfg.orchestrator.inference_timeout_s, token)
         fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
         sync = WeightSync(client, fs, root, token, cfg.orchestrator.poll_interval_s)
         await sync.refresh()
@@ -299,7 +317,8 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
                     sync.follower.result()  # surfaces the follower's error
                 online.check()
                 await orch.run_step(step)
-            await online.finish()
+            with heartbeat().waiting_on("inference", "finishing the online evaluation"):
+                await online.finish()
         finally:
             online.cancel()
             sync.follower.cancel()
@@ -308,7 +327,6 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
                     await env.close()
             if tea is not None:
                 await tea.aclose()
-    log.info("all rollout steps committed")
 
 
 async def start_teacher(cfg: OrchestratorProcessConfig) -> Teacher | None:
@@ -317,7 +335,8 @@ async def start_teacher(cfg: OrchestratorProcessConfig) -> Teacher | None:
         return None
     await asyncio.to_thread(check_tokenizer, cfg.model, cfg.teacher)
     tea = Teacher(cfg.teacher, cfg.teacher_url)
-    await wait_healthy(tea.client, cfg.orchestrator.inference_timeout_s, os.environ.get(TEACHER_TOKEN_ENV, ""))
+    with heartbeat().waiting_on("teacher", "waiting for the teacher's server"):
+        await wait_healthy(tea.client, cfg.orchestrator.inference_timeout_s, os.environ.get(TEACHER_TOKEN_ENV, ""))
     return tea
 
 
