@@ -20,6 +20,7 @@ import time
 
 from config.process import OrchestratorProcessConfig
 from engines.environments.base import Environment
+from engines.heartbeat import heartbeat
 from engines.models.tokenizer import Tokenizer
 from engines.orchestrator.evaluation import Evaluator, spec_for_envs
 from storage import evals
@@ -64,9 +65,11 @@ class OnlineEval:
         if status == "done":
             return
         served, t0 = self.sync.engine_version, time.perf_counter()
-        summary = await Evaluator(
-            self.client, self.limit, self.tok, self.envs, spec, self.fs, directory, self.cfg.session_header
-        ).run()
+        # while it runs the engine is held at `version`: rollouts needing a newer one wait on this, not the trainer
+        with heartbeat().waiting_on("inference", f"evaluating version {version}", priority=1):
+            summary = await Evaluator(
+                self.client, self.limit, self.tok, self.envs, spec, self.fs, directory, self.cfg.session_header
+            ).run()
         log.info(
             f"eval of version {version} (engine served {served}, samples from {summary['policy_versions']}): "
             f"reward {summary['reward_mean']:.3f}, {time.perf_counter() - t0:.2f}s"
