@@ -108,9 +108,9 @@ def check_loaded(cfg: RunConfig, env_sources: list[str]) -> None:
     """The load-time checks that need more than the config itself: the environments, the advantage estimators,
     the model directory and the inference backend's capabilities; each refuses with exit code 2 before anything
     starts."""
+    check_model(cfg)  # first: the environments' prompts are measured with its tokenizer
     check_envs(cfg, env_sources)
     check_advantages(cfg, env_sources)
-    check_model(cfg)
     check_backend(cfg)
     check_loss(cfg)
     check_teacher(cfg)
@@ -137,16 +137,26 @@ def check_teacher(cfg: RunConfig) -> None:
         raise ConfigError(f"invalid teacher: {exc}") from None
 
 
-def check_envs(cfg: RunConfig, env_sources: list[str]) -> None:
-    """Build every `[[envs]]` plugin once (importing its module) so a bad one fails here, exit code 2,
-    instead of in the orchestrator after the warm-up. `auto` prompts get the style the run's tokenizer
-    will pick: tag for the built-in character tokenizer, instruct for a model directory's."""
-    from engines.environments.plugins import PluginError, check
+def check_envs(cfg: RunConfig, env_sources: list[str], rl: bool = True) -> None:
+    """Build every `[[envs]]` plugin once (importing its module), measure a bounded sample of its first-turn
+    prompts with the run's tokenizer and apply the run-level rules (`RunConfig.env_problems`: prompts against
+    model.max_seq_len for `rl`, sft.steps against environments without demonstrations), so a bad one fails
+    here, exit code 2, every problem at once, instead of in the orchestrator after the warm-up. `auto` prompts
+    get the style the run's tokenizer will pick: tag for the built-in character tokenizer, instruct for a model
+    directory's. What was checked is reported on stderr (docs/environments.md, "What --dry-run checks")."""
+    from engines.environments.loadcheck import inspect
+    from engines.models.modeldir import load_tokenizer, resolve
 
     try:
-        check(cfg.envs, env_sources, "tag" if cfg.model.path is None else "instruct")
-    except PluginError as exc:
-        raise ConfigError(str(exc)) from None
+        tok = load_tokenizer(resolve(cfg.model))
+    except ValueError as exc:
+        raise ConfigError(f"invalid model: {exc}") from None
+    facts, problems = inspect(cfg.envs, env_sources, "tag" if cfg.model.path is None else "instruct", tok)
+    problems += cfg.env_problems(facts, rl)
+    if problems:
+        raise ConfigError("invalid environment:\n  " + "\n  ".join(problems))
+    for f in facts:
+        print(f"rollflow: checked {f.report()}", file=sys.stderr)
 
 
 def check_advantages(cfg: RunConfig, env_sources: list[str]) -> None:
@@ -314,7 +324,7 @@ def check_sft_data(cfg: RunConfig, env_sources: list[str]) -> None:
     check_model(cfg)
     data = cfg.sft.data
     if data.type == "envs":
-        check_envs(cfg, env_sources)
+        check_envs(cfg, env_sources, rl=False)
         return
     from storage.fs import Storage
 
