@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engines.environments.base import Task
+from engines.environments.base import EnvironmentRefused, Task
 from engines.environments.episodes import GroupSampler
 from engines.registry import PluginError, import_object
 from storage import rollouts
@@ -165,6 +165,7 @@ class VerifiersEnvironment:
         client: TokenClient = self.ctx.client_object
         assert isinstance(task, VerifiersTask)
         group_id = rollouts.group_id(step, group_idx)
+        self._check_room(group, task)
         slots = self.env.slots(self.tasks[task.index], group.group_size)
 
         def bind(k: int) -> Callable[[Any], None]:
@@ -177,6 +178,17 @@ class VerifiersEnvironment:
             *(self.env.run_slot(slot, self.ctx.model_context, on_trace=bind(k)) for k, slot in enumerate(slots))
         )
         return [self._row(client, run_id, step, group_id, k, task, ep) for k, ep in enumerate(episodes)]
+
+    def _check_room(self, group: GroupSampler, task: VerifiersTask) -> None:
+        """Refuse (no restart) a task whose first prompt leaves the model no token in model.max_seq_len: every
+        episode of it would fail, and so would every retry of its step."""
+        length = len(group.tok.render_messages(first_messages(self.tasks[task.index].data)))
+        if length >= group.max_seq_len:
+            raise EnvironmentRefused(
+                f"{self.name}: task {task.index}'s first prompt takes {length} tokens, which leaves no room in "
+                f"model.max_seq_len={group.max_seq_len} for the model's first turn: set model.max_seq_len above "
+                f"{length} (plus orchestrator.max_new_tokens), or shorten the environment's prompts"
+            )
 
     def _row(self, client: Any, run_id: str, step: int, group_id: str, k: int, task: Task, ep: Any) -> RolloutRow:
         sample_id = rollouts.sample_id(group_id, k)

@@ -131,3 +131,30 @@ def test_sft_with_a_dataset_needs_no_demonstrations(vf_path):
     cfg = RunConfig(sft={"steps": 200, "data": {"path": "chat.jsonl"}})
     assert cfg.env_problems(facts) == [] and RunConfig().env_problems(facts) != []
     assert RunConfig().env_problems(facts, rl=False)[0].endswith("or use environments with demonstrations")
+
+
+def test_a_task_with_no_room_for_its_first_turn_is_refused_not_retried(vf_path):
+    """At run time a first prompt that leaves no room in model.max_seq_len raises EnvironmentRefused (the
+    orchestrator exits EXIT_REFUSED, which the rl flow does not restart) before anything is sampled."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from engines.environments.base import EnvironmentRefused
+    from engines.environments.episodes import run_episode
+
+    tok = CharTokenizer()
+    lookup = plugins.build(EnvSpec(id="tool-lookup", args={"min_chars": 50, "max_chars": 60}))
+    task = lookup.sample(random.Random(0))
+    sampled = []
+
+    async def sample(request, session):
+        sampled.append(request)
+
+    with pytest.raises(EnvironmentRefused, match=r"tool-lookup: a first prompt takes \d+ tokens.*max_seq_len=40"):
+        asyncio.run(run_episode(lookup, task, tok, sample, lambda *a: a, "s", 40))
+    assert sampled == []
+    env = plugins.build(EnvSpec(id="verifiers", args={"env": "vf_endless:load_environment", "env_args": {}}))
+    task = env.sample(random.Random(0))  # 12 board letters + a 21-letter system prompt: 35 tokens
+    env._check_room(SimpleNamespace(tok=tok, max_seq_len=36), task)
+    with pytest.raises(EnvironmentRefused, match=r"task \d+'s first prompt takes 35 tokens.*max_seq_len=35"):
+        env._check_room(SimpleNamespace(tok=tok, max_seq_len=35), task)
