@@ -33,7 +33,7 @@ def first_prompts(env: Any, count: int) -> tuple[list[list[dict]], str]:
         tasks = [env.sample(random.Random(f"load-check/{i}")) for i in range(count)]
     except Exception as exc:
         raise PluginError(f"sample(rng) raised {type(exc).__name__}: {exc}") from None
-    return [[{"role": "user", "content": t.prompt}] for t in tasks], f"{count} tasks drawn"
+    return [[{"role": "user", "content": t.prompt}] for t in tasks], f"{count} tasks drawn by sample(rng)"
 
 
 def prompt_lengths(env: Any, tok: Tokenizer, count: int = PROMPT_SAMPLE) -> tuple[list[int], str]:

@@ -86,6 +86,7 @@ def test_dry_run_refuses_each_environment_problem_naming_the_setting_and_the_fix
         "): cannot import module 'vf_nowhere' (No module named 'vf_nowhere'); install the "
         "package that provides it or put its directory on PYTHONPATH"
     ), missing
+    assert "raised" not in missing and "PluginError" not in r.stderr
     assert not (tmp_path / "run").exists()
 
 
