@@ -18,7 +18,7 @@ returns the group's rows scored; the orchestrator sets their advantages, as for 
 Tasks are drawn from the taskset lazily (`TaskPool`): an infinite taskset (`Taskset.INFINITE`, e.g. verifiers'
 TextArena games) is read only as far as the highest index drawn, within its first `max_tasks`; a finite one is
 read whole (up to `max_tasks`) at the first draw, in the orchestrator. Loading (the CLI, `--dry-run`) reads only
-the first `PREVIEW` tasks, whose first-turn messages it measures (engines/environments/loadcheck.py), and refuses
+its first tasks (`preview`), whose first-turn messages it measures (engines/environments/loadcheck.py), and refuses
 an env whose interception or agent runtimes cannot run here (`serving_problems`) before any episode starts.
 """
 
@@ -44,7 +44,6 @@ MODEL = "rollflow"  # the model name verifiers sends; rollflow's server serves o
 # The tasks an infinite taskset's run draws from (its first ones) unless `max_tasks` says otherwise: drawing reads
 # the taskset up to the index drawn, so this bounds what a run reads of a taskset that never ends.
 INFINITE_POOL = 1000
-PREVIEW = 16  # tasks read at load (the first ones): their first-turn prompts are measured
 # Remote runtimes (verifiers' `is_local = False`) and what each needs; the default `AgentConfig()` runtime is prime's.
 REMOTE_CREDENTIALS = {
     "prime": "`prime login` or $PRIME_API_KEY",
@@ -87,6 +86,7 @@ class TaskPool:
         return self._tasks[index]
 
     def size(self) -> int:
+        """How many tasks a draw picks among."""
         if self.infinite:
             return self.max_tasks or INFINITE_POOL
         self._read(self.max_tasks or math.inf)  # finite: read (up to max_tasks) at the first draw

@@ -159,3 +159,11 @@ def test_a_task_with_no_room_for_its_first_turn_is_refused_not_retried(vf_path):
     env._check_room(SimpleNamespace(tok=tok, max_seq_len=36), task)
     with pytest.raises(EnvironmentRefused, match=r"task \d+'s first prompt takes 35 tokens.*max_seq_len=35"):
         env._check_room(SimpleNamespace(tok=tok, max_seq_len=35), task)
+
+
+def test_max_tasks_bounds_what_a_run_draws_from(vf_path):
+    env = plugins.build(EnvSpec(id="verifiers", args={"env": "vf_copy:load_environment", "max_tasks": 3}))
+    assert env.tasks.size() == 3 and {env.sample(random.Random(k)).index for k in range(40)} == {0, 1, 2}
+    assert env.tasks.describe() == "a finite taskset: the run draws from its first 3 tasks"
+    with pytest.raises(plugins.PluginError, match=r"args.max_tasks = 0: need a positive integer"):
+        plugins.build(EnvSpec(id="verifiers", args={"env": "vf_copy:load_environment", "max_tasks": 0}))
