@@ -10,7 +10,8 @@ Flow (this process)               subprocess tasks
                                   (+ a second engines.inference, "teacher", with a [teacher]: distillation)
   on a component failure: stop the rest, back off, next attempt (bounded by restart.max_restarts
   attempts in a row that make no checkpoint progress); a live component that makes no progress for its
-  stall timeout (restart.stall, runtime/stall.py: the components' heartbeats) is a failure too
+  stall timeout (restart.stall, runtime/stall.py: the components' heartbeats) is a failure too; a component
+  that exits EXIT_REFUSED (settings a restart cannot fix) ends the run at once
   while the attempts run: a watcher thread keeps the progress artifacts current (flows/progress.py)
   close the run: state.json, MLflow status, summary artifact (with the reward and evaluation curves)
 """
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from config.process import warmup_parallel
+from config.process import EXIT_REFUSED, warmup_parallel
 from config.run import RunConfig
 from config.stall import HEARTBEAT_ENV
 from config.transport import TRANSPORT_SECRET_ENV
@@ -70,6 +71,11 @@ def _supervise(futures: dict, stop: threading.Event, logger) -> None:
                 stop.set()
                 if fut.result() != 0:
                     raise ComponentFailed(f"the trainer was stopped before finishing (exit code {fut.result()})")
+
+
+class RunRefused(RuntimeError):
+    """A component refused the run's settings (the orchestrator: a task whose first prompt cannot fit
+    model.max_seq_len): a restart would too, so the run stops without one."""
 
 
 def _component_env(cfg: RunConfig, tracking_uri: str | None) -> dict[str, dict[str, str]]:
@@ -190,6 +196,8 @@ def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: W
             _run_components(attempt, logs, env, here, watch, logger, stall)
             return
         except ComponentFailed as exc:
+            if exc.returncode == EXIT_REFUSED:
+                raise RunRefused(str(exc)) from None
             if watch.reached.is_set():
                 raise WalltimeReached(
                     "stopped at the Slurm job's walltime warning; the run is unfinished and resumable "

@@ -35,9 +35,9 @@ from collections import Counter
 
 import httpx
 
-from config.process import OrchestratorProcessConfig
+from config.process import EXIT_REFUSED, OrchestratorProcessConfig
 from engines.entry import read_process_config
-from engines.environments.base import EnvMix, Task
+from engines.environments.base import EnvironmentRefused, EnvMix, Task
 from engines.environments.episodes import GroupEnvironment, MultiTurnEnvironment, is_multi_turn
 from engines.heartbeat import heartbeat
 from engines.models import modeldir
@@ -353,4 +353,8 @@ def forbid_torch() -> None:
 def main(argv: list[str] | None = None) -> None:
     forbid_torch()
     cfg = OrchestratorProcessConfig.model_validate(read_process_config("engines.orchestrator", __doc__, argv))
-    asyncio.run(run(cfg))
+    try:
+        asyncio.run(run(cfg))
+    except EnvironmentRefused as exc:  # a restart would fail the same way: the flow stops the run
+        print(f"refused: {exc}", flush=True)
+        raise SystemExit(EXIT_REFUSED) from None
