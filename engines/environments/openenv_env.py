@@ -69,7 +69,8 @@ class OpenEnvEnvironment:
         # the prompt is the server's reset observation, known only when an episode starts
         return OpenEnvTask(self.name, "", "", seed=rng.randrange(2**31))
 
-    async def _ensure_server(self) -> str:
+    async def start(self) -> str:
+        """The server's URL, started on the first call (`run_group` calls it; a caller may call it early)."""
         async with self._starting:  # a step's groups start together: one of them starts the server
             if not self.server.url:
                 _no_proxy_for_loopback()
@@ -111,7 +112,7 @@ class OpenEnvEnvironment:
     ) -> list[RolloutRow]:
         """The group's `group_size` episodes of `task` (one seed), one scored row each."""
         assert isinstance(task, OpenEnvTask)
-        url = await self._ensure_server()
+        url = await self.start()
         group_id = rollouts.group_id(step, group_idx)
         played = await asyncio.gather(
             *(

@@ -63,6 +63,7 @@ class OpenEnvServer:
         self.name, self.app, self.startup_timeout_s, self.log_dir = name, app, startup_timeout_s, log_dir
         self.log = Path(os.devnull)
         self.proc: subprocess.Popen | None = None
+        self.pid = 0  # of the last process started (the log's name carries the orchestrator's)
         self.url = ""
 
     def _log_path(self) -> Path:
@@ -87,12 +88,13 @@ class OpenEnvServer:
                 )
         finally:
             sock.close()  # the child holds its own copy of the listening socket
+        self.pid = self.proc.pid
         self.url = f"http://{HOST}:{port}"
 
     def _failure(self, what: str) -> PluginError:
         return PluginError(
-            f"OpenEnv environment {self.name!r}: the server for app {self.app!r} {what}; its log {self.log} ends:\n"
-            + log_tail(self.log)
+            f"OpenEnv environment {self.name!r}: the server for app {self.app!r} (pid {self.pid}) {what}; "
+            f"its log {self.log} ends:\n" + log_tail(self.log)
         )
 
     async def start(self) -> str:
@@ -102,8 +104,10 @@ class OpenEnvServer:
         async with httpx.AsyncClient(base_url=self.url, timeout=1.0, trust_env=False) as client:
             while time.monotonic() < deadline:
                 assert self.proc is not None
-                if self.proc.poll() is not None:
-                    raise self._failure(f"exited with code {self.proc.returncode} before it was healthy")
+                code = self.proc.poll()
+                if code is not None:
+                    self.proc = None  # reaped
+                    raise self._failure(f"exited with code {code} before it was healthy")
                 try:
                     if (await client.get("/health")).status_code == 200:
                         return self.url
