@@ -8,7 +8,10 @@ openenv-core's own client (`GenericEnvClient`, a server-side environment instanc
 (through the chat template); each model turn's reply (the server's decoded text) is sent as the action
 `{action_field: reply}`; the step's observation text is rendered as a `role` message after the reply
 (`Tokenizer.render_continuation`) and appended to the ids, until the server says `done`, `max_turns` is reached,
-a turn stops on length, or the context has no room left. The episode is built in token ids exactly as the
+a turn stops on length, or the context has no room left. With a `tool_parser`, a reply it reads as a tool call
+is sent as openenv's MCP action instead (`{"type": "call_tool", "tool_name", "arguments"}`, answered by an
+`MCPEnvironment`'s tools) and the tool's result is rendered as a `tool_role` message. The episode is built in
+token ids exactly as the
 inference server returned them (`engines.environments.episodes.Episode`): `completion_mask` 1 on sampled tokens,
 0 on observation tokens. Its reward is the sum (or the last, `reward = "last"`) of the steps' rewards. All the
 group's episodes reset with the task's seed, a pure function of (run seed, step, group).
@@ -21,17 +24,19 @@ import importlib.util
 import json
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from engines.environments.base import Task
 from engines.environments.episodes import Episode, GroupSampler, RequestBuilder
 from engines.environments.openenv_server import OpenEnvServer
-from engines.registry import PluginError
+from engines.registry import PluginError, import_object
 from storage import rollouts
 from storage.rollouts import RolloutRow
 
 REWARDS = ("sum", "last")
+Parser = Callable[[str], "tuple[str, dict] | None"]  # reply text -> (tool name, arguments), or None: not a call
 INSTALL = "install it with `make install` (it installs openenv-core without its web UI dependencies)"
 
 
@@ -61,6 +66,8 @@ class OpenEnvEnvironment:
         self.reward_mode: str = options["reward"]
         self.step_timeout_s: float = options["step_timeout_s"]
         self.record: str | None = options["record"]
+        self.tool_parser: Parser | None = options["tool_parser"]
+        self.tool_role: str = options["tool_role"]
         self.server = OpenEnvServer(name, app, options["startup_timeout_s"], options["log_dir"])
         self.sessions = asyncio.Semaphore(options["max_sessions"])
         self._starting = asyncio.Lock()
@@ -85,7 +92,10 @@ class OpenEnvEnvironment:
         async with httpx.AsyncClient(base_url=self.server.url, timeout=30.0, trust_env=False) as client:
             r = await client.get("/schema")
         r.raise_for_status()
-        fields = r.json().get("action", {}).get("properties", {})
+        action = r.json().get("action", {})
+        fields = action.get("properties", {})
+        if self.tool_parser is not None and action.get("title") == "CallToolAction":
+            return  # an MCP-only app: every reply must be a tool call, which the parser's contract says
         if fields.get(self.action_field, {}).get("type") != "string":
             valid = ", ".join(n for n, f in fields.items() if f.get("type") == "string") or "(none)"
             self.server.stop()
@@ -156,16 +166,32 @@ class OpenEnvEnvironment:
             if self.record:
                 self._record(sid, turn, e.context, choice)
             e.add_turn(choice)
-            result = await env.step({self.action_field: choice.text})
+            call = self.tool_parser(choice.text) if self.tool_parser is not None else None
+            result = await self._step(env, choice.text, call, sid)
             p.rewards.append(float(result.reward or 0.0))
             p.done = bool(result.done)
             if p.done or choice.finish_reason != "stop" or turn + 1 == self.max_turns:
                 return
-            text = self._text(result.observation, sid)
-            response = group.tok.render_continuation([{"role": self.role, "content": text}])
+            message = (
+                {"role": self.tool_role, "content": tool_text(result.observation)}
+                if call is not None
+                else {"role": self.role, "content": self._text(result.observation, sid)}
+            )
+            response = group.tok.render_continuation([message])
             if len(e.context) + len(response) >= group.max_seq_len:  # no room for a model token after it
                 return
             e.add_environment(response)
+
+    async def _step(self, env: Any, reply: str, call: tuple[str, dict] | None, sid: str) -> Any:
+        """The reply as the text action, or as an MCP tool call; the server's refusal names the episode."""
+        if call is None:
+            action: dict = {self.action_field: reply}
+        else:
+            action = {"type": "call_tool", "tool_name": call[0], "arguments": call[1]}
+        try:
+            return await env.step(action)
+        except RuntimeError as exc:  # openenv's client raises its server's error answers as RuntimeError
+            raise RuntimeError(f"OpenEnv environment {self.name!r}, episode {sid}: step {action}: {exc}") from None
 
     def _record(self, sample_id: str, turn: int, prompt: list[int], choice: Any) -> None:
         """One line per model turn: the ids sent and the server's choice as received, for audits."""
@@ -190,6 +216,19 @@ class OpenEnvEnvironment:
         )
 
 
+def tool_text(observation: dict) -> str:
+    """What the model sees of an MCP tool call's observation (openenv's `CallToolObservation`): the error, or the
+    result's text contents, or its data as JSON."""
+    error = observation.get("error")
+    if error:
+        return f"error: {error.get('message', error) if isinstance(error, dict) else error}"
+    result = observation.get("result")
+    if not isinstance(result, dict):
+        return "" if result is None else str(result)
+    texts = [c.get("text", "") for c in result.get("content") or [] if isinstance(c, dict) and c.get("type") == "text"]
+    return "".join(texts) if texts else json.dumps(result.get("data"))
+
+
 def _no_proxy_for_loopback() -> None:
     """Loopback traffic must never reach a proxy: openenv's client and websockets read the proxy settings of the
     environment, and the client rewrites NO_PROXY around each connect, which concurrent episodes would race on."""
@@ -209,7 +248,7 @@ def _check_options(o: dict[str, Any]) -> None:
         raise PluginError(f"reward = {o['reward']!r}; valid: {', '.join(map(repr, REWARDS))}")
     if not isinstance(o["reset_args"], dict):
         raise PluginError(f"reset_args = {o['reset_args']!r}; need a table of reset keyword arguments")
-    for key in ("action_field", "observation_field", "role"):
+    for key in ("action_field", "observation_field", "role", "tool_role"):
         if not isinstance(o[key], str) or not o[key]:
             raise PluginError(f"{key} = {o[key]!r}; need a non-empty string")
 
@@ -229,6 +268,15 @@ def _check_app(app: str) -> None:
         raise PluginError(f"app = {app!r}: no module {module!r}; install its package or put it on PYTHONPATH")
 
 
+def _parser(path: str | None) -> Parser | None:
+    if path is None:
+        return None
+    parser = import_object(path)
+    if not callable(parser):
+        raise PluginError(f"tool_parser = {path!r} is a {type(parser).__name__}, not a callable")
+    return parser
+
+
 def openenv(
     app: str,
     action_field: str = "message",
@@ -242,6 +290,8 @@ def openenv(
     step_timeout_s: float = 60.0,
     log_dir: str | None = None,
     record: str | None = None,
+    tool_parser: str | None = None,
+    tool_role: str = "tool",
 ) -> OpenEnvEnvironment:
     """The `openenv` plugin: serve the OpenEnv ASGI app `app` (`module:attribute`) locally and play its episodes
     (docs/environments.md, "OpenEnv"; each argument is described there)."""
@@ -258,6 +308,8 @@ def openenv(
         "step_timeout_s": step_timeout_s,
         "log_dir": log_dir,
         "record": record,
+        "tool_parser": _parser(tool_parser),
+        "tool_role": tool_role,
     }
     _check_options(options)
     return OpenEnvEnvironment(f"openenv:{app.partition(':')[0]}", app, options)
