@@ -42,6 +42,8 @@ def test_openenv_env_loads_without_starting_a_server_and_draws_seeded_tasks(oe_p
         ({"app": "oe_echo:app", "startup_timeout_s": -1}, "startup_timeout_s = -1; need a number of seconds > 0"),
         ({"app": "oe_echo:app", "reset_args": [1]}, "reset_args = [1]; need a table"),
         ({"app": "oe_echo:app", "action": "message"}, "the factory accepts: app, action_field"),
+        ({"app": "oe_echo:app", "tool_parser": "oe_echo:PREFIX"}, "tool_parser = 'oe_echo:PREFIX' is a str, not a"),
+        ({"app": "oe_echo:app", "tool_parser": "oe_echo:parse"}, "module 'oe_echo' has no attribute 'parse'"),
     ],
 )
 def test_bad_openenv_args_are_refused_naming_the_env_and_the_value(oe_path, args, message):
@@ -55,6 +57,16 @@ def test_missing_openenv_core_is_refused_with_the_install_step(oe_path, monkeypa
     with pytest.raises(plugins.PluginError) as err:
         plugins.check([EnvSpec(id="openenv", args={"app": "oe_echo:app"})], ["p.toml"], "tag")
     assert "needs openenv-core, which is not installed" in str(err.value) and "make install" in str(err.value)
+
+
+def test_tool_results_are_shown_as_their_text_or_their_error():
+    from engines.environments.openenv_env import tool_text
+
+    ok = {"tool_name": "lookup", "result": {"content": [{"type": "text", "text": "is:ab"}], "data": "is:ab"}}
+    assert tool_text(ok) == "is:ab"
+    assert tool_text({"tool_name": "n", "result": {"content": [], "data": {"n": 1}}}) == '{"n": 1}'
+    failed = {"tool_name": "lookup", "result": None, "error": {"error_type": "timeout", "message": "timed out"}}
+    assert tool_text(failed) == "error: timed out"
 
 
 def _start_fails(args: dict) -> tuple[str, int]:
