@@ -20,6 +20,7 @@ group's episodes reset with the task's seed, a pure function of (run seed, step,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -138,10 +139,8 @@ class OpenEnvEnvironment:
         self, group: GroupSampler, task: OpenEnvTask, url: str, request: RequestBuilder, run_id: str, sid: str
     ) -> _Played:
         """One WebSocket session: reset with the task's seed, then the turns."""
-        from openenv.core import GenericEnvClient
-
-        async with self.sessions, GenericEnvClient(base_url=url, message_timeout_s=self.step_timeout_s) as env:
-            result = await env.reset(seed=task.seed, **self.reset_args)
+        async with self.sessions, _client(url, self.step_timeout_s) as env:
+            result = await self._ask(env.reset(seed=task.seed, **self.reset_args), "reset", sid)
             first = self._text(result.observation, sid)
             played = _Played(Episode(prompt_ids=group.tok.render_prompt(first)), first, [], bool(result.done))
             if played.done:
@@ -188,10 +187,15 @@ class OpenEnvEnvironment:
             action: dict = {self.action_field: reply}
         else:
             action = {"type": "call_tool", "tool_name": call[0], "arguments": call[1]}
+        return await self._ask(env.step(action), f"step {action}", sid)
+
+    async def _ask(self, request: Any, what: str, sid: str) -> Any:
+        """An answer of the server; its error answers (openenv's client raises them as RuntimeError) and a
+        dropped connection name the environment, the episode and the request."""
         try:
-            return await env.step(action)
-        except RuntimeError as exc:  # openenv's client raises its server's error answers as RuntimeError
-            raise RuntimeError(f"OpenEnv environment {self.name!r}, episode {sid}: step {action}: {exc}") from None
+            return await request
+        except (RuntimeError, ConnectionError) as exc:
+            raise RuntimeError(f"OpenEnv environment {self.name!r}, episode {sid}: {what}: {exc}") from None
 
     def _record(self, sample_id: str, turn: int, prompt: list[int], choice: Any) -> None:
         """One line per model turn: the ids sent and the server's choice as received, for audits."""
@@ -214,6 +218,27 @@ class OpenEnvEnvironment:
             metric_names=list(scores),
             metric_values=list(scores.values()),
         )
+
+
+CLOSE_WAIT_S = 5.0
+
+
+def _client(url: str, step_timeout_s: float) -> Any:
+    """openenv-core's `GenericEnvClient` for one session, ending it with a closing handshake: its own `disconnect`
+    sends `close` and drops the connection at once, so the server's own close raises and logs an ASGI error
+    traceback per session (tens of MB over a run); waiting for the server to close first avoids that."""
+    from openenv.core import GenericEnvClient
+
+    class Client(GenericEnvClient):
+        async def disconnect(self) -> None:
+            ws = self._ws
+            if ws is not None:
+                with contextlib.suppress(Exception):  # best effort, as openenv's own disconnect
+                    await ws.send(json.dumps({"type": "close"}))
+                    await asyncio.wait_for(ws.wait_closed(), CLOSE_WAIT_S)
+            await super().disconnect()
+
+    return Client(base_url=url, message_timeout_s=step_timeout_s)
 
 
 def tool_text(observation: dict) -> str:

@@ -42,8 +42,8 @@ def test_openenv_env_loads_without_starting_a_server_and_draws_seeded_tasks(oe_p
         ({"app": "oe_echo:app", "startup_timeout_s": -1}, "startup_timeout_s = -1; need a number of seconds > 0"),
         ({"app": "oe_echo:app", "reset_args": [1]}, "reset_args = [1]; need a table"),
         ({"app": "oe_echo:app", "action": "message"}, "the factory accepts: app, action_field"),
-        ({"app": "oe_echo:app", "tool_parser": "oe_echo:PREFIX"}, "tool_parser = 'oe_echo:PREFIX' is a str, not a"),
-        ({"app": "oe_echo:app", "tool_parser": "oe_echo:parse"}, "module 'oe_echo' has no attribute 'parse'"),
+        ({"app": "oe_echo:app", "tool_parser": "string:digits"}, "tool_parser = 'string:digits' is a str, not a"),
+        ({"app": "oe_echo:app", "tool_parser": "string:parse"}, "module 'string' has no attribute 'parse'"),
     ],
 )
 def test_bad_openenv_args_are_refused_naming_the_env_and_the_value(oe_path, args, message):
