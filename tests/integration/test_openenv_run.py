@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import subprocess
+from collections import Counter
 from difflib import SequenceMatcher
 from pathlib import Path
 
@@ -108,7 +109,9 @@ def test_openenv_env_trains_on_the_server_tokens(tmp_path):
     for r in rows:
         _assert_episode(r, turns, tok)
     two = sum(len(r["turn_policy_versions"]) == ROUNDS for r in rows)
+    finish = Counter(r["finish_reason"] for r in rows)
     print(f"episodes with {ROUNDS} turns: {two}/{len(rows)}; mean reward {np.mean([r['reward'] for r in rows]):.3f}")
+    print(f"last turn's finish reasons: {dict(finish)}")
     assert two > 0, "no episode reached the second round"
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
