@@ -106,7 +106,7 @@ class OpenEnvServer:
                 assert self.proc is not None
                 code = self.proc.poll()
                 if code is not None:
-                    self.proc = None  # reaped
+                    self.proc, self.url = None, ""  # reaped; a later start() starts anew
                     raise self._failure(f"exited with code {code} before it was healthy")
                 try:
                     if (await client.get("/health")).status_code == 200:
@@ -118,7 +118,8 @@ class OpenEnvServer:
         raise self._failure(f"was not healthy within startup_timeout_s = {self.startup_timeout_s:g} s (stopped)")
 
     def stop(self) -> None:
-        proc, self.proc = self.proc, None
+        """Terminate the server (SIGTERM, then SIGKILL after STOP_GRACE_S); a later start() starts a new one."""
+        proc, self.proc, self.url = self.proc, None, ""
         if proc is None or proc.poll() is not None:
             return
         proc.terminate()

@@ -73,7 +73,7 @@ def _start_fails(args: dict) -> tuple[str, int]:
     env = plugins.build(EnvSpec(id="openenv", args=args))
     with pytest.raises(plugins.PluginError) as err:
         asyncio.run(env.start())
-    assert env.server.proc is None  # stopped, or exited by itself
+    assert env.server.proc is None and env.server.url == ""  # stopped or exited; the next start() starts anew
     return str(err.value), env.server.pid
 
 
