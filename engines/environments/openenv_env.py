@@ -72,6 +72,7 @@ class OpenEnvEnvironment:
         self.server = OpenEnvServer(name, app, options["startup_timeout_s"], options["log_dir"])
         self.sessions = asyncio.Semaphore(options["max_sessions"])
         self._starting = asyncio.Lock()
+        self._failed: PluginError | None = None
 
     def sample(self, rng: random.Random) -> Task:
         # the prompt is the server's reset observation, known only when an episode starts
@@ -80,10 +81,16 @@ class OpenEnvEnvironment:
     async def start(self) -> str:
         """The server's URL, started on the first call (`run_group` calls it; a caller may call it early)."""
         async with self._starting:  # a step's groups start together: one of them starts the server
+            if self._failed is not None:
+                raise self._failed  # the groups that waited fail alike instead of starting it again
             if not self.server.url:
                 _no_proxy_for_loopback()
-                await self.server.start()
-                await self._check_schema()
+                try:
+                    await self.server.start()
+                    await self._check_schema()
+                except PluginError as exc:
+                    self._failed = exc
+                    raise
         return self.server.url
 
     async def _check_schema(self) -> None:
