@@ -73,8 +73,12 @@ def _start_fails(args: dict) -> tuple[str, int]:
     env = plugins.build(EnvSpec(id="openenv", args=args))
     with pytest.raises(plugins.PluginError) as err:
         asyncio.run(env.start())
-    assert env.server.proc is None and env.server.url == ""  # stopped or exited; the next start() starts anew
-    return str(err.value), env.server.pid
+    assert env.server.proc is None and env.server.url == ""  # stopped, or exited by itself
+    pid = env.server.pid
+    with pytest.raises(plugins.PluginError) as again:  # another group of the step: the same failure, no new server
+        asyncio.run(env.start())
+    assert str(again.value) == str(err.value) and env.server.pid == pid
+    return str(err.value), pid
 
 
 def test_a_server_that_fails_to_start_is_reported_with_its_log(oe_path, tmp_path):
