@@ -32,6 +32,7 @@ ENVIRONMENTS: dict[str, str] = {
     "reasoning-gym": "engines.environments.rgym:load",
     "tool-lookup": "engines.environments.tools:tool_lookup",  # multi-turn (engines/environments/episodes.py)
     "verifiers": "engines.environments.verifiers_env:verifiers",  # verifiers (v1) environments (docs/environments.md)
+    "openenv": "engines.environments.openenv_env:openenv",  # OpenEnv servers, run locally (docs/environments.md)
 }
 # The built-in string tasks: their `args.max_chars` bounds the prompt length the config checks.
 STRING_TASKS = ("reverse-text", "sort-letters")
