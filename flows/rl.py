@@ -2,7 +2,7 @@
 `max_steps`, restarting them from the last complete checkpoint when one dies; end with a summary.
 
 Flow (this process)               subprocess tasks
-  lease held for the whole run
+  lease held for the whole run (lost: the attempt stops, nothing more is committed; runtime/lease.py)
   open or reopen the run
   attempt: prepare_attempt        (resume point, rollback, per-attempt configs)
            warm-up if needed ---> python -m engines.trainer --config config/sft.json   (version 0)
@@ -11,7 +11,8 @@ Flow (this process)               subprocess tasks
   on a component failure: stop the rest, back off, next attempt (bounded by restart.max_restarts
   attempts in a row that make no checkpoint progress)
   while the attempts run: a watcher thread keeps the progress artifacts current (flows/progress.py)
-  close the run: state.json, MLflow status, summary artifact (with the reward and evaluation curves)
+  close the run: state.json (finished, failed or cancelled: flows/cancel.py), MLflow status, summary artifact
+  (with the reward and evaluation curves)
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from config.process import warmup_parallel
 from config.run import RunConfig
 from config.transport import TRANSPORT_SECRET_ENV
 from engines.protocol import ADMIN_TOKEN_ENV, TEACHER_TOKEN_ENV
+from flows.cancel import outcome
 from flows.progress import live_progress
 from launch.slurm import srun_prefix, teacher_nodes
 from launch.torchrun import rdzv_id, torchrun_args
-from runtime.lease import hold_lease
+from runtime.lease import LeaseKeeper, hold_lease
 from runtime.lifecycle import RunHandle, close_run, reopen_run, start_new_run
 from runtime.process import ComponentFailed
 from runtime.restarts import RestartBudget
@@ -94,12 +96,14 @@ def _run_components(
     placed: Placement,
     watch: WalltimeWatch,
     logger,
+    lease: LeaseKeeper,
 ) -> None:
     """Warm-up to completion if needed, then inference, orchestrator and trainer side by side, where
     `placed` puts them (srun job steps inside a Slurm job) and launched by torchrun where they have ranks."""
     srun = placed.srun
     stop = threading.Event()
     watch.attach(stop)
+    lease.attach(stop)  # a lost lease stops the attempt at once
     try:
         if attempt.needs_warmup:
             log = join(logs, "warmup.log")
@@ -162,7 +166,9 @@ def _placement(cfg: RunConfig, logger) -> Placement:
     return Placement(srun, nodes["inference"][0], trainer, warmup, nodes["trainer"])
 
 
-def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: WalltimeWatch) -> None:
+def _attempts(
+    cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: WalltimeWatch, lease: LeaseKeeper
+) -> None:
     """Attempt after attempt until the trainer finishes; give up after `max_restarts` failures in a row
     that each restarted from the same checkpoint. Slurm's walltime warning ends them (resumable)."""
     budget = RestartBudget(cfg.restart)
@@ -179,9 +185,10 @@ def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: W
         try:
             env = _component_env(cfg, run.tracking_uri)
             here = placed.for_attempt(cfg, run.run_id, run.state.attempts)
-            _run_components(attempt, logs, env, here, watch, logger)
+            _run_components(attempt, logs, env, here, watch, logger, lease)
             return
         except ComponentFailed as exc:
+            lease.raise_if_lost()
             if watch.reached.is_set():
                 raise WalltimeReached(
                     "stopped at the Slurm job's walltime warning; the run is unfinished and resumable "
@@ -201,16 +208,16 @@ def rl(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
     fs, root = storage.open(cfg.output_dir)
     fs.makedirs(root, exist_ok=True)
     checkpoints = lambda: checkpoint_steps(fs, root)  # noqa: E731 - what the walltime watch waits for
-    with hold_lease(fs, root, cfg.restart.lease_ttl_s, logger), WalltimeWatch(logger, checkpoints) as watch:
+    with hold_lease(fs, root, cfg.restart.lease_ttl_s, logger) as lease, WalltimeWatch(logger, checkpoints) as watch:
         run = reopen_run(cfg, logger) if resume else start_new_run(cfg, overwrite)
         logger.info(f"run {run.run_id} -> {cfg.output_dir}" + (" (resumed)" if resume else ""))
         finished = False
         try:
             with live_progress(fs, root, cfg.max_steps, run.run_id, logger):
-                _attempts(cfg, storage, run, logger, watch)
+                _attempts(cfg, storage, run, logger, watch, lease)
             finished = True
         finally:
-            close_run(cfg, run, finished)
+            close_run(cfg, run, outcome(finished, logger))
     summary = summarize(fs, root, cfg.output_dir, time.time() - t0)
     report = to_markdown(summary, read_metrics(fs, root))
     create_markdown_artifact(report, key="rl-run-summary", description=f"run {run.run_id}")

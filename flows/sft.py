@@ -21,6 +21,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from config.process import EXIT_REFUSED, warmup_parallel
 from config.run import RunConfig
+from flows.cancel import outcome
 from launch.torchrun import torchrun_args
 from runtime.lease import hold_lease
 from runtime.lifecycle import RunHandle, close_run, reopen_run, start_new_run
@@ -101,7 +102,7 @@ def sft(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
             _attempts(cfg, run, logger)
             finished = True
         finally:
-            close_run(cfg, run, finished)
+            close_run(cfg, run, outcome(finished, logger))
     summary = summarize_sft(fs, root, cfg.output_dir, time.time() - t0)
     report = sft_markdown(summary, read_metrics(fs, root))
     create_markdown_artifact(report, key="sft-run-summary", description=f"run {run.run_id}")
