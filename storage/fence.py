@@ -92,6 +92,8 @@ def check(fs: fsspec.AbstractFileSystem, path: str) -> None:
     lease = read_lease(fs, f.root)
     if lease is None or (lease.owner, lease.generation) != (f.owner, f.generation):
         now = "no one" if lease is None else f"generation {lease.generation} (pid {lease.pid} on {lease.host})"
+        f.why = f"lease.json names {now}"
+        f.lost.set()  # for good: the flow's keeper stops the attempt at its next renewal
         raise LeaseLost(
             f"not writing {path}: the lease on {f.root} is held by {now}, not by this run's generation "
             f"{f.generation}; another flow took the run over, so this one must stop"
