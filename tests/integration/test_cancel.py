@@ -85,7 +85,7 @@ def _rl_flow_run(out: Path):
     return max(mine, key=lambda r: r.created) if mine else None
 
 
-@pytest.mark.long  # a real tiny RL run cancelled, a resume-unfinished pass, then an explicit resume (~2-3 min)
+@pytest.mark.long  # a real tiny RL run cancelled, a resume-unfinished pass, an explicit resume (~4 min here)
 def test_a_run_cancelled_in_prefect_stays_cancelled_until_resumed_by_hand(tmp_path, prefect_api):
     runs, log = tmp_path / "runs", tmp_path / "cli.log"
     out = runs / "a"

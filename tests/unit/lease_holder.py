@@ -6,7 +6,8 @@
                                                     when the lease is lost (exit 3 then)
     python lease_holder.py component ROOT           commit in a loop, fenced by $ROLLFLOW_FENCE from its parent
 
-Each commit goes through storage.fs.write_json, the atomic write every run-directory commit uses. Lines on
+Each commit goes through storage.fs.write_json, the atomic write every run-directory commit uses (without
+fsync, see NO_FSYNC). Lines on
 stdout: `held <generation>`, `committed <n>`, `fenced: <why>`.
 """
 
@@ -19,10 +20,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from config.storage import StorageConfig  # noqa: E402
 from runtime.lease import hold_lease  # noqa: E402
 from runtime.process import ComponentFailed, supervise  # noqa: E402
 from storage import fence, runstate  # noqa: E402
 from storage.fs import get_fs, join, write_json  # noqa: E402
+
+# No fsync: on a disk shared with other jobs an fsync can stall for seconds, which is not what these tests time.
+NO_FSYNC = StorageConfig(fsync=False)
 
 
 class Say:
@@ -31,7 +36,7 @@ class Say:
 
 
 def commit_loop(root: str, tag: str, seconds: float = 60.0) -> int:
-    fs, path = get_fs(root)
+    fs, path = get_fs(root, NO_FSYNC)
     n = 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -52,7 +57,7 @@ def main() -> int:
         return commit_loop(root, f"component-{fence.active().generation}")  # type: ignore[union-attr]
     ttl, host = float(sys.argv[3]), sys.argv[4]
     runstate.this_host = lambda: host  # another "host": no pid shortcut for whoever looks at this lease
-    fs, path = get_fs(root)
+    fs, path = get_fs(root, NO_FSYNC)
     with hold_lease(fs, path, ttl, Say()) as lease:
         print(f"held {lease.lease.generation}", flush=True)
         if mode == "flow":
