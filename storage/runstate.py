@@ -176,12 +176,13 @@ def acquire(
     settle_s: float = 0.2,
     log: Callable[[str], None] = lambda _: None,
 ) -> Lease:
+    """Take the run's lease with the next generation, or raise LeaseHeld (see the module docstring for when)."""
     current = read_lease(fs, root)
     verdict = "take" if current is None else _verdict(current)
-    if verdict == "held":
-        raise LeaseHeld(f"{root} is already being run ({describe(current)})")  # type: ignore[arg-type]
-    if verdict == "watch":
-        _wait_unrenewed(fs, root, current, ttl_s, log)  # type: ignore[arg-type]
+    if current is not None and verdict == "held":
+        raise LeaseHeld(f"{root} is already being run ({describe(current)})")
+    if current is not None and verdict == "watch":
+        _wait_unrenewed(fs, root, current, ttl_s, log)
     fs.makedirs(root, exist_ok=True)
     lease = Lease(uuid.uuid4().hex, this_host(), os.getpid(), wall_clock() + ttl_s, 0, 0, ttl_s)
     lease.generation = _next_generation(fs, root, current)

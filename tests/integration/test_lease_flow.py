@@ -19,7 +19,7 @@ def _manifests(out: Path) -> dict[str, float]:
     return {str(p.relative_to(out)): p.stat().st_mtime for p in out.glob("*/step=*/**/_manifest.json")}
 
 
-@pytest.mark.long  # a real tiny RL run (~1-2 min on 2 cores)
+@pytest.mark.long  # a real tiny RL run (~3 min here)
 def test_a_real_run_that_loses_its_lease_stops_and_commits_nothing_more(tmp_path):
     out, log = tmp_path / "run", tmp_path / "cli.log"
     cli = start_cli(tmp_path, log, None, "rl", "@", str(TINY), "@", str(RESUME), "--output-dir", str(out))
@@ -34,15 +34,17 @@ def test_a_real_run_that_loses_its_lease_stops_and_commits_nothing_more(tmp_path
         os.replace(out / "lease.json.new", out / "lease.json")
         stolen_at, before = time.time(), _manifests(out)
         state_before = (out / "state.json").read_text()
-        rc = cli.wait(timeout=60)
-        stopped = time.time() - stolen_at
+        while "lost the lease" not in log.read_text() and time.time() - stolen_at < 30:
+            time.sleep(0.1)
+        noticed = time.time() - stolen_at
+        rc = cli.wait(timeout=90)
     finally:
         if cli.poll() is None:
             os.killpg(cli.pid, signal.SIGKILL)
     text = log.read_text()
-    print(f"the flow stopped {stopped:.1f}s after losing its lease")
-    assert rc != 0 and "lost the lease" in text, text[-3000:]
-    assert stopped < 10 / 4 + 15  # the next renewal, then the components' shutdown
+    print(f"the flow saw its lease lost {noticed:.1f}s after the takeover")
+    assert rc != 0 and "lost the lease" in text and "LeaseLost" in text, text[-3000:]
+    assert noticed < 10 / 4 + 2  # at its next renewal (every ttl/4)
     late = {k: t for k, t in _manifests(out).items() if k not in before or t != before[k]}
     assert len(late) <= 1, late  # at most a commit whose check passed just before the takeover
     assert (out / "state.json").read_text() == state_before  # closing the run is the taker's business
