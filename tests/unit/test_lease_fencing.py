@@ -21,7 +21,7 @@ from storage import fence, runstate
 from storage.fs import get_fs, join, write_json
 
 HOLDER = Path(__file__).with_name("lease_holder.py")
-TTL = 1.5
+TTL = 2.0
 
 
 class Holder:
@@ -104,7 +104,7 @@ def test_a_stalled_holder_is_taken_over_after_its_ttl_on_the_takers_clock_and_th
         taken = runstate.acquire(fs, root, TTL, settle_s=0)
         waited = time.monotonic() - t0
         print(f"took over after {waited:.2f}s")
-        assert TTL <= waited < TTL + 1.5, waited  # a whole TTL unrenewed, on our monotonic clock
+        assert TTL <= waited < TTL + 3, waited  # a whole TTL unrenewed, on our monotonic clock
         assert taken.generation == 2
         before = _commits(tmp_path, "flow-1")
         f = fence.install(root, taken)  # the new holder commits
@@ -154,7 +154,7 @@ def test_a_flow_that_loses_its_lease_stops_its_components_and_they_commit_nothin
         print(f"holder and component stopped {stopped:.2f}s after the lease was taken")
         out = "\n".join(holder.lines)
         assert "lost the lease" in out and "component stopped; lease lost: True" in out
-        assert stopped < TTL / 4 + 6  # the next renewal finds the lease gone, then SIGTERM (measured ~1 s)
+        assert stopped < TTL / 4 + 8  # the next renewal finds the lease gone, then SIGTERM (measured 0.6-1 s)
         # at most one commit whose fence check passed just before the steal lands after it
         assert len(_commits(tmp_path, "component-1")) <= at_steal + 1
         assert _alive_mentioning(str(tmp_path)) == []
@@ -198,7 +198,7 @@ def test_a_holder_that_cannot_renew_stops_before_a_taker_could_take_over(tmp_pat
         monkeypatch.setattr(runstate, "renew", storage_down)
         t0 = time.monotonic()
         assert stop.wait(5)
-        assert 0.7 <= time.monotonic() - t0 < 1.0 + 0.5  # within 0.9 x TTL of the last good renewal (+ poll)
+        assert 0.7 <= time.monotonic() - t0 < 2.5  # 0.9 x TTL after the last good renewal (+ a loaded machine)
         with pytest.raises(runstate.LeaseLost, match="not renewed"):
             write_json(fs, join(root, "state.json"), {})
         with pytest.raises(runstate.LeaseLost):
