@@ -67,7 +67,7 @@ def _commits(root: Path, prefix: str) -> list[str]:
     return sorted(p.name for p in (root / "commits").glob(f"{prefix}-*"))
 
 
-def test_a_second_flow_is_refused_while_the_first_renews_whatever_its_clock(tmp_path, other_host):
+def test_a_second_flow_is_refused_while_the_first_renews_and_takes_over_only_after_its_ttl(tmp_path, other_host):
     holder = Holder("flow", tmp_path)
     try:
         holder.wait_for("committed 0")
@@ -86,27 +86,20 @@ def test_a_second_flow_is_refused_while_the_first_renews_whatever_its_clock(tmp_
         with pytest.raises(runstate.LeaseHeld, match="renewed while we watched"):
             runstate.acquire(fs, root, TTL, settle_s=0)
         refused = time.monotonic() - t0
-        print(f"refused after {refused:.2f}s of watching")
         assert refused < TTL  # the next renewal (every ttl/4)
-        assert holder.proc.poll() is None and len(_commits(tmp_path, "flow-1")) >= 1  # the first flow goes on
-    finally:
-        holder.kill()
-
-
-def test_a_stalled_holder_is_taken_over_after_its_ttl_on_the_takers_clock_and_then_fenced(tmp_path, other_host):
-    holder = Holder("flow", tmp_path)
-    try:
-        holder.wait_for("committed 0")
-        fs, root = get_fs(str(tmp_path))
-        os.kill(holder.proc.pid, signal.SIGSTOP)  # alive, holding, no longer renewing
-        other_host(-3600.0)  # a clock an hour behind: the holder's lease looks good for another hour
+        assert holder.proc.poll() is None  # the first flow goes on
+        # The holder stalls: alive, holding, no longer renewing. A taker whose clock is an hour behind (the
+        # lease looks good for another hour) takes over after a whole TTL unrenewed on its monotonic clock.
+        os.kill(holder.proc.pid, signal.SIGSTOP)
+        other_host(-3600.0)
         t0 = time.monotonic()
         taken = runstate.acquire(fs, root, TTL, settle_s=0)
         waited = time.monotonic() - t0
-        print(f"took over after {waited:.2f}s")
-        assert TTL <= waited < TTL + 3, waited  # a whole TTL unrenewed, on our monotonic clock
+        print(f"refused after {refused:.2f}s of watching; took over a stalled holder after {waited:.2f}s")
+        assert TTL <= waited < TTL + 3, waited
         assert taken.generation == 2
         before = _commits(tmp_path, "flow-1")
+        assert before
         f = fence.install(root, taken)  # the new holder commits
         try:
             write_json(fs, join(root, "commits", "taker.json"), {})
