@@ -2,7 +2,7 @@
 `max_steps`, restarting them from the last complete checkpoint when one dies; end with a summary.
 
 Flow (this process)               subprocess tasks
-  lease held for the whole run
+  lease held for the whole run (lost: the attempt stops, nothing more is committed; runtime/lease.py)
   open or reopen the run
   attempt: prepare_attempt        (resume point, rollback, per-attempt configs)
            warm-up if needed ---> python -m engines.trainer --config config/sft.json   (version 0)
@@ -13,7 +13,8 @@ Flow (this process)               subprocess tasks
   stall timeout (restart.stall, runtime/stall.py: the components' heartbeats) is a failure too; a component
   that exits EXIT_REFUSED (settings a restart cannot fix) ends the run at once
   while the attempts run: a watcher thread keeps the progress artifacts current (flows/progress.py)
-  close the run: state.json, MLflow status, summary artifact (with the reward and evaluation curves)
+  close the run: state.json (finished, failed or cancelled: flows/cancel.py), MLflow status, summary artifact
+  (with the reward and evaluation curves)
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ from config.run import RunConfig
 from config.stall import HEARTBEAT_ENV
 from config.transport import TRANSPORT_SECRET_ENV
 from engines.protocol import ADMIN_TOKEN_ENV, TEACHER_TOKEN_ENV
+from flows.cancel import outcome
 from flows.progress import live_progress
 from launch.slurm import srun_prefix, teacher_nodes
 from launch.torchrun import rdzv_id, torchrun_args
-from runtime.lease import hold_lease
+from runtime.lease import LeaseKeeper, hold_lease
 from runtime.lifecycle import RunHandle, close_run, reopen_run, start_new_run
 from runtime.process import ComponentFailed
 from runtime.restarts import RestartBudget
@@ -104,6 +106,7 @@ def _run_components(
     placed: Placement,
     watch: WalltimeWatch,
     logger,
+    lease: LeaseKeeper,
     stall: StallWatch | None = None,
 ) -> None:
     """Warm-up to completion if needed, then inference, orchestrator and trainer side by side, where
@@ -112,6 +115,7 @@ def _run_components(
     srun = placed.srun
     stop = threading.Event()
     watch.attach(stop)
+    lease.attach(stop)  # a lost lease stops the attempt at once
     try:
         if attempt.needs_warmup:
             log = join(logs, "warmup.log")
@@ -175,7 +179,9 @@ def _placement(cfg: RunConfig, logger) -> Placement:
     return Placement(srun, nodes["inference"][0], trainer, warmup, nodes["trainer"])
 
 
-def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: WalltimeWatch) -> None:
+def _attempts(
+    cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: WalltimeWatch, lease: LeaseKeeper
+) -> None:
     """Attempt after attempt until the trainer finishes; give up after `max_restarts` failures in a row
     that each restarted from the same checkpoint. Slurm's walltime warning ends them (resumable)."""
     budget = RestartBudget(cfg.restart)
@@ -193,9 +199,10 @@ def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: W
             env = _component_env(cfg, run.tracking_uri)
             here = placed.for_attempt(cfg, run.run_id, run.state.attempts)
             stall = StallWatch(cfg.restart.stall) if cfg.restart.stall.enabled else None
-            _run_components(attempt, logs, env, here, watch, logger, stall)
+            _run_components(attempt, logs, env, here, watch, logger, lease, stall)
             return
         except ComponentFailed as exc:
+            lease.raise_if_lost()
             if exc.returncode == EXIT_REFUSED:
                 raise RunRefused(str(exc)) from None
             if watch.reached.is_set():
@@ -217,16 +224,16 @@ def rl(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
     fs, root = storage.open(cfg.output_dir)
     fs.makedirs(root, exist_ok=True)
     checkpoints = lambda: checkpoint_steps(fs, root)  # noqa: E731 - what the walltime watch waits for
-    with hold_lease(fs, root, cfg.restart.lease_ttl_s, logger), WalltimeWatch(logger, checkpoints) as watch:
+    with hold_lease(fs, root, cfg.restart.lease_ttl_s, logger) as lease, WalltimeWatch(logger, checkpoints) as watch:
         run = reopen_run(cfg, logger) if resume else start_new_run(cfg, overwrite)
         logger.info(f"run {run.run_id} -> {cfg.output_dir}" + (" (resumed)" if resume else ""))
         finished = False
         try:
             with live_progress(fs, root, cfg.max_steps, run.run_id, logger):
-                _attempts(cfg, storage, run, logger, watch)
+                _attempts(cfg, storage, run, logger, watch, lease)
             finished = True
         finally:
-            close_run(cfg, run, finished)
+            close_run(cfg, run, outcome(finished, logger))
     summary = summarize(fs, root, cfg.output_dir, time.time() - t0)
     report = to_markdown(summary, read_metrics(fs, root))
     create_markdown_artifact(report, key="rl-run-summary", description=f"run {run.run_id}")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from config.placement import SlurmPlacementConfig
 from launch.slurm import place
+from storage.fs import fsync_dir
 
 
 class SlurmNotFound(RuntimeError):
@@ -77,6 +78,7 @@ def write_script(path: Path, text: str) -> None:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
+        fsync_dir(path.parent)  # the rename itself survives a crash of the node
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
