@@ -8,7 +8,7 @@ commits the turn, and only then serves the same events to the harness. rollflow'
 in, the server's ids and logprobs out, recorded in the episode) and `relay_reply` frames the finished
 turn, the `chat.completion` dict `serialize_completion` made of it, as the events OpenAI's API streams:
 
-1. a role chunk (`delta = {"role": "assistant", "content": ""}`),
+1. a role chunk (`delta = {"role": "assistant", "content": ""}`, content null for a tool-call-only reply),
 2. the reply's text as one content delta (when the turn has text),
 3. one delta per tool call (`index`, `id`, `type`, `function.name`, `function.arguments`),
 4. a closing chunk with an empty delta and the `finish_reason`,
@@ -64,7 +64,8 @@ def completion_chunks(raw: dict, include_usage: bool) -> list[dict]:
     """The `chat.completion.chunk` objects of one finished `chat.completion` (`raw`), in order."""
     (choice,) = raw["choices"]
     message = choice["message"]
-    deltas: list[dict] = [{"role": "assistant", "content": ""}]
+    # as OpenAI's API: a text reply opens with content "", a tool-call-only reply with content null
+    deltas: list[dict] = [{"role": "assistant", "content": "" if message.get("content") else None}]
     if message.get("content"):
         deltas.append({"content": message["content"]})
     deltas += [{"tool_calls": [call]} for call in _tool_call_deltas(message)]

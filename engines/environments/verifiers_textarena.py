@@ -25,10 +25,12 @@ verifiers (on every import and taskset load) never leave the machine.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +77,31 @@ def write_words_corpus(root: str | Path) -> Path:
     return corpus
 
 
+@contextlib.contextmanager
+def _torch_entry_lifted() -> Iterator[None]:
+    """Import scientific modules under the orchestrator's `forbid_torch` (engines/orchestrator/loop.py).
+    nltk imports scipy.stats, whose import-time docstring examples ask scipy's array-API helper whether a
+    value is a torch tensor; it looks `torch` up in sys.modules and fails on the None that hides torch.
+    Lifted for the import only: neither nltk nor scipy imports torch, and the entry is back afterwards."""
+    hidden = "torch" in sys.modules and sys.modules["torch"] is None
+    if hidden:
+        del sys.modules["torch"]
+    try:
+        yield
+    finally:
+        if hidden:
+            sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+
+
+def _import_nltk() -> Any:
+    with _torch_entry_lifted():
+        import nltk
+
+    return nltk
+
+
 def _missing(resources: list[str]) -> list[str]:
-    import nltk
+    nltk = _import_nltk()
 
     missing = []
     for resource in resources:
@@ -89,7 +114,7 @@ def _missing(resources: list[str]) -> list[str]:
 
 def check_data(game: str, nltk_data: str | None) -> None:
     """Refuse `game` when NLTK data it reads is not on disk, naming what and how to supply it."""
-    import nltk
+    nltk = _import_nltk()
 
     if game not in GAME_DATA:
         raise PluginError(f"TextArena game {game!r} is not one verifiers' TextArenaEnv plays; valid: {list(GAME_DATA)}")

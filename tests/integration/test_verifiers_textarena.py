@@ -20,10 +20,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import subprocess
 from pathlib import Path
 
 import httpx
+import pyarrow.dataset as ds
 import pytest
+from conftest import ROOT, cli_argv, cli_env
 
 from config.envs import EnvSpec
 from config.model import ModelConfig
@@ -82,8 +85,8 @@ def _assert_exact(rows: list[dict], record: Path) -> int:
     return user_turns
 
 
-async def _run_group(url: str, record: Path, nltk_data: Path, group_size: int) -> list[dict]:
-    args = {"game": "Hangman-v0", "num_tasks": 4, "nltk_data": str(nltk_data), "max_turns": 3}
+async def _run_group(url: str, record: Path, nltk_data: Path, group_size: int, max_turns: int) -> list[dict]:
+    args = {"game": "Hangman-v0", "num_tasks": 4, "nltk_data": str(nltk_data), "max_turns": max_turns}
     env = plugins.build(EnvSpec(id="verifiers", args={"env": FACTORY, "env_args": args, "record": str(record)}))
     ocfg = OrchestratorConfig(group_size=group_size, max_new_tokens=8, temperature=1.0)
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
@@ -97,14 +100,41 @@ async def _run_group(url: str, record: Path, nltk_data: Path, group_size: int) -
 
 
 def test_textarena_group_is_token_exact_through_the_server(tmp_path, nltk_data):
+    """One Hangman episode of two model turns (the game's first answer is never its last: a first invalid
+    move is forgiven, a valid guess that does not finish the word goes on), the game's feedback between."""
     model_cfg = ModelConfig(max_seq_len=MAX_SEQ_LEN)
     publish(str(tmp_path), model_cfg, 0, seed=0)
     record = tmp_path / "turns.jsonl"
     with serving(str(tmp_path), model_cfg) as http:
-        rows = asyncio.run(_run_group(str(http.base_url), record, nltk_data, group_size=2))
-    assert len(rows) == 2
+        (row,) = asyncio.run(_run_group(str(http.base_url), record, nltk_data, group_size=1, max_turns=2))
+    assert _assert_exact([row], record) == 1  # two model turns, the game's answer between them
+    tok = CharTokenizer()
+    (a, b), (c, _) = _turn_spans(row["completion_mask"])
+    user = tok.decode(row["completion_ids"][b:c], skip_special=False)
+    assert user.endswith("=") and "guess" in user or "invalid move" in user  # textarena's feedback, rendered
+    scores = dict(zip(row["metric_names"], row["metric_values"], strict=True))
+    assert row["reward"] == pytest.approx(scores["reward/game_reward"], abs=1e-6)
+
+
+@pytest.mark.long
+def test_textarena_rl_run_trains_on_the_server_tokens(tmp_path, nltk_data):
+    out, record = tmp_path / "run", tmp_path / "turns.jsonl"
+    env_args = f'game = "Hangman-v0", num_tasks = 16, nltk_data = "{nltk_data}", max_turns = 3'
+    args = f'env = "{FACTORY}", record = "{record}", env_args = {{ {env_args} }}'
+    (tmp_path / "env.toml").write_text(f'[[envs]]\nid = "verifiers"\nargs = {{ {args} }}\n')
+    profiles = ["@", str(ROOT / "profiles/tiny-tools-cpu.toml"), "@", str(ROOT / "tests/profiles/textarena-short.toml")]
+    argv = cli_argv("rl", *profiles, "@", str(tmp_path / "env.toml"), "--output-dir", str(out))
+    proc = subprocess.run(argv, cwd=tmp_path, env=cli_env(None), capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = ds.dataset(out / "rollouts", format="ipc", partitioning="hive").to_table().to_pylist()
+    assert len(rows) == 3 * 2 * 2  # steps x prompts x episodes
     user_turns = _assert_exact(rows, record)
-    assert user_turns >= 1, "no episode had the game answer between two model turns"
-    for r in rows:
-        scores = dict(zip(r["metric_names"], r["metric_values"], strict=True))
-        assert r["reward"] == pytest.approx(scores["reward/game_reward"], abs=1e-6)
+    assert user_turns >= len(rows)  # every episode had the game answer between model turns at least once
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:  # the trainer counted exactly the model tokens
+        assert m["tokens"] == sum(sum(r["completion_mask"]) for r in rows if r["step"] == m["step"])
+        assert "env/reward/game_reward" in m
+    kls = [m["mismatch_kl"] for m in metrics if m["mismatch_kl"] is not None]
+    print(f"mismatch_kl: max {max(kls, default=float('nan')):.1e} over {len(kls)} steps; user turns {user_turns}")
+    assert kls and max(kls) <= 1e-7
