@@ -125,14 +125,17 @@ def check_data(game: str, nltk_data: str | None) -> None:
             nltk.data.path.insert(0, nltk_data)
     missing = _missing(GAME_DATA[game])
     if missing:
-        hint = (
-            f"write a stand-in words corpus with `python -m engines.environments.verifiers_textarena words DIR`, "
-            "or copy NLTK's own data there from a machine with network (`python -m nltk.downloader -d DIR "
-            f"{' '.join(m.split('/')[1] for m in missing)}`), then set env_args.nltk_data = DIR (or $NLTK_DATA)"
+        ids = " ".join(m.split("/")[1] for m in missing)
+        stand_in = (
+            "write a stand-in words corpus with `python -m engines.environments.verifiers_textarena words DIR`, or "
+            if missing == ["corpora/words"]
+            else ""
         )
         raise PluginError(
             f"TextArena {game} needs NLTK data that is not on this machine: {', '.join(missing)} "
-            f"(searched {nltk.data.path}); nltk.download cannot fetch it offline: {hint}"
+            f"(searched {nltk.data.path}); nltk.download cannot fetch it offline: {stand_in}copy NLTK's own data "
+            f"from a machine with network (`python -m nltk.downloader -d DIR {ids}`), then set "
+            "env_args.nltk_data = DIR (or $NLTK_DATA)"
         )
 
 
@@ -154,8 +157,10 @@ def load_environment(
 ) -> Any:
     """verifiers' TextArenaEnv on `game`'s first `num_tasks` seeded boards, played by verifiers' shipped
     `harness` (`null` or `bash`) in the host subprocess runtime, at most `max_turns` model turns a game."""
-    if num_tasks < 1:
-        raise PluginError(f"TextArena {game}: num_tasks must be >= 1, got {num_tasks}")
+    if num_tasks < 1 or max_turns < 1:
+        raise PluginError(f"TextArena {game}: num_tasks and max_turns must be >= 1, got {num_tasks}, {max_turns}")
+    if harness not in ("null", "bash"):
+        raise PluginError(f"TextArena {game}: harness {harness!r} is not one of verifiers' chat harnesses: null, bash")
     check_data(game, nltk_data)
     _downloader_offline(nltk_data)
     import verifiers.v1 as vf

@@ -88,9 +88,10 @@ def _assert_exact(rows: list[dict], record: Path) -> int:
 async def _run_group(url: str, record: Path, nltk_data: Path, group_size: int, max_turns: int) -> list[dict]:
     args = {"game": "Hangman-v0", "num_tasks": 4, "nltk_data": str(nltk_data), "max_turns": max_turns}
     env = plugins.build(EnvSpec(id="verifiers", args={"env": FACTORY, "env_args": args, "record": str(record)}))
-    ocfg = OrchestratorConfig(group_size=group_size, max_new_tokens=8, temperature=1.0)
+    ocfg = OrchestratorConfig(group_size=max(group_size, 2), max_new_tokens=8, temperature=1.0)
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         group = EpisodeGroup(client, asyncio.Semaphore(8), CharTokenizer(), ocfg, seed=0, max_seq_len=MAX_SEQ_LEN)
+        group.group_size = group_size  # the config insists on >= 2; the env runs what the group says
         task = env.sample(random.Random(0))
         try:
             rows = await env.run_group(group, task, "t", 1, 0)
@@ -100,18 +101,18 @@ async def _run_group(url: str, record: Path, nltk_data: Path, group_size: int, m
 
 
 def test_textarena_group_is_token_exact_through_the_server(tmp_path, nltk_data):
-    """One Hangman episode of two model turns (the game's first answer is never its last: a first invalid
-    move is forgiven, a valid guess that does not finish the word goes on), the game's feedback between."""
+    """One Hangman episode (a group of one: each episode launches verifiers' chat program once per turn) of
+    two model turns, the game's feedback between them: the game's first answer is never its last (a first
+    invalid move is forgiven, a valid guess that does not finish the word goes on)."""
     model_cfg = ModelConfig(max_seq_len=MAX_SEQ_LEN)
     publish(str(tmp_path), model_cfg, 0, seed=0)
     record = tmp_path / "turns.jsonl"
     with serving(str(tmp_path), model_cfg) as http:
         (row,) = asyncio.run(_run_group(str(http.base_url), record, nltk_data, group_size=1, max_turns=2))
     assert _assert_exact([row], record) == 1  # two model turns, the game's answer between them
-    tok = CharTokenizer()
-    (a, b), (c, _) = _turn_spans(row["completion_mask"])
-    user = tok.decode(row["completion_ids"][b:c], skip_special=False)
-    assert user.endswith("=") and "guess" in user or "invalid move" in user  # textarena's feedback, rendered
+    (_, b), (c, _) = _turn_spans(row["completion_mask"])
+    user = CharTokenizer().decode(row["completion_ids"][b:c], skip_special=False)
+    assert user.endswith("=") and ("guess" in user or "invalid move" in user)  # textarena's feedback
     scores = dict(zip(row["metric_names"], row["metric_values"], strict=True))
     assert row["reward"] == pytest.approx(scores["reward/game_reward"], abs=1e-6)
 
