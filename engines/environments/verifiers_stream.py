@@ -18,7 +18,8 @@ turn, the `chat.completion` dict `serialize_completion` made of it, as the event
 The text goes as one delta because the turn is sampled whole (one `/v1/completions` request) and the
 interception server buffers a stream until its turn commits anyway: splitting it would only imitate
 token-by-token timing. What the harness reads is what was sampled; what rollflow trains on never passes
-through this text (the episode holds the server's ids).
+through this text (the episode holds the server's ids). verifiers' own trace of a streamed turn is what its
+stream parser assembles from these events, so it carries the text and tool calls but no token ids.
 """
 
 from __future__ import annotations
