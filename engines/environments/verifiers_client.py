@@ -7,26 +7,36 @@ messages that followed the last reply (tool results, a user turn) through `Token
 to the ids already sampled, never re-rendering the conversation. It samples through the orchestrator's
 group (a `GroupSampler`, engines/environments/episodes.py: one request per turn to `/v1/completions` with
 the session's id in the configured session header, a seed that is a pure function of run seed, step, group,
-episode and turn) and returns a verifiers `Response` whose
-`tokens` are the server's ids and logprobs, with tool calls parsed by the environment's `tool_parser`.
+episode and turn) and returns a verifiers `Response` whose `tokens` are the server's ids and logprobs, with
+tool calls parsed by the environment's `tool_parser`. A streamed request (`stream=True`, what verifiers'
+shipped `null` and `bash` harnesses send) reaches `relay`, which samples the turn the same way and frames
+it as OpenAI SSE events (engines/environments/verifiers_stream.py); the episode is built from the server's
+ids either way. `install_client` also prepares verifiers' chat program to run on this interpreter
+(engines/environments/verifiers_programs.py), so those harnesses start without `uv` or a package index.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from verifiers.v1.clients import Client, EvalClientConfig, ModelContext
+from verifiers.v1.clients.client import RelayReply
 from verifiers.v1.clients.train import serialize_completion
 from verifiers.v1.dialects import ChatDialect
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.types import AssistantMessage, Response, ToolCall, TurnTokens, Usage
 
 from engines.environments.episodes import Episode, GroupSampler
+from engines.environments.verifiers_programs import use_local_interpreter
+from engines.environments.verifiers_stream import relay_reply
 from storage import rollouts
+
+log = logging.getLogger("rollflow.orchestrator")
 
 
 @dataclass
@@ -101,6 +111,25 @@ class TokenClient(Client):
         turn: Any = None,
         headers: Mapping[str, str] | None = None,
     ) -> Response:
+        return await self._turn(dialect, body, session_id)
+
+    async def relay(
+        self,
+        dialect: Any,
+        body: dict,
+        session_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> RelayReply:
+        """A streamed request (`stream=True`, as verifiers' `null` and `bash` harnesses send): the turn is
+        sampled exactly as `get_response` samples it, then framed as OpenAI SSE events
+        (engines/environments/verifiers_stream.py)."""
+        response = await self._turn(dialect, body, session_id)
+        assert response.raw is not None
+        return relay_reply(response.raw, body)
+
+    async def _turn(self, dialect: Any, body: dict, session_id: str | None) -> Response:
+        """One model turn of session `session_id`: extend its episode's ids with the request's new messages,
+        sample from them, record the server's choice in the episode."""
         if not isinstance(dialect, ChatDialect):
             raise NotImplementedError(f"rollflow's verifiers client serves chat completions only, not {dialect!r}")
         if session_id not in self.sessions:
@@ -160,6 +189,10 @@ def install_client(env: Any, client: TokenClient, model: str) -> Installed:
             "rollflow runs verifiers environments with one in-process interception server: set the env's "
             f"`interception = InterceptionServerConfig()` (it has {type(server).__name__})"
         )
+    try:  # verifiers' null/bash harnesses: their program on this interpreter, no uv or index needed
+        use_local_interpreter()
+    except RuntimeError as e:
+        log.warning("%s; verifiers will prepare it with uv instead (needs uv and the package index)", e)
     config = EvalClientConfig(base_url="http://127.0.0.1/rollflow-token-client", api_key_var="ROLLFLOW_VERIFIERS_KEY")
     server.clients[config.model_dump_json()] = client
     return Installed(ModelContext(model=model, client=config), client)

@@ -60,10 +60,12 @@ class LookupTaskset(vf.Taskset[LookupTask, LookupTasksetConfig]):
             yield LookupTask(LookupData(prompt=f"get:{key}", key=key, salt=rng.getrandbits(32)))
 
 
-def load_environment(num_tasks: int = 64) -> vf.Env:
+def load_environment(num_tasks: int = 64, stream: bool = False) -> vf.Env:
+    """`stream`: the harness asks for every model turn streamed (as verifiers' shipped harnesses do)."""
+    harness = {"id": "vf_lookup", "stream": stream}  # this module's harness (ChatLoopHarness), configured
     config = vf.SingleAgentEnvConfig(
         taskset=LookupTasksetConfig(num_tasks=num_tasks),
-        agent=vf.AgentConfig(runtime=SubprocessConfig()),  # the loop runs in-process: no sandbox to start
+        agent=vf.AgentConfig(runtime=SubprocessConfig(), harness=harness),  # in-process loop: no sandbox
         interception=InterceptionServerConfig(),
     )
     return vf.SingleAgentEnv(config)
