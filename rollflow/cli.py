@@ -161,7 +161,7 @@ def check_envs(cfg: RunConfig, env_sources: list[str], rl: bool = True) -> list[
         raise ConfigError(
             f"invalid model: model.path={cfg.model.path!r}: the tokenizer does not load: {exc!r}"
         ) from None
-    facts, problems = inspect(cfg.envs, env_sources, "tag" if cfg.model.path is None else "instruct", tok)
+    facts, problems = inspect(cfg.envs, env_sources, tok.prompt_style, tok)
     problems += cfg.env_problems(facts, rl)
     if problems:
         raise ConfigError("invalid environment:\n  " + "\n  ".join(problems))
