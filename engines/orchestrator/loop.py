@@ -40,10 +40,12 @@ from engines.entry import read_process_config
 from engines.environments.base import EnvMix, Task
 from engines.environments.episodes import GroupEnvironment, MultiTurnEnvironment, is_multi_turn
 from engines.models import modeldir
+from engines.orchestrator.admission import admit
 from engines.orchestrator.estimators import StepEstimators
 from engines.orchestrator.multiturn import EpisodeGroup, post_completion, truncation
 from engines.orchestrator.online_eval import OnlineEval
 from engines.orchestrator.overlong import shaped_rewards
+from engines.orchestrator.pool import GroupPool
 from engines.orchestrator.teacher import Teacher, check_tokenizer
 from engines.protocol import (
     ADMIN_TOKEN_ENV,
@@ -57,8 +59,8 @@ from engines.protocol import (
 )
 from engines.seeds import derive_seed
 from storage import rollouts, weights
-from storage.fs import Storage
-from storage.rollouts import RolloutRow, staleness
+from storage.fs import Storage, read_manifest
+from storage.rollouts import RolloutRow
 
 log = logging.getLogger("rollflow.orchestrator")
 
@@ -170,6 +172,7 @@ class Orchestrator:
             client, self.limit, self.tok, self.ocfg, cfg.seed, cfg.model.max_seq_len, cfg.session_header
         )
         self.estimators = StepEstimators(self.ocfg.advantage, cfg.envs)
+        self.pool = GroupPool(self.group, self.ocfg.inflight_groups, self.ocfg.batch_size)
 
     def set_advantages(self, groups: list[list[RolloutRow]]) -> dict[str, int]:
         """Every row's advantage from its group's (shaped) rewards, by its env's estimator, for the whole step;
@@ -240,28 +243,39 @@ class Orchestrator:
     async def run_step(self, step: int) -> None:
         waited = await self.sync.wait_for(step - 1 - self.cfg.async_level)
         t0 = time.perf_counter()
-        groups = await asyncio.gather(*(self.group(step, g) for g in range(self.ocfg.batch_size)))
+        dispatched = self.pool.top_up(step)
+        taken = await self.pool.take()
         gen_s = time.perf_counter() - t0
-        counts: dict = self.set_advantages(list(groups))  # before the staleness filter: over whole groups
+        # a group carried over from an earlier step is consumed by this one
+        groups = [[r.model_copy(update={"step": step}) if r.step != step else r for r in grp] for grp in taken.values()]
+        counts: dict = self.set_advantages(groups)  # before the staleness rule: over whole groups
         rows = [row for grp in groups for row in grp]
         if self.teacher is not None:
             counts["teacher_kl"] = self.teacher.set_advantages(rows)
-        kept = [r for r in rows if staleness(step, r.policy_version) <= self.cfg.max_off_policy_steps]
+        kept, admission = admit(rows, step, self.cfg.max_off_policy_steps, self.ocfg.stale_turns)
         if not kept:
             raise RuntimeError(f"step {step}: every sample exceeded max_off_policy_steps; nothing to commit")
         versions = Counter(r.policy_version for r in kept)
-        meta = {"gen_s": gen_s, "wait_s": waited, "dropped": len(rows) - len(kept), "versions": dict(versions)}
-        meta |= counts
+        meta = {"gen_s": gen_s, "wait_s": waited, "versions": dict(versions)} | admission.meta() | counts
+        if self.ocfg.inflight_groups > self.ocfg.batch_size:  # what a resume needs (engines/orchestrator/pool.py)
+            meta |= {"groups": list(taken), "dispatched": dispatched, "inflight": self.pool.inflight()}
         await asyncio.to_thread(rollouts.write_step, self.fs, self.root, step, rollouts.to_table(kept), meta)
         reward = sum(r.reward for r in kept) / len(kept)
         log.info(
-            f"step {step}/{self.cfg.max_steps}: {len(kept)} samples (dropped {meta['dropped']}), "
-            f"reward {reward:.3f}, "
+            f"step {step}/{self.cfg.max_steps}: {len(kept)} samples (dropped {meta['dropped']}, "
+            f"turns masked {admission.masked_turns}), reward {reward:.3f}, "
             + (f"teacher_kl {counts['teacher_kl']:.4f}, " if counts.get("teacher_kl") is not None else "")
             + f"zero-advantage groups {counts['zero_advantage_groups']}/{len(groups)}, "
             f"policy versions {dict(sorted(versions.items()))}, "
             f"gen {gen_s:.2f}s, waited {waited:.2f}s"
         )
+
+    def restore_pool(self) -> None:
+        """Re-dispatch the groups the last committed step left in flight (none without carry-over)."""
+        done = rollouts.committed_rollout_steps(self.fs, self.root)
+        if done and self.ocfg.inflight_groups > self.ocfg.batch_size:
+            manifest = read_manifest(self.fs, rollouts.step_path(self.root, done[-1]))
+            self.pool.restore(manifest.get("inflight", []))
 
     def pending_steps(self) -> list[int]:
         """Steps not yet committed, in order; after a resume this includes any step removed as corrupt."""
@@ -282,6 +296,7 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
         online = OnlineEval(cfg, client, orch.limit, orch.tok, orch.mix.envs, sync, fs, root)
         online.start()  # eval.interval > 0: held-out evaluations alongside the rollouts (online_eval.py)
         try:
+            orch.restore_pool()
             for step in orch.pending_steps():
                 if sync.follower.done():
                     sync.follower.result()  # surfaces the follower's error
@@ -289,6 +304,7 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
                 await orch.run_step(step)
             await online.finish()
         finally:
+            await orch.pool.cancel()  # groups still running after the last step are never committed
             online.cancel()
             sync.follower.cancel()
             for env in orch.mix.envs.values():

@@ -1,0 +1,156 @@
+"""Long-horizon episodes end to end.
+
+Small scale (default suite): the real orchestrator (`engines.orchestrator.loop.run`, in process) against the
+real inference server, groups kept in flight across steps (`orchestrator.max_inflight_groups`), a stand-in
+trainer publishing policy N as soon as step N is committed (the engine takes it mid-episode), and a mix of
+24-turn and 2-turn `long-hop` episodes, so long groups outlive steps and the staleness rule masks their early
+turns. The served model is crafted to end every turn at once (each reply is its `<eos>`), which makes the
+episodes' lengths the environment's and keeps the test to seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import pyarrow.dataset as ds
+import pytest
+import torch
+
+from config.loader import load_run_config
+from config.model import ModelConfig
+from config.process import component_configs
+from engines.models.decoder import CausalLM
+from engines.models.tokenizer import CharTokenizer
+from engines.orchestrator import loop
+from engines.orchestrator.admission import turn_spans
+from engines.orchestrator.pool import parse_group_id
+from engines.protocol import ADMIN_TOKEN_ENV
+from storage import rollouts, weights
+from storage.fs import get_fs, read_manifest
+from storage.rollouts import staleness
+from tests.inference_fixture import TOKEN, serving
+
+pytestmark = pytest.mark.slow
+MODEL = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=48, max_seq_len=160)
+STEPS, BOUND = 6, 1
+
+PROFILE = f"""
+run_name = "long-small"
+seed = 3
+max_steps = {STEPS}
+async_level = 1
+max_off_policy_steps = {BOUND}
+
+[model]
+hidden_size = 32
+num_layers = 1
+num_heads = 2
+num_kv_heads = 1
+intermediate_size = 48
+max_seq_len = 160
+
+[[envs]]
+id = "long-hop"
+name = "long"
+args = {{ turns = 24 }}
+
+[[envs]]
+id = "long-hop"
+name = "short"
+args = {{ turns = 2 }}
+weight = 2.0
+
+[orchestrator]
+batch_size = 2
+group_size = 2
+max_inflight_groups = 6
+stale_turns = "mask"
+max_new_tokens = 4
+requests_in_flight = 2
+"""
+
+
+def _eos_model() -> dict[str, torch.Tensor]:
+    """Weights whose every next token is `<eos>`: the blocks add nothing to the residual stream, every token
+    embeds along one axis, `<eos>` five times as far, and the tied head scores `<eos>` far above the rest."""
+    tok = CharTokenizer()
+    model = CausalLM(MODEL, tok.vocab_size)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "embed_tokens.weight")):
+                p.zero_()
+        emb = model.model.embed_tokens.weight
+        emb[:, 0] = 1.0
+        emb[tok.eos_id, 0] = 5.0
+    return model.publishable_state_dict()
+
+
+def _trainer_stand_in(root: str, state: dict, stop: threading.Event) -> None:
+    """Publishes policy N once step N is committed, as the trainer does (without training)."""
+    fs, r = get_fs(root)
+    for version in range(1, STEPS + 1):
+        while not stop.is_set() and version not in rollouts.committed_rollout_steps(fs, r):
+            stop.wait(0.02)
+        if stop.is_set():
+            return
+        weights.publish(fs, r, version, state)
+
+
+def _run(tmp_path: Path, monkeypatch) -> str:
+    root = str(tmp_path / "run")
+    (tmp_path / "p.toml").write_text(PROFILE)
+    state = _eos_model()
+    fs, r = get_fs(root)
+    weights.publish(fs, r, 0, state)
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, TOKEN)
+    stop = threading.Event()
+    with serving(root, MODEL) as client:
+        cfg = load_run_config([tmp_path / "p.toml"], [("output-dir", root)])
+        ocfg = component_configs(cfg, "run-1", str(client.base_url))["orchestrator"]
+        trainer = threading.Thread(target=_trainer_stand_in, args=(root, state, stop))
+        trainer.start()
+        try:
+            asyncio.run(asyncio.wait_for(loop.run(ocfg), 120))  # type: ignore[arg-type]
+        finally:
+            stop.set()
+            trainer.join(10)
+    return root
+
+
+def _assert_rule_held(rows: list[dict]) -> int:
+    """Each row's trained turns are exactly its turns within the bound; returns how many rows were masked."""
+    masked = 0
+    for row in rows:
+        versions = row["turn_policy_versions"]
+        assert versions == sorted(versions), "turn versions only grow within an episode"
+        fresh = [v for v in versions if staleness(row["step"], v) <= BOUND]
+        assert fresh and row["policy_version"] == min(fresh) and row["completion_mask"][-1] == 1
+        assert len(turn_spans(row["completion_mask"])) == len(fresh)
+        masked += len(fresh) < len(versions)
+    return masked
+
+
+def test_long_episodes_carry_over_span_versions_and_the_rule_masks_stale_turns(tmp_path, monkeypatch):
+    root = _run(tmp_path, monkeypatch)
+    fs, r = get_fs(root)
+    manifests = [read_manifest(fs, rollouts.step_path(r, s)) for s in range(1, STEPS + 1)]
+    rows = ds.dataset(Path(root) / "rollouts", format="ipc", partitioning="hive").to_table().to_pylist()
+    masked = _assert_rule_held(rows)
+    assert masked == sum(m.get("masked_rows", 0) for m in manifests) and masked >= 1
+    assert sum(m["dropped"] for m in manifests) + len(rows) == STEPS * 2 * 2  # batch 2, group 2
+    # every dispatched group is committed once or was still in flight when the run ended, never both
+    committed = [g for m in manifests for g in m["groups"]]
+    dispatched = [g for m in manifests for g in m["dispatched"]]
+    assert len(committed) == len(set(committed)) == STEPS * 2
+    assert sorted(committed + manifests[-1]["inflight"]) == sorted(dispatched)
+    assert {row["group_id"] for row in rows} <= set(committed)
+    carried = [g for m in manifests for g in m["groups"] if parse_group_id(g)[0] < m["step"]]
+    spanning = [row for row in rows if len(set(row["turn_policy_versions"])) >= 2]
+    turns = [len(row["turn_policy_versions"]) for row in rows]
+    print(f"rows {len(rows)}, carried groups {len(carried)}, spanning {len(spanning)}, masked {masked}, turns {turns}")
+    assert carried and spanning
+    assert max(turns) == 24 and min(turns) == 2  # the episodes are the environment's length
+    assert json.dumps(manifests)  # the manifests hold plain JSON (ids, counts)
