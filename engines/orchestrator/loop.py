@@ -4,8 +4,8 @@ Per step N not yet committed: wait until the engine serves a policy no older tha
 prompts (a pure function of seed and step), request `group_size` samples each over HTTP, score them,
 shape the rewards (DAPO overlong punishment, engines/orchestrator/overlong.py) and compute the step's advantages
 once every group is in (here, for every environment kind: environments return scored rows; each env's groups by
-its configured estimator, engines/orchestrator/estimators.py), drop samples older than `max_off_policy_steps`,
-and commit
+its configured estimator, engines/orchestrator/estimators.py), apply the staleness rule (drop samples older than
+`max_off_policy_steps`; mask an episode's stale turns, engines/orchestrator/admission.py), and commit
 `rollouts/step=N/`. A background task follows `weights/` and pushes each new publication to the engine
 while generation runs, so one rollout may span two policy versions. Requests and responses are the
 inference API's own types (engines/protocol.py); each sample becomes a typed `RolloutRow`, carrying
@@ -14,7 +14,10 @@ inference.enable_return_routed_experts (MoE).
 Multi-turn environments run `group_size` episodes per prompt instead (engines/orchestrator/multiturn.py),
 and an environment that runs its own episodes (verifiers) samples through the same `EpisodeGroup`;
 a step's episodes are committed together with its other samples, so an episode is in the lake whole or not
-at all.
+at all. Groups run in a pool (engines/orchestrator/pool.py): with orchestrator.max_inflight_groups above batch_size
+a step takes the first groups to finish and the others carry over, mid-episode, to later steps, and the
+staleness rule (engines/orchestrator/admission.py) masks or drops the turns of a taken episode that outlived
+max_off_policy_steps; without, every step waits for its own groups, as a batch.
 Every request names its session in the configured session header (inference.router.session_header,
 `X-Session-ID` by default; one session per group, one per episode for multi-turn environments), which keeps
 a session's turns on the replica that holds its KV cache.

@@ -3,7 +3,7 @@
 Small scale (default suite): the real orchestrator (`engines.orchestrator.loop.run`, in process) against the
 real inference server, groups kept in flight across steps (`orchestrator.max_inflight_groups`), a stand-in
 trainer publishing policy N as soon as step N is committed (the engine takes it mid-episode), and a mix of
-24-turn and 2-turn `long-hop` episodes, so long groups outlive steps and the staleness rule masks their early
+12-turn and 2-turn `long-hop` episodes, so long groups outlive steps and the staleness rule masks their early
 turns. The served model is crafted to end every turn at once (each reply is its `<eos>`), which makes the
 episodes' lengths the environment's and keeps the test to seconds.
 """
@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import random
+import signal
 import threading
+import time
 from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
 import torch
+from conftest import ROOT, start_cli
+from test_resume import _assert_nothing_lost_or_duplicated, _committed_rollouts, _kill, _wait_for_step, _wait_gone
 
 from config.loader import load_run_config
 from config.model import ModelConfig
@@ -55,7 +61,7 @@ max_seq_len = 160
 [[envs]]
 id = "long-hop"
 name = "long"
-args = {{ turns = 24 }}
+args = {{ turns = 12 }}
 
 [[envs]]
 id = "long-hop"
@@ -152,5 +158,68 @@ def test_long_episodes_carry_over_span_versions_and_the_rule_masks_stale_turns(t
     turns = [len(row["turn_policy_versions"]) for row in rows]
     print(f"rows {len(rows)}, carried groups {len(carried)}, spanning {len(spanning)}, masked {masked}, turns {turns}")
     assert carried and spanning
-    assert max(turns) == 24 and min(turns) == 2  # the episodes are the environment's length
+    assert max(turns) == 12 and min(turns) == 2  # the episodes are the environment's length
     assert json.dumps(manifests)  # the manifests hold plain JSON (ids, counts)
+
+
+LONG_PROFILES = ("@", str(ROOT / "profiles/tiny-long-cpu.toml"), "@", str(ROOT / "tests/profiles/long-short.toml"))
+LONG_STEPS = 6
+
+
+def _manifests(out: Path) -> list[dict]:
+    return [json.loads((out / "rollouts" / f"step={s:06d}" / "_manifest.json").read_text()) for s in range(1, 7)]
+
+
+def _assert_groups_accounted(manifests: list[dict], before_kills: list[dict]) -> None:
+    """Every dispatched group is committed exactly once or still in flight at the end; what a killed attempt
+    had in flight (the last manifest before each kill) was committed later or is still in flight at the end."""
+    committed = [g for m in manifests for g in m["groups"]]
+    assert len(committed) == len(set(committed)) == LONG_STEPS * 2
+    assert sorted(committed + manifests[-1]["inflight"]) == sorted(g for m in manifests for g in m["dispatched"])
+    for m in before_kills:
+        assert set(m["inflight"]) <= set(committed) | set(manifests[-1]["inflight"]), "an in-flight group was lost"
+
+
+def _assert_turn_versions(rows: list[dict]) -> None:
+    """Per-turn versions as the server recorded them: growing through the episode, never newer than the policy
+    the step trains from, and every trained turn within the bound (the staleness rule)."""
+    for row in rows:
+        first, last = row["turn_policy_versions"], row["turn_policy_versions_end"]
+        assert first == sorted(first) and all(a <= b for a, b in zip(first, last, strict=True))
+        assert max(last) <= row["step"] - 1
+        fresh = [v for v in first if staleness(row["step"], v) <= 1]
+        assert row["policy_version"] == min(fresh) and len(turn_spans(row["completion_mask"])) == len(fresh)
+
+
+@pytest.mark.long
+def test_long_episodes_survive_kills_mid_episode(tmp_path, prefect_api):
+    """The orchestrator is SIGKILLed during step 2 and the whole process tree during step 4, both while groups
+    are in flight mid-episode (more groups run than a step takes), and the run resumed: every step is committed
+    once, ids are unique (test_resume's audit), every dispatched group is committed once or still in flight at
+    the end, and the per-turn versions are consistent."""
+    out, log = tmp_path / "run", tmp_path / "cli.log"
+    cli = start_cli(tmp_path, log, prefect_api, "rl", *LONG_PROFILES, "--output-dir", str(out))
+    snapshots: dict[int, str] = {}
+    before_kills: list[dict] = []
+    rng = random.Random(11)
+    try:
+        for step, target in ((2, "orchestrator"), (4, "tree")):
+            _wait_for_step(cli, out, step, timeout_s=600)
+            time.sleep(rng.uniform(0.0, 1.0))
+            snapshots.update(_committed_rollouts(out))
+            before_kills.append(json.loads(snapshots[max(snapshots)]))
+            cli = _kill(cli, out, target, log, prefect_api)
+        assert cli.wait(timeout=900) == 0, log.read_text()[-4000:]
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+    _assert_nothing_lost_or_duplicated(out, LONG_STEPS, snapshots)
+    manifests = _manifests(out)
+    _assert_groups_accounted(manifests, before_kills)
+    rows = ds.dataset(out / "rollouts", format="ipc", partitioning="hive").to_table().to_pylist()
+    assert len(rows) + sum(m["dropped"] for m in manifests) == LONG_STEPS * 2 * 4
+    _assert_turn_versions(rows)
+    turns = [len(r["turn_policy_versions"]) for r in rows]
+    spanning = sum(len(set(r["turn_policy_versions"])) >= 2 for r in rows)
+    print(f"rows {len(rows)}, 20-turn episodes {turns.count(20)}, spanning >= 2 versions {spanning}")
+    _wait_gone(out)
