@@ -34,11 +34,12 @@ class HopTask(Task):
 class LongHop:
     """`[[envs]] id = "long-hop"`: `turns` tool calls on keys of min_chars..max_chars letters."""
 
-    def __init__(self, name: str, turns: int, min_chars: int, max_chars: int):
+    def __init__(self, name: str, turns: int, min_chars: int, max_chars: int, alphabet: str = string.ascii_lowercase):
         self.name, self.max_turns, self.min_chars, self.max_chars = name, turns, min_chars, max_chars
+        self.alphabet = alphabet
 
     def _word(self, rng: random.Random) -> str:
-        return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(self.min_chars, self.max_chars)))
+        return "".join(rng.choice(self.alphabet) for _ in range(rng.randint(self.min_chars, self.max_chars)))
 
     def next_key(self, salt: int, key: str) -> str:
         return self._word(random.Random(f"{salt}/{key}"))
@@ -87,10 +88,15 @@ class LongHop:
         return self.score(task, [completion])
 
 
-def long_hop(turns: int = 20, min_chars: int = 2, max_chars: int = 2) -> LongHop:
-    """The `long-hop` plugin: `turns` chained tool calls on keys of `min_chars`..`max_chars` letters."""
+def long_hop(
+    turns: int = 20, min_chars: int = 2, max_chars: int = 2, alphabet: str = string.ascii_lowercase
+) -> LongHop:
+    """The `long-hop` plugin: `turns` chained tool calls on keys of `min_chars`..`max_chars` letters of
+    `alphabet` (lowercase letters, which the character tokenizer has)."""
     if not (isinstance(turns, int) and turns >= 1):
         raise ValueError(f"turns must be an integer >= 1, got {turns!r}")
     if not (isinstance(min_chars, int) and isinstance(max_chars, int) and 0 < min_chars <= max_chars):
         raise ValueError(f"need integers 0 < min_chars <= max_chars, got min_chars={min_chars} max_chars={max_chars}")
-    return LongHop("long-hop", turns, min_chars, max_chars)
+    if not (isinstance(alphabet, str) and alphabet and set(alphabet) <= set(string.ascii_lowercase)):
+        raise ValueError(f"alphabet must be a non-empty string of lowercase letters, got {alphabet!r}")
+    return LongHop("long-hop", turns, min_chars, max_chars, alphabet)

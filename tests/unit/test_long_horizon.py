@@ -39,9 +39,11 @@ def test_long_hop_chains_tool_calls_for_every_turn_and_scores_each_call():
     assert env.score(task, demo[:10]) == 0.5  # turns not reached count as 0
     ids, mask = demonstration_ids(env, task, TOK)
     assert len(ids) <= 192 and len(turn_spans(mask[len(TOK.render_prompt(task.prompt)) :])) == 20
-    for bad in ({"turns": 0}, {"min_chars": 3, "max_chars": 2}):
-        with pytest.raises(ValueError, match="turns|min_chars"):
-            long_hop(**bad)
+    for bad in ({"turns": 0}, {"min_chars": 3, "max_chars": 2}, {"alphabet": "aB"}):
+        with pytest.raises(ValueError, match="turns|min_chars|alphabet"):
+            long_hop(**bad)  # type: ignore[arg-type]
+    small = long_hop(alphabet="ab")
+    assert set(small.sample(random.Random(5)).prompt.removeprefix("hop:")) <= {"a", "b"}
 
 
 def _row(versions: list[int], step: int = 4, sid: str = "s000001-g0000-00") -> RolloutRow:
