@@ -247,21 +247,25 @@ class Orchestrator:
         waited = await self.sync.wait_for(step - 1 - self.cfg.async_level)
         t0 = time.perf_counter()
         dispatched = self.pool.top_up(step)
-        taken = await self.pool.take()
+        bound, mode = self.cfg.max_off_policy_steps, self.ocfg.stale_turns
+        taken = await self.pool.take(step, lambda rows: bool(admit(rows, step, bound, mode)[0]))
         gen_s = time.perf_counter() - t0
         # a group carried over from an earlier step is consumed by this one
-        groups = [[r.model_copy(update={"step": step}) if r.step != step else r for r in grp] for grp in taken.values()]
+        groups = [
+            [r.model_copy(update={"step": step}) if r.step != step else r for r in g] for g in taken.groups.values()
+        ]
         counts: dict = self.set_advantages(groups)  # before the staleness rule: over whole groups
         rows = [row for grp in groups for row in grp]
         if self.teacher is not None:
             counts["teacher_kl"] = self.teacher.set_advantages(rows)
-        kept, admission = admit(rows, step, self.cfg.max_off_policy_steps, self.ocfg.stale_turns)
+        kept, admission = admit(rows, step, bound, mode)
         if not kept:
             raise RuntimeError(f"step {step}: every sample exceeded max_off_policy_steps; nothing to commit")
         versions = Counter(r.policy_version for r in kept)
         meta = {"gen_s": gen_s, "wait_s": waited, "versions": dict(versions)} | admission.meta() | counts
         if self.ocfg.inflight_groups > self.ocfg.batch_size:  # what a resume needs (engines/orchestrator/pool.py)
-            meta |= {"groups": list(taken), "dispatched": dispatched, "inflight": self.pool.inflight()}
+            meta |= {"groups": list(taken.groups), "dispatched": dispatched + taken.dispatched}
+            meta |= {"aged_out": taken.aged_out, "inflight": self.pool.inflight()}
         await asyncio.to_thread(rollouts.write_step, self.fs, self.root, step, rollouts.to_table(kept), meta)
         reward = sum(r.reward for r in kept) / len(kept)
         log.info(

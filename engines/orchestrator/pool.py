@@ -5,12 +5,15 @@ Each step tops the pool up to `size` groups, dispatching new ones numbered from 
 then takes the first `batch` groups to finish, oldest dispatch first among those finished, in id order. Groups
 still running carry over to the next step, with their episodes mid-turn: a long episode keeps sampling while
 the trainer publishes newer policies, and its later turns are sampled by them. The staleness rule then
-decides about it when it is taken (engines/orchestrator/admission.py).
+decides about it when it is taken (engines/orchestrator/admission.py); a finished group none of whose rows
+the rule would keep is aged out (never committed, listed in the manifest's `aged_out`) and replaced by a new
+group, so a step always commits `batch` groups.
 
 What survives a kill: the step's manifest lists the groups it committed (`groups`), those it dispatched
-(`dispatched`) and those left running (`inflight`). A resumed orchestrator re-dispatches the last committed
-step's `inflight` groups from their first turn (their turns were never committed) under the same ids and
-seeds, so every dispatched group is committed once or is still in flight at the end, never lost or repeated.
+(`dispatched`), those it aged out (`aged_out`) and those left running (`inflight`). A resumed orchestrator
+re-dispatches the last committed step's `inflight` groups from their first turn (their turns were never
+committed) under the same ids and seeds, so every dispatched group is committed once, aged out once or still in
+flight at the end, never lost or repeated.
 With `size == batch` (the default) every group is taken in the step that dispatched it, as without a pool.
 """
 
@@ -19,12 +22,20 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 from storage import rollouts
 from storage.rollouts import RolloutRow
 
 GROUP_ID = re.compile(r"^s(\d{6})-g(\d{4})$")
 Start = Callable[[int, int], Awaitable[list[RolloutRow]]]
+Usable = Callable[[list[RolloutRow]], bool]
+
+
+class Taken(NamedTuple):
+    groups: dict[str, list[RolloutRow]]  # by id
+    aged_out: list[str]  # finished, but every row over the staleness bound: never committed
+    dispatched: list[str]  # groups dispatched to replace those
 
 
 def parse_group_id(gid: str) -> tuple[int, int]:
@@ -41,6 +52,7 @@ class GroupPool:
             raise ValueError(f"a pool of {size} groups cannot fill a batch of {batch}")
         self.start, self.size, self.batch = start, size, batch
         self.running: dict[str, asyncio.Task[list[RolloutRow]]] = {}  # by group id, in dispatch order
+        self.numbered: dict[int, int] = {}  # per dispatch step, the groups numbered so far
 
     def dispatch(self, step: int, group: int) -> str:
         gid = rollouts.group_id(step, group)
@@ -55,20 +67,30 @@ class GroupPool:
             self.dispatch(*parse_group_id(gid))
 
     def top_up(self, step: int) -> list[str]:
-        """Dispatch step `step`'s new groups, until `size` are in flight; their ids."""
-        return [self.dispatch(step, g) for g in range(self.size - len(self.running))]
+        """Dispatch step `step`'s new groups, numbered on from those it dispatched already, until `size` are
+        in flight; their ids."""
+        first = self.numbered.get(step, 0)
+        self.numbered[step] = first + max(0, self.size - len(self.running))
+        return [self.dispatch(step, g) for g in range(first, self.numbered[step])]
 
-    async def take(self) -> dict[str, list[RolloutRow]]:
-        """The first `batch` groups to finish (oldest first among the finished), by id; a group that failed
-        raises here. The others keep running."""
-        while sum(t.done() for t in self.running.values()) < self.batch:
-            for t in self.running.values():
-                if t.done():
-                    t.result()  # a failed group raises its own error now, not after the others finish
-            pending = [t for t in self.running.values() if not t.done()]
-            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        taken = [gid for gid, t in self.running.items() if t.done()][: self.batch]
-        return {gid: self.running.pop(gid).result() for gid in sorted(taken)}
+    async def take(self, step: int, usable: Usable) -> Taken:
+        """The first `batch` finished groups that `usable` accepts (oldest first among the finished), by id; a
+        finished group it refuses (every row of it over the staleness bound) is aged out, and new groups of
+        `step` replace it. A group that failed raises here. The others keep running."""
+        taken: dict[str, list[RolloutRow]] = {}
+        aged: list[str] = []
+        dispatched: list[str] = []
+        while len(taken) < self.batch:
+            for gid in [gid for gid, t in self.running.items() if t.done()][: self.batch - len(taken)]:
+                rows = self.running.pop(gid).result()  # a failed group raises its own error now
+                if usable(rows):
+                    taken[gid] = rows
+                else:
+                    aged.append(gid)
+            if len(taken) < self.batch:
+                dispatched += self.top_up(step)
+                await asyncio.wait([t for t in self.running.values()], return_when=asyncio.FIRST_COMPLETED)
+        return Taken({gid: taken[gid] for gid in sorted(taken)}, aged, dispatched)
 
     def inflight(self) -> list[str]:
         return list(self.running)

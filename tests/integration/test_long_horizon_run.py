@@ -147,11 +147,12 @@ def test_long_episodes_carry_over_span_versions_and_the_rule_masks_stale_turns(t
     masked = _assert_rule_held(rows)
     assert masked == sum(m.get("masked_rows", 0) for m in manifests) and masked >= 1
     assert sum(m["dropped"] for m in manifests) + len(rows) == STEPS * 2 * 2  # batch 2, group 2
-    # every dispatched group is committed once or was still in flight when the run ended, never both
+    # every dispatched group is committed once, aged out once or still in flight when the run ended
     committed = [g for m in manifests for g in m["groups"]]
+    aged = [g for m in manifests for g in m["aged_out"]]
     dispatched = [g for m in manifests for g in m["dispatched"]]
     assert len(committed) == len(set(committed)) == STEPS * 2
-    assert sorted(committed + manifests[-1]["inflight"]) == sorted(dispatched)
+    assert sorted(committed + aged + manifests[-1]["inflight"]) == sorted(dispatched)
     assert {row["group_id"] for row in rows} <= set(committed)
     carried = [g for m in manifests for g in m["groups"] if parse_group_id(g)[0] < m["step"]]
     spanning = [row for row in rows if len(set(row["turn_policy_versions"])) >= 2]
@@ -171,13 +172,14 @@ def _manifests(out: Path) -> list[dict]:
 
 
 def _assert_groups_accounted(manifests: list[dict], before_kills: list[dict]) -> None:
-    """Every dispatched group is committed exactly once or still in flight at the end; what a killed attempt
+    """Every dispatched group is committed exactly once, aged out or still in flight at the end; what a killed attempt
     had in flight (the last manifest before each kill) was committed later or is still in flight at the end."""
     committed = [g for m in manifests for g in m["groups"]]
+    ended = [g for m in manifests for g in m["aged_out"]] + manifests[-1]["inflight"]
     assert len(committed) == len(set(committed)) == LONG_STEPS * 2
-    assert sorted(committed + manifests[-1]["inflight"]) == sorted(g for m in manifests for g in m["dispatched"])
+    assert sorted(committed + ended) == sorted(g for m in manifests for g in m["dispatched"])
     for m in before_kills:
-        assert set(m["inflight"]) <= set(committed) | set(manifests[-1]["inflight"]), "an in-flight group was lost"
+        assert set(m["inflight"]) <= set(committed) | set(ended), "an in-flight group was lost"
 
 
 def _assert_turn_versions(rows: list[dict]) -> None:

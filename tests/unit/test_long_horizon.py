@@ -96,6 +96,10 @@ def _pool(finish: dict[tuple[int, int], asyncio.Event], size: int = 3, batch: in
     return GroupPool(start, size, batch)
 
 
+def _ok(rows: list[RolloutRow]) -> bool:
+    return True
+
+
 def test_pool_takes_the_first_groups_to_finish_and_carries_the_rest():
     async def scenario() -> None:
         finish: dict[tuple[int, int], asyncio.Event] = {}
@@ -104,27 +108,51 @@ def test_pool_takes_the_first_groups_to_finish_and_carries_the_rest():
         await asyncio.sleep(0)
         finish[(1, 2)].set()
         finish[(1, 0)].set()
-        taken = await pool.take()
-        assert list(taken) == ["s000001-g0000", "s000001-g0002"] and pool.inflight() == ["s000001-g0001"]
+        taken = await pool.take(1, _ok)
+        assert list(taken.groups) == ["s000001-g0000", "s000001-g0002"] and pool.inflight() == ["s000001-g0001"]
+        assert taken.aged_out == taken.dispatched == []
         assert pool.top_up(2) == ["s000002-g0000", "s000002-g0001"]  # back to 3 in flight
         await asyncio.sleep(0)
         for key in [(1, 1), (2, 0), (2, 1)]:
             finish[key].set()
         await asyncio.sleep(0)
-        assert list(await pool.take()) == ["s000001-g0001", "s000002-g0000"]  # oldest first among the finished
+        assert list((await pool.take(2, _ok)).groups) == ["s000001-g0001", "s000002-g0000"]  # oldest first
         await pool.cancel()
         assert pool.inflight() == []
         resumed = _pool(finish)  # a resume re-dispatches what a manifest left in flight, under the same ids
         resumed.restore(["s000002-g0001"])
         assert resumed.top_up(3) == ["s000003-g0000", "s000003-g0001"]
         await resumed.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_pool_ages_out_groups_the_rule_would_drop_whole_and_replaces_them():
+    async def scenario() -> None:
+        finish: dict[tuple[int, int], asyncio.Event] = {}
+        pool = _pool(finish)
+        pool.top_up(1)
+        await asyncio.sleep(0)
+        for key in [(1, 0), (1, 1)]:
+            finish[key].set()
+        fresh = asyncio.ensure_future(pool.take(3, lambda rows: rows[0].step == 3))  # only step-3 groups usable
+        await asyncio.sleep(0.05)
+        assert not fresh.done() and pool.inflight() == ["s000001-g0002", "s000003-g0000", "s000003-g0001"]
+        for key in [(3, 0), (3, 1)]:
+            finish[key].set()
+        taken = await asyncio.wait_for(fresh, 5)
+        assert list(taken.groups) == ["s000003-g0000", "s000003-g0001"]
+        assert taken.aged_out == ["s000001-g0000", "s000001-g0001"]
+        assert taken.dispatched == ["s000003-g0000", "s000003-g0001"]
+        assert pool.top_up(3) == ["s000003-g0002", "s000003-g0003"]  # numbered on
+        await pool.cancel()
         failing = _pool(finish, size=2, batch=2)
         failing.dispatch(9, 9)
         failing.dispatch(9, 8)
         await asyncio.sleep(0)
         finish[(9, 9)].set()
         with pytest.raises(RuntimeError, match="episode failed"):  # raised at once, not after the others
-            await asyncio.wait_for(failing.take(), 5)
+            await asyncio.wait_for(failing.take(9, _ok), 5)
         await failing.cancel()
 
     asyncio.run(scenario())
