@@ -1,6 +1,6 @@
 """Long-horizon episodes end to end.
 
-Small scale (default suite): the real orchestrator (`engines.orchestrator.loop.run`, in process) against the
+Small scale: the real orchestrator (`engines.orchestrator.loop.run`, in process) against the
 real inference server, groups kept in flight across steps (`orchestrator.max_inflight_groups`), a stand-in
 trainer publishing policy N as soon as step N is committed (the engine takes it mid-episode), and a mix of
 12-turn and 2-turn `long-hop` episodes, so long groups outlive steps and the staleness rule masks their early
@@ -139,6 +139,7 @@ def _assert_rule_held(rows: list[dict]) -> int:
     return masked
 
 
+@pytest.mark.long  # 23-50 s on the shared 2-core machine: over the default suite's budget
 def test_long_episodes_carry_over_span_versions_and_the_rule_masks_stale_turns(tmp_path, monkeypatch):
     root = _run(tmp_path, monkeypatch)
     fs, r = get_fs(root)
@@ -157,9 +158,10 @@ def test_long_episodes_carry_over_span_versions_and_the_rule_masks_stale_turns(t
     carried = [g for m in manifests for g in m["groups"] if parse_group_id(g)[0] < m["step"]]
     spanning = [row for row in rows if len(set(row["turn_policy_versions"])) >= 2]
     turns = [len(row["turn_policy_versions"]) for row in rows]
-    print(f"rows {len(rows)}, carried groups {len(carried)}, spanning {len(spanning)}, masked {masked}, turns {turns}")
+    print(f"rows {len(rows)}, carried {len(carried)}, aged out {len(aged)}, spanning {len(spanning)}, masked {masked}")
     assert carried and spanning
-    assert max(turns) == 12 and min(turns) == 2  # the episodes are the environment's length
+    assert set(turns) <= {2, 12} and 2 in turns  # the episodes are the environment's length
+    assert not {row["group_id"] for row in rows} & set(aged)  # an aged-out group is never committed
     assert json.dumps(manifests)  # the manifests hold plain JSON (ids, counts)
 
 
