@@ -24,6 +24,11 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	# dependencies (wandb, tensorboard, datasets...): only what its distributed modules import.
 	$(BIN)/pip install -q --no-deps -c requirements/constraints.txt torchtitan spmd_types
 	$(BIN)/pip install -q -c requirements/constraints.txt tyro
+	# openenv-core (the `openenv` environment, docs/environments.md) without its web UI and CLI dependencies
+	# (gradio, typer, huggingface_hub...): what its server and client import is the `openenv` extra, in `dev`.
+	# fastmcp-slim too: openenv-core wants fastmcp >= 3, whose releases need an mcp or py-key-value-aio other
+	# than the ones pinned for verifiers and Prefect; 4.1.1 imports and serves with the pinned ones.
+	$(BIN)/pip install -q --no-deps -c requirements/constraints.txt openenv-core fastmcp-slim
 	touch $(STAMP)
 
 install: $(STAMP)

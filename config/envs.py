@@ -8,6 +8,7 @@ load step does (engines/environments/plugins.py, called by the CLI), so this mod
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -94,3 +95,21 @@ class EnvSpec(Strict):
             return None
         value = self.args.get("max_chars", STRING_TASK_DEFAULTS["max_chars"])
         return value if isinstance(value, int) else None
+
+
+@dataclass(frozen=True)
+class EnvFacts:
+    """What loading measured of one built environment (engines/environments/loadcheck.py), for the run-level
+    rules that join it with other sections (`RunConfig.env_problems`, config/run.py)."""
+
+    where: str  # the entry as messages name it: "profile.toml: envs[0] (name 'x', id 'y')"
+    prompts: int  # first-turn prompts measured
+    longest_prompt: int  # the longest of them, in tokens of the run's tokenizer, through its chat template
+    demonstrations: bool  # whether the SFT warm-up has reference answers to train on
+    drawn: str  # what the run draws its tasks from, as the load report says it
+
+    def report(self) -> str:
+        return (
+            f"{self.where}: {self.drawn}; {self.prompts} first-turn prompts measured, the longest "
+            f"{self.longest_prompt} tokens; {'has' if self.demonstrations else 'no'} demonstrations"
+        )

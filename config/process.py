@@ -202,4 +202,4 @@ def warmup_parallel(cfg: RunConfig) -> TrainerParallelConfig:
     world = p.world_size // cfg.placement.trainer_nodes
     if cfg.sft.steps == 0 or cfg.model.lora is not None:
         world = 1
-    return TrainerParallelConfig(world_size=world, backend=p.c10d_backend)
+    return TrainerParallelConfig(world_size=world, backend=p.c10d_backend, timeout_s=p.timeout_s)

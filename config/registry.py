@@ -33,6 +33,7 @@ ENVIRONMENTS: dict[str, str] = {
     "tool-lookup": "engines.environments.tools:tool_lookup",  # multi-turn (engines/environments/episodes.py)
     "long-hop": "engines.environments.longhop:long_hop",  # multi-turn, 20+ turns (long-horizon episodes)
     "verifiers": "engines.environments.verifiers_env:verifiers",  # verifiers (v1) environments (docs/environments.md)
+    "openenv": "engines.environments.openenv_env:openenv",  # OpenEnv servers, run locally (docs/environments.md)
 }
 # The built-in string tasks: their `args.max_chars` bounds the prompt length the config checks.
 STRING_TASKS = ("reverse-text", "sort-letters")

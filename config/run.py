@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from config.base import Strict
-from config.envs import EnvSpec
+from config.envs import EnvFacts, EnvSpec
 from config.eval import EvalConfig
 from config.inference import InferenceConfig
 from config.model import ModelConfig
@@ -27,6 +27,7 @@ from config.orchestrator import OrchestratorConfig
 from config.placement import SlurmPlacementConfig
 from config.script_text import PATH_TEXT, RUN_NAME, check, check_name
 from config.sft import SFTConfig
+from config.stall import StallConfig
 from config.storage import StorageConfig
 from config.teacher import TeacherConfig
 from config.tracking import TrackingConfig
@@ -49,6 +50,7 @@ class RestartConfig(Strict):
     lease_ttl_s: float = Field(
         30.0, gt=0, description="a run whose lease is not renewed for this long counts as not running"
     )
+    stall: StallConfig = StallConfig()  # a live component that makes no progress restarts the attempt
 
 
 class RunConfig(Strict):
@@ -243,6 +245,31 @@ class RunConfig(Strict):
                 f"model.max_seq_len {self.model.max_seq_len}): set inference.max_queued_tokens >= {tokens}"
             )
         return self
+
+    def env_problems(self, facts: list[EnvFacts], rl: bool = True) -> list[str]:
+        """The rules joining what loading measured of the environments with the other sections, one message per
+        broken rule naming the env, the keys and the fix: each first turn must fit model.max_seq_len with
+        orchestrator.max_new_tokens (rl only: an episode with no room fails), and an SFT warm-up on the
+        environments' demonstrations needs every environment to have some."""
+        problems = []
+        limit, new = self.model.max_seq_len, self.orchestrator.max_new_tokens
+        for f in facts:
+            if rl and f.longest_prompt + new > limit:
+                problems.append(
+                    f"{f.where}: its first-turn prompts take up to {f.longest_prompt} tokens ({f.prompts} measured "
+                    f"with the run's tokenizer) plus orchestrator.max_new_tokens={new}, more than "
+                    f"model.max_seq_len={limit}, so its episodes would fail: set model.max_seq_len >= "
+                    f"{f.longest_prompt + new}, or shorten the environment's prompts"
+                )
+        if self.sft.steps > 0 and self.sft.data.type == "envs":
+            problems += [
+                f"{f.where}: has no demonstrations (it runs its own episodes; their answers are unknown to "
+                f"rollflow), so sft.steps={self.sft.steps} would train an empty answer: set [sft] steps = 0, give "
+                "[sft.data] a dataset (path or run), or use environments with demonstrations"
+                for f in facts
+                if not f.demonstrations
+            ]
+        return problems
 
     def _check_algorithm(self) -> None:
         """The trainer's loss schedule against the step's size and the trainer's process layout."""

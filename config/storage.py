@@ -32,7 +32,9 @@ class StorageConfig(Strict):
     keep_every_checkpoints: int | None = Field(None, ge=1, description="also keep checkpoints at multiples of K")
     weights_delta: bool = Field(False, description="publish weights as a diff against the previous version")
     weights_full_every: int = Field(10, ge=1, description="with weights_delta: a full publication every N")
-    fsync: bool = Field(True, description="local disk: fsync each file before its rename (power-loss safety)")
+    fsync: bool = Field(
+        True, description="local disk: fsync each file before its rename, its folder after (power-loss safety)"
+    )
 
     @model_validator(mode="after")
     def _no_secrets(self) -> StorageConfig:

@@ -40,6 +40,9 @@ class TrainerParallelConfig(Strict):
         alias="backend",
         description="torch.distributed backend; auto: nccl on GPU (bf16 mixed precision), gloo on CPU (fp32)",
     )
+    timeout_s: float = Field(
+        1800.0, gt=0, description="bound on forming the process group and on any one collective; past it the rank fails"
+    )
 
     @model_validator(mode="after")
     def _sizes(self) -> TrainerParallelConfig:

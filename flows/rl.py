@@ -2,16 +2,19 @@
 `max_steps`, restarting them from the last complete checkpoint when one dies; end with a summary.
 
 Flow (this process)               subprocess tasks
-  lease held for the whole run
+  lease held for the whole run (lost: the attempt stops, nothing more is committed; runtime/lease.py)
   open or reopen the run
   attempt: prepare_attempt        (resume point, rollback, per-attempt configs)
            warm-up if needed ---> python -m engines.trainer --config config/sft.json   (version 0)
            components ----------> python -m engines.{inference,orchestrator,trainer} --config ...
                                   (+ a second engines.inference, "teacher", with a [teacher]: distillation)
   on a component failure: stop the rest, back off, next attempt (bounded by restart.max_restarts
-  attempts in a row that make no checkpoint progress)
+  attempts in a row that make no checkpoint progress); a live component that makes no progress for its
+  stall timeout (restart.stall, runtime/stall.py: the components' heartbeats) is a failure too; a component
+  that exits EXIT_REFUSED (settings a restart cannot fix) ends the run at once
   while the attempts run: a watcher thread keeps the progress artifacts current (flows/progress.py)
-  close the run: state.json, MLflow status, summary artifact (with the reward and evaluation curves)
+  close the run: state.json (finished, failed or cancelled: flows/cancel.py), MLflow status, summary artifact
+  (with the reward and evaluation curves)
 """
 
 from __future__ import annotations
@@ -25,19 +28,22 @@ from dataclasses import dataclass, field, replace
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from config.process import warmup_parallel
+from config.process import EXIT_REFUSED, warmup_parallel
 from config.run import RunConfig
+from config.stall import HEARTBEAT_ENV
 from config.transport import TRANSPORT_SECRET_ENV
 from engines.protocol import ADMIN_TOKEN_ENV, TEACHER_TOKEN_ENV
+from flows.cancel import outcome
 from flows.progress import live_progress
 from launch.slurm import srun_prefix, teacher_nodes
 from launch.torchrun import rdzv_id, torchrun_args
-from runtime.lease import hold_lease
+from runtime.lease import LeaseKeeper, hold_lease
 from runtime.lifecycle import RunHandle, close_run, reopen_run, start_new_run
 from runtime.process import ComponentFailed
 from runtime.restarts import RestartBudget
 from runtime.rundir import logs_dir
 from runtime.slurm import allocation_nodes
+from runtime.stall import StallWatch
 from runtime.summary import summarize, to_markdown
 from runtime.walltime import WalltimeReached, WalltimeWatch
 from storage.checkpoints import checkpoint_steps
@@ -69,10 +75,16 @@ def _supervise(futures: dict, stop: threading.Event, logger) -> None:
                     raise ComponentFailed(f"the trainer was stopped before finishing (exit code {fut.result()})")
 
 
+class RunRefused(RuntimeError):
+    """A component refused the run's settings (the orchestrator: a task whose first prompt cannot fit
+    model.max_seq_len): a restart would too, so the run stops without one."""
+
+
 def _component_env(cfg: RunConfig, tracking_uri: str | None) -> dict[str, dict[str, str]]:
     """Per-component environment: secrets (never in configs on disk, argv, or logs), and the storage
     settings each process needs to read its config file from `output_dir`."""
-    storage = {CONFIG_STORAGE_ENV: cfg.storage.model_dump_json()}
+    beat = {HEARTBEAT_ENV: str(cfg.restart.stall.heartbeat_s)} if cfg.restart.stall.enabled else {}
+    storage = {CONFIG_STORAGE_ENV: cfg.storage.model_dump_json(), **beat}  # every component's (heartbeat: stall watch)
     token = {ADMIN_TOKEN_ENV: secrets.token_hex(16)}  # admin routes of this attempt's engine
     teacher = secrets.token_hex(16)  # the teacher's own: the orchestrator checks the teacher holds it
     # the MAC key of this attempt's collective weight transport (engines/weight_transport.py)
@@ -94,18 +106,22 @@ def _run_components(
     placed: Placement,
     watch: WalltimeWatch,
     logger,
+    lease: LeaseKeeper,
+    stall: StallWatch | None = None,
 ) -> None:
     """Warm-up to completion if needed, then inference, orchestrator and trainer side by side, where
-    `placed` puts them (srun job steps inside a Slurm job) and launched by torchrun where they have ranks."""
+    `placed` puts them (srun job steps inside a Slurm job) and launched by torchrun where they have ranks.
+    `stall`: this attempt's watch of their heartbeats; a component stuck by its rules fails the attempt."""
     srun = placed.srun
     stop = threading.Event()
     watch.attach(stop)
+    lease.attach(stop)  # a lost lease stops the attempt at once
     try:
         if attempt.needs_warmup:
             log = join(logs, "warmup.log")
             module, url = attempt.modules["warmup"], attempt.urls["sft"]
             launcher = placed.warmup_launcher
-            run_component("warmup", module, url, env["warmup"], log, stop, srun.get("warmup"), None, launcher)
+            run_component("warmup", module, url, env["warmup"], log, stop, srun.get("warmup"), None, launcher, stall)
             if stop.is_set():
                 raise ComponentFailed("stopped during the warm-up")
         watch.trainer_running.set()
@@ -120,6 +136,7 @@ def _run_components(
                 srun.get(name),
                 watch.checkpoint_request if name == "trainer" else None,
                 placed.trainer_launcher if name == "trainer" else None,
+                stall,
             )
             for name in ("inference", "teacher", "orchestrator", "trainer")
             if name in attempt.urls  # the teacher's server runs only with a [teacher] (distillation)
@@ -162,7 +179,9 @@ def _placement(cfg: RunConfig, logger) -> Placement:
     return Placement(srun, nodes["inference"][0], trainer, warmup, nodes["trainer"])
 
 
-def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: WalltimeWatch) -> None:
+def _attempts(
+    cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: WalltimeWatch, lease: LeaseKeeper
+) -> None:
     """Attempt after attempt until the trainer finishes; give up after `max_restarts` failures in a row
     that each restarted from the same checkpoint. Slurm's walltime warning ends them (resumable)."""
     budget = RestartBudget(cfg.restart)
@@ -179,9 +198,13 @@ def _attempts(cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: W
         try:
             env = _component_env(cfg, run.tracking_uri)
             here = placed.for_attempt(cfg, run.run_id, run.state.attempts)
-            _run_components(attempt, logs, env, here, watch, logger)
+            stall = StallWatch(cfg.restart.stall) if cfg.restart.stall.enabled else None
+            _run_components(attempt, logs, env, here, watch, logger, lease, stall)
             return
         except ComponentFailed as exc:
+            lease.raise_if_lost()
+            if exc.returncode == EXIT_REFUSED:
+                raise RunRefused(str(exc)) from None
             if watch.reached.is_set():
                 raise WalltimeReached(
                     "stopped at the Slurm job's walltime warning; the run is unfinished and resumable "
@@ -201,16 +224,16 @@ def rl(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
     fs, root = storage.open(cfg.output_dir)
     fs.makedirs(root, exist_ok=True)
     checkpoints = lambda: checkpoint_steps(fs, root)  # noqa: E731 - what the walltime watch waits for
-    with hold_lease(fs, root, cfg.restart.lease_ttl_s, logger), WalltimeWatch(logger, checkpoints) as watch:
+    with hold_lease(fs, root, cfg.restart.lease_ttl_s, logger) as lease, WalltimeWatch(logger, checkpoints) as watch:
         run = reopen_run(cfg, logger) if resume else start_new_run(cfg, overwrite)
         logger.info(f"run {run.run_id} -> {cfg.output_dir}" + (" (resumed)" if resume else ""))
         finished = False
         try:
             with live_progress(fs, root, cfg.max_steps, run.run_id, logger):
-                _attempts(cfg, storage, run, logger, watch)
+                _attempts(cfg, storage, run, logger, watch, lease)
             finished = True
         finally:
-            close_run(cfg, run, finished)
+            close_run(cfg, run, outcome(finished, logger))
     summary = summarize(fs, root, cfg.output_dir, time.time() - t0)
     report = to_markdown(summary, read_metrics(fs, root))
     create_markdown_artifact(report, key="rl-run-summary", description=f"run {run.run_id}")

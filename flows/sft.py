@@ -21,12 +21,15 @@ from prefect.artifacts import create_markdown_artifact
 
 from config.process import EXIT_REFUSED, warmup_parallel
 from config.run import RunConfig
+from config.stall import HEARTBEAT_ENV
+from flows.cancel import outcome
 from launch.torchrun import torchrun_args
-from runtime.lease import hold_lease
+from runtime.lease import LeaseKeeper, hold_lease
 from runtime.lifecycle import RunHandle, close_run, reopen_run, start_new_run
 from runtime.process import ComponentFailed
 from runtime.restarts import RestartBudget
 from runtime.rundir import logs_dir, write_sft_configs
+from runtime.stall import StallWatch
 from runtime.summary import sft_markdown, summarize_sft
 from storage.fs import CONFIG_STORAGE_ENV, Storage, join
 from storage.metrics import read_metrics
@@ -55,14 +58,16 @@ def _prepare(cfg: RunConfig, run: RunHandle, logger) -> tuple[int | None, str]:
 
 
 def _env(cfg: RunConfig, tracking_uri: str | None) -> dict[str, str]:
-    """The trainer's environment: storage settings to read its config, the tracking URI with credentials."""
+    """The trainer's environment: storage settings to read its config, the tracking URI with credentials, and
+    the heartbeat interval of the stall watch (restart.stall)."""
     return {
         CONFIG_STORAGE_ENV: cfg.storage.model_dump_json(),
+        **({HEARTBEAT_ENV: str(cfg.restart.stall.heartbeat_s)} if cfg.restart.stall.enabled else {}),
         **({"MLFLOW_TRACKING_URI": tracking_uri} if tracking_uri else {}),
     }
 
 
-def _attempts(cfg: RunConfig, run: RunHandle, logger) -> None:
+def _attempts(cfg: RunConfig, run: RunHandle, logger, lease: LeaseKeeper) -> None:
     """Attempt after attempt until the trainer finishes; give up after `restart.max_restarts` failures in a
     row that each restarted from the same checkpoint, or at once when the dataset is refused."""
     fs, root = Storage(cfg.storage).open(cfg.output_dir)
@@ -75,10 +80,14 @@ def _attempts(cfg: RunConfig, run: RunHandle, logger) -> None:
         write_state(fs, root, run.state)
         budget.attempt_from(step)
         stop = threading.Event()
+        lease.attach(stop)  # a lost lease stops the attempt at once
         try:
-            run_component("sft", TRAINER_MODULE, url, _env(cfg, run.tracking_uri), log_path, stop, None, None, launcher)
+            stall = StallWatch(cfg.restart.stall) if cfg.restart.stall.enabled else None  # a stuck trainer fails it
+            env = _env(cfg, run.tracking_uri)
+            run_component("sft", TRAINER_MODULE, url, env, log_path, stop, None, None, launcher, stall)
             return
         except ComponentFailed as exc:
+            lease.raise_if_lost()
             if exc.returncode == EXIT_REFUSED:
                 raise DatasetRefused(str(exc)) from None
             delay = budget.failed(exc)
@@ -93,15 +102,15 @@ def sft(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
     cfg = RunConfig.model_validate(config)
     fs, root = Storage(cfg.storage).open(cfg.output_dir)
     fs.makedirs(root, exist_ok=True)
-    with hold_lease(fs, root, cfg.restart.lease_ttl_s, logger):
+    with hold_lease(fs, root, cfg.restart.lease_ttl_s, logger) as lease:
         run = reopen_run(cfg, logger) if resume else start_new_run(cfg, overwrite)
         logger.info(f"sft run {run.run_id} -> {cfg.output_dir}" + (" (resumed)" if resume else ""))
         finished = False
         try:
-            _attempts(cfg, run, logger)
+            _attempts(cfg, run, logger, lease)
             finished = True
         finally:
-            close_run(cfg, run, finished)
+            close_run(cfg, run, outcome(finished, logger))
     summary = summarize_sft(fs, root, cfg.output_dir, time.time() - t0)
     report = sft_markdown(summary, read_metrics(fs, root))
     create_markdown_artifact(report, key="sft-run-summary", description=f"run {run.run_id}")

@@ -208,7 +208,12 @@ class SlurmWorker(BaseWorker[SlurmJobConfiguration, SlurmVariables, SlurmWorkerR
         """Poll Slurm and the flow run until the job is gone; scancel on a Prefect cancellation."""
         last, cancelled = None, False
         while True:
-            state, reason = await anyio.to_thread.run_sync(slurm.job_state, job_id)
+            try:
+                state, reason = await anyio.to_thread.run_sync(slurm.job_state, job_id)
+            except slurm.SlurmTimeout as exc:  # Slurm not answering is no news of the job: poll again
+                logger.warning(f"Slurm job {job_id}: {exc}; polling again in {poll_s:.0f}s")
+                await anyio.sleep(poll_s)
+                continue
             if state != last:
                 logger.info(f"Slurm job {job_id}: {state}" + (f" ({reason})" if reason else ""))
                 last = state

@@ -108,9 +108,9 @@ def check_loaded(cfg: RunConfig, env_sources: list[str]) -> None:
     """The load-time checks that need more than the config itself: the environments, the advantage estimators,
     the model directory and the inference backend's capabilities; each refuses with exit code 2 before anything
     starts."""
-    check_envs(cfg, env_sources)
+    check_model(cfg)  # first: the environments' prompts are measured with its tokenizer
+    checked = check_envs(cfg, env_sources)
     check_advantages(cfg, env_sources)
-    check_model(cfg)
     check_backend(cfg)
     check_loss(cfg)
     check_teacher(cfg)
@@ -118,6 +118,13 @@ def check_loaded(cfg: RunConfig, env_sources: list[str]) -> None:
         from rollflow.evalcmd import check_eval
 
         check_eval(cfg, env_sources, "tag" if cfg.model.path is None else "instruct")
+    report(checked)
+
+
+def report(lines: list[str]) -> None:
+    """What the load step checked (once every check passed), on stderr: stdout stays the command's result."""
+    for line in lines:
+        print(f"rollflow: checked {line}", file=sys.stderr)
 
 
 def check_teacher(cfg: RunConfig) -> None:
@@ -137,16 +144,28 @@ def check_teacher(cfg: RunConfig) -> None:
         raise ConfigError(f"invalid teacher: {exc}") from None
 
 
-def check_envs(cfg: RunConfig, env_sources: list[str]) -> None:
-    """Build every `[[envs]]` plugin once (importing its module) so a bad one fails here, exit code 2,
-    instead of in the orchestrator after the warm-up. `auto` prompts get the style the run's tokenizer
-    will pick: tag for the built-in character tokenizer, instruct for a model directory's."""
-    from engines.environments.plugins import PluginError, check
+def check_envs(cfg: RunConfig, env_sources: list[str], rl: bool = True) -> list[str]:
+    """Build every `[[envs]]` plugin (importing its module), measure a sample of its first-turn prompts with the
+    run's tokenizer and apply `RunConfig.env_problems` (prompts against model.max_seq_len for `rl`, sft.steps
+    against environments without demonstrations): exit code 2 here, every problem at once, instead of in the
+    orchestrator. `auto` prompts get the style the run's tokenizer picks (tag: the character tokenizer, instruct:
+    a model directory's). Returns one line per environment for `report` (docs/environments.md)."""
+    from engines.environments.loadcheck import inspect
+    from engines.models.modeldir import load_tokenizer, resolve
 
     try:
-        check(cfg.envs, env_sources, "tag" if cfg.model.path is None else "instruct")
-    except PluginError as exc:
-        raise ConfigError(str(exc)) from None
+        tok = load_tokenizer(resolve(cfg.model))
+    except ValueError as exc:
+        raise ConfigError(f"invalid model: {exc}") from None
+    except Exception as exc:  # a tokenizer library's own error on files it cannot read
+        raise ConfigError(
+            f"invalid model: model.path={cfg.model.path!r}: the tokenizer does not load: {exc!r}"
+        ) from None
+    facts, problems = inspect(cfg.envs, env_sources, "tag" if cfg.model.path is None else "instruct", tok)
+    problems += cfg.env_problems(facts, rl)
+    if problems:
+        raise ConfigError("invalid environment:\n  " + "\n  ".join(problems))
+    return [f.report() for f in facts]
 
 
 def check_advantages(cfg: RunConfig, env_sources: list[str]) -> None:
@@ -314,7 +333,7 @@ def check_sft_data(cfg: RunConfig, env_sources: list[str]) -> None:
     check_model(cfg)
     data = cfg.sft.data
     if data.type == "envs":
-        check_envs(cfg, env_sources)
+        report(check_envs(cfg, env_sources, rl=False))
         return
     from storage.fs import Storage
 

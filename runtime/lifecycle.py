@@ -2,7 +2,8 @@
 
 A new run claims its directory, starts an MLflow run and writes `state.json`. A resumed run checks
 that only compatible settings changed, reopens the same MLflow run (recording the changes as tags)
-and appends to the state's resume history. Closing records the outcome in both places.
+and appends to the state's resume history. Closing records the outcome (finished, failed or cancelled)
+in both places, unless the flow lost its lease.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from runtime.rundir import (
     write_run_config,
 )
 from runtime.tracking import end_mlflow_run, reopen_mlflow_run, start_mlflow_run
-from storage import runstate
+from storage import fence, runstate
 from storage.fs import get_fs
 
 
@@ -81,9 +82,17 @@ def reopen_run(cfg: RunConfig, logger) -> RunHandle:
     return run
 
 
-def close_run(cfg: RunConfig, run: RunHandle, finished: bool) -> None:
+def close_run(cfg: RunConfig, run: RunHandle, outcome: str) -> None:
+    """Record `outcome` (finished | failed | cancelled) in state.json and MLflow; nothing once the lease is lost
+    (the run belongs to whoever took it over)."""
+    current = fence.active()
+    if current is not None and current.lost.is_set():
+        return
     fs, root = get_fs(cfg.output_dir, cfg.storage)
-    run.state.status = "finished" if finished else "failed"
+    run.state.status = outcome
     runstate.write_state(fs, root, run.state)
     if run.tracking_uri and run.state.mlflow_run_id:
-        end_mlflow_run(run.tracking_uri, run.state.mlflow_run_id, "FINISHED" if finished else "FAILED")
+        end_mlflow_run(run.tracking_uri, run.state.mlflow_run_id, MLFLOW_STATUS[outcome])
+
+
+MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "cancelled": "KILLED"}

@@ -1,7 +1,9 @@
 """Run one component as a supervised subprocess: stream its output, stop its whole process group.
 
 The process gets its own session so SIGTERM (then SIGKILL after a grace period) reaches every child.
-Its output goes line by line to the caller's logger and to `OUTPUT_DIR/logs/<name>.log`.
+Its output goes line by line to the caller's logger and to `OUTPUT_DIR/logs/<name>.log`, except its heartbeat
+lines (config/stall.py), which go to the attempt's `StallWatch` (runtime/stall.py); the supervising loop asks
+the watch about the component every STALL_POLL_S and stops it as `ComponentStalled` when it is stuck.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from config.stall import split_beat
+from runtime.stall import StallWatch
+
+STALL_POLL_S = 0.5
+
 
 class ComponentFailed(RuntimeError):
     """A component exited non-zero on its own; the message carries its last output lines."""
@@ -27,11 +34,20 @@ class ComponentFailed(RuntimeError):
         return type(self), (str(self), self.returncode)
 
 
-def _pump(proc: subprocess.Popen, emit: Callable[[str], None], log_file, tail: collections.deque) -> None:
-    """Drain the child's output to the end whatever happens downstream: an undrained pipe blocks the child."""
+class ComponentStalled(ComponentFailed):
+    """A live component made no progress for its stall timeout (runtime/stall.py); the flow stopped it."""
+
+
+def _pump(proc: subprocess.Popen, emit: Callable[[str], None], log_file, tail: collections.deque, beats=None) -> None:
+    """Drain the child's output to the end whatever happens downstream: an undrained pipe blocks the child.
+    `beats(beat)` takes its heartbeat lines, which are not logged (the text before one in the line is)."""
     assert proc.stdout is not None
     for raw in proc.stdout:
-        line = raw.rstrip("\n")
+        line, beat = split_beat(raw.rstrip("\n"))
+        if beat is not None and beats is not None:
+            beats(beat)
+        if beat is not None and not line:
+            continue
         tail.append(line)
         try:
             emit(line)
@@ -78,11 +94,27 @@ def terminate_group(proc: subprocess.Popen, grace_s: float) -> None:
     """
     pgid = proc.pid  # start_new_session=True makes the child its group's leader
     _signal_group(pgid, signal.SIGTERM)
+    _signal_group(pgid, signal.SIGCONT)  # a stopped member acts on SIGTERM only once it runs again
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and (proc.poll() is None or _signal_group(pgid, 0)):
         time.sleep(0.05)
     _signal_group(pgid, signal.SIGKILL)
     proc.wait()
+
+
+def _watch(proc: subprocess.Popen, stop: threading.Event, nudge: threading.Event | None, stuck) -> str | None:
+    """Until the process exits or `stop` is set; returns why it is stuck when `stuck()` says so first."""
+    nudged, next_check = False, time.monotonic() + STALL_POLL_S
+    while proc.poll() is None and not stop.is_set():
+        if nudge is not None and nudge.is_set() and not nudged:
+            _signal_group(proc.pid, signal.SIGUSR1)
+            nudged = True
+        if time.monotonic() >= next_check:
+            next_check = time.monotonic() + STALL_POLL_S
+            if (why := stuck()) is not None:
+                return why
+        time.sleep(0.1)
+    return None
 
 
 def supervise(
@@ -94,9 +126,11 @@ def supervise(
     log_path: str | None = None,
     grace_s: float = 10.0,
     nudge: threading.Event | None = None,
+    stall: StallWatch | None = None,
 ) -> int:
     """Run `argv` until it exits or `stop` is set. Raises ComponentFailed on a non-zero exit of its own.
-    When `nudge` is set, the process group gets SIGUSR1 once (srun forwards it to the step's tasks)."""
+    When `nudge` is set, the process group gets SIGUSR1 once (srun forwards it to the step's tasks).
+    `stall`: the attempt's watch; the component stuck by its rules is stopped and ComponentStalled raised."""
     log_file = None
     if log_path:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -113,20 +147,24 @@ def supervise(
         env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
         start_new_session=True,
     )
-    reader = threading.Thread(target=_pump, args=(proc, emit, log_file, tail), daemon=True)
+    if stall is not None:
+        stall.launched(name)
+    beats = (lambda beat: stall.beat(name, beat)) if stall is not None else None
+    reader = threading.Thread(target=_pump, args=(proc, emit, log_file, tail, beats), daemon=True)
     reader.start()
+    stuck = None
     try:
-        nudged = False
-        while proc.poll() is None and not stop.is_set():
-            if nudge is not None and nudge.is_set() and not nudged:
-                _signal_group(proc.pid, signal.SIGUSR1)
-                nudged = True
-            time.sleep(0.1)
+        stuck = _watch(proc, stop, nudge, lambda: stall.verdict(name) if stall is not None else None)
     finally:
         terminate_group(proc, grace_s)
         reader.join(timeout=5)
+        if stall is not None:
+            stall.finished(name)
         if log_file:
             log_file.close()
+    if stuck is not None:
+        emit(stuck)
+        raise ComponentStalled(stuck, proc.returncode)
     if proc.returncode != 0 and stop.is_set():
         emit(f"exited with code {proc.returncode} after being asked to stop")
     elif proc.returncode != 0:

@@ -2,7 +2,8 @@
 script, follow a job, expand the allocation's node list into the placement launch/slurm.py computes.
 
 No Prefect here: the Slurm worker (flows/slurm_worker.py), the `rl` flow and `rollflow submit` share it.
-Slurm >= 22.05 through its CLI only.
+Slurm >= 22.05 through its CLI only. Every command is bounded by COMMAND_TIMEOUT_S: a controller that does not
+answer is SlurmTimeout (the worker's poll logs it and polls again), never a wait without end.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from config.placement import SlurmPlacementConfig
 from launch.slurm import place
+from storage.fs import fsync_dir
 
 
 class SlurmNotFound(RuntimeError):
@@ -26,6 +28,21 @@ class SlurmNotFound(RuntimeError):
 
 class SbatchRejected(RuntimeError):
     """sbatch refused the job; the message is Slurm's own."""
+
+
+class SlurmTimeout(RuntimeError):
+    """A Slurm command did not finish within COMMAND_TIMEOUT_S (the controller is down or overloaded)."""
+
+
+COMMAND_TIMEOUT_S = 120.0  # above Slurm's own MessageTimeout (10 s by default) times its retries
+
+
+def _slurm(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """Run a Slurm command, its output captured, bounded by COMMAND_TIMEOUT_S."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, **kwargs)
+    except subprocess.TimeoutExpired:
+        raise SlurmTimeout(f"'{' '.join(argv)}' did not finish in {COMMAND_TIMEOUT_S:.0f}s") from None
 
 
 def require(command: str) -> str:
@@ -40,9 +57,7 @@ def require(command: str) -> str:
 
 def hostnames(nodelist: str) -> list[str]:
     """Expand a Slurm node list (`node[01-04],gpu7`) with `scontrol show hostnames`."""
-    out = subprocess.run(
-        [require("scontrol"), "show", "hostnames", nodelist], capture_output=True, text=True, check=True
-    )
+    out = _slurm([require("scontrol"), "show", "hostnames", nodelist], check=True)
     return out.stdout.split()
 
 
@@ -63,6 +78,7 @@ def write_script(path: Path, text: str) -> None:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
+        fsync_dir(path.parent)  # the rename itself survives a crash of the node
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -71,7 +87,7 @@ def write_script(path: Path, text: str) -> None:
 
 def submit(script_path: str, cwd: str | None = None) -> str:
     """sbatch the script; returns the job id. Raises SbatchRejected with Slurm's message."""
-    proc = subprocess.run([require("sbatch"), "--parsable", script_path], capture_output=True, text=True, cwd=cwd)
+    proc = _slurm([require("sbatch"), "--parsable", script_path], cwd=cwd)
     if proc.returncode != 0:
         raise SbatchRejected((proc.stderr or proc.stdout).strip() or f"sbatch exited with code {proc.returncode}")
     return proc.stdout.strip().split(";")[0]
@@ -80,17 +96,17 @@ def submit(script_path: str, cwd: str | None = None) -> str:
 def job_state(job_id: str) -> tuple[str | None, str | None]:
     """(state, reason/exit code) of a job, from squeue while it is queued or running, then scontrol
     (until MinJobAge), then sacct where accounting is on; (None, None) when Slurm has forgotten it."""
-    out = subprocess.run([require("squeue"), "-h", "-j", job_id, "-o", "%T|%r"], capture_output=True, text=True)
+    out = _slurm([require("squeue"), "-h", "-j", job_id, "-o", "%T|%r"])
     if out.returncode == 0 and out.stdout.strip():
         state, _, reason = out.stdout.strip().partition("|")
         return state, None if reason in ("None", "") else reason
-    out = subprocess.run([require("scontrol"), "show", "job", job_id], capture_output=True, text=True)
+    out = _slurm([require("scontrol"), "show", "job", job_id])
     m = re.search(r"JobState=(\S+).*?ExitCode=(\S+)", out.stdout, re.S)
     if out.returncode == 0 and m:
         return m.group(1), f"exit code {m.group(2)}"
     if shutil.which("sacct"):
         argv = ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode"]
-        out = subprocess.run(argv, capture_output=True, text=True)
+        out = _slurm(argv)
         if out.returncode == 0 and out.stdout.strip():
             state, _, code = out.stdout.strip().splitlines()[0].partition("|")
             return state.split()[0], f"exit code {code}"
@@ -99,12 +115,12 @@ def job_state(job_id: str) -> tuple[str | None, str | None]:
 
 def steps(job_id: str) -> list[str]:
     """Names of the job's running steps (squeue -s), e.g. ['batch', 'rollflow-inference', ...]."""
-    out = subprocess.run([require("squeue"), "-h", "-s", "-j", job_id, "-o", "%j"], capture_output=True, text=True)
+    out = _slurm([require("squeue"), "-h", "-s", "-j", job_id, "-o", "%j"])
     return out.stdout.split() if out.returncode == 0 else []
 
 
 def cancel(job_id: str) -> None:
-    subprocess.run([require("scancel"), job_id], capture_output=True, text=True, check=False)
+    _slurm([require("scancel"), job_id], check=False)
 
 
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING"}

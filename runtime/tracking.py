@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from storage.fs import fsync_dir
+
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, str]:
     out = {}
@@ -34,6 +36,7 @@ def initialize_store(tracking_uri: str) -> None:
 
     MlflowClient(f"sqlite:///{tmp}").search_experiments(max_results=1)  # runs the migrations
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def start_mlflow_run(tracking_uri: str, experiment: str, run_name: str, params: dict, tags: dict) -> str:

@@ -277,22 +277,56 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Make the entries of local `directory` (a rename into it, a folder made in it) durable across power loss."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _makedirs_durable(directory: str, durable: bool) -> None:
+    """makedirs, then (if `durable`) fsync the parent of every folder it made, so the new path survives a crash."""
+    missing = []
+    probe = directory
+    while probe and not os.path.isdir(probe):
+        missing.append(probe)
+        probe = os.path.dirname(probe)
+    os.makedirs(directory, exist_ok=True)
+    if durable:
+        for made in reversed(missing):
+            fsync_dir(os.path.dirname(made) or ".")
+
+
+def _fenced(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    from storage import fence  # imported late: fence reads leases through storage.runstate, which imports this
+
+    fence.check(fs, path)
+
+
 def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-    """Whole-or-nothing write: temp file + rename locally; a single PUT (atomic per object) elsewhere."""
+    """Whole-or-nothing write: temp file + rename (+ fsync of both and of the folder) locally; a single PUT
+    (atomic per object) elsewhere. Refused (`LeaseLost`) under a run directory whose lease this process lost."""
     parent, name = path.rsplit("/", 1)
     if not is_local(fs):
+        _fenced(fs, path)
         fs.pipe_file(path, data)  # object stores have no directories to create
         return
-    fs.makedirs(parent, exist_ok=True)
+    durable = fs_settings(fs).fsync  # durable across power loss; a process crash is covered by the rename
+    _makedirs_durable(parent, durable)
     # A leading '.' keeps a crash's leftover out of Arrow dataset discovery (it skips '.' and '_').
     tmp = f"{parent}/.tmp-{uuid.uuid4().hex[:8]}-{name}"
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
-            if fs_settings(fs).fsync:  # durable across power loss; a process crash is covered by the rename
+            if durable:
                 os.fsync(f.fileno())
+        _fenced(fs, path)
         os.replace(tmp, path)
+        if durable:
+            fsync_dir(parent)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -467,8 +501,9 @@ def committed_steps(fs: fsspec.AbstractFileSystem, parent: str, sub: str = "", k
     for path in paths:
         rel = path[len(prefix) :] if path.startswith(prefix) else ""
         head, _, rest = rel.partition("/")
-        if head.startswith(f"{key}=") and head[len(key) + 1 :].isdigit() and rest == want:
-            steps.add(int(head.split("=", 1)[1]))
+        n = step_number(head, parent, key)
+        if n is not None and rest == want:
+            steps.add(n)
     return sorted(steps)
 
 
@@ -479,15 +514,33 @@ def step_dirs(fs: fsspec.AbstractFileSystem, parent: str) -> dict[int, str]:
         return {}
     out = {}
     for entry in fs.ls(parent, detail=False):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if name.startswith("step=") and name[5:].isdigit():
-            out[int(name[5:])] = entry
+        if (n := step_number(entry.rstrip("/").rsplit("/", 1)[-1], parent)) is not None:
+            out[n] = entry
     return out
+
+
+_warned: set[str] = set()
+
+
+def step_number(name: str, parent: str, key: str = "step") -> int | None:
+    """N for a folder named `<key>=N`; None for any other name. A `<key>=` folder whose N is not a number
+    (made by hand, or by another tool) is skipped with one warning per folder, never a crash."""
+    if not name.startswith(f"{key}="):
+        return None
+    value = name[len(key) + 1 :]
+    if value.isascii() and value.isdigit():
+        return int(value)
+    where = join(parent, name)
+    if where not in _warned:
+        _warned.add(where)
+        log.warning(f"ignoring {where}: not a {key}=<number> folder rollflow wrote; move it out of {parent}")
+    return None
 
 
 def remove_committed(fs: fsspec.AbstractFileSystem, directory: str, manifests: list[str] | None = None) -> None:
     """Uncommit, then delete: the manifests go first (by default the directory's own), so a reader racing
     the removal sees an uncommitted directory, never a half-deleted committed one."""
+    _fenced(fs, directory)
     for path in manifests if manifests is not None else [join(directory, MANIFEST)]:
         if fs.exists(path):
             fs.rm(path)

@@ -149,8 +149,12 @@ def publish(
 
 
 def latest_version(fs: fsspec.AbstractFileSystem, output_root: str) -> int | None:
-    versions = committed_steps(fs, weights_root(output_root))
+    versions = committed_versions(fs, output_root)
     return versions[-1] if versions else None
+
+
+def committed_versions(fs: fsspec.AbstractFileSystem, output_root: str) -> list[int]:
+    return committed_steps(fs, weights_root(output_root))
 
 
 def read_version(fs: fsspec.AbstractFileSystem, directory: str) -> int:

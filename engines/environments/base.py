@@ -34,6 +34,12 @@ class Task:
     answer: str  # the reference completion (without <eos>)
 
 
+class EnvironmentRefused(RuntimeError):
+    """A task this run's settings can never play (its first prompt leaves no room in model.max_seq_len): the
+    orchestrator exits with EXIT_REFUSED and the `rl` flow stops the run instead of restarting it, since
+    every restart would draw the same task and fail the same way. The message names the setting and the fix."""
+
+
 class Environment(Protocol):
     def sample(self, rng: random.Random) -> Task: ...
 

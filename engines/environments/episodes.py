@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from engines.environments.base import Task
+from engines.environments.base import EnvironmentRefused, Task
 from engines.models.tokenizer import Tokenizer
 from engines.protocol import CompletionChoice, CompletionRequest
 from storage.rollouts import RolloutRow
@@ -174,6 +174,12 @@ async def run_episode(
     `request(context_ids, max_tokens, turn)` builds each turn's request (sampling settings and seed).
     """
     episode = Episode(prompt_ids=tok.render_prompt(task.prompt))
+    if len(episode.prompt_ids) >= max_seq_len:  # every episode of the task, and every retry, would fail
+        raise EnvironmentRefused(
+            f"{env.name}: a first prompt takes {len(episode.prompt_ids)} tokens, which leaves no room in "
+            f"model.max_seq_len={max_seq_len} for the model's first turn: set model.max_seq_len above "
+            f"{len(episode.prompt_ids)} (plus orchestrator.max_new_tokens), or shorten the environment's prompts"
+        )
     for turn in range(env.max_turns):
         room = max_seq_len - len(episode.context)
         choice = await sample(request(episode.context, room, turn), session_id)

@@ -69,6 +69,8 @@ def make(spec: EnvSpec, default_style: str = "tag") -> Any:
     kwargs = _bind_args(factory, spec, default_style if spec.prompt == "auto" else spec.prompt)
     try:
         return factory(**kwargs)
+    except PluginError:
+        raise  # a factory that loads plugins itself (verifiers) already says what failed: one layer of wrapping
     except Exception as exc:
         raise PluginError(f"the factory raised {type(exc).__name__}: {exc} (args {spec.args})") from None
 
@@ -87,9 +89,19 @@ def build(spec: EnvSpec, default_style: str = "tag") -> Any:
     return env
 
 
-def _smoke(env: Any) -> None:
-    """One task drawn and scored, so an environment that breaks on use fails at load too."""
+def smoke(env: Any) -> None:
+    """One task drawn and scored, so an environment that breaks on use fails at load too. An environment with
+    `preview(n)` (verifiers': its taskset's first tasks, read lazily) is read through it instead, so loading
+    never draws from an unbounded pool."""
     task: Any
+    if callable(getattr(env, "preview", None)):
+        try:
+            env.preview(1)
+        except PluginError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"reading its first task raised {type(exc).__name__}: {exc}") from None
+        return
     try:
         task = env.sample(random.Random(0))
     except Exception as exc:
@@ -113,7 +125,7 @@ def check(specs: Sequence[EnvSpec], sources: Sequence[str], default_style: str) 
     problems = []
     for i, (spec, source) in enumerate(zip(specs, sources, strict=True)):
         try:
-            _smoke(build(spec, default_style))
+            smoke(build(spec, default_style))
         except PluginError as exc:
             problems.append(f"{source}: envs[{i}] (name {spec.label!r}, id {spec.id!r}): {exc}")
     if problems:

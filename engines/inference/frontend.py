@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from engines import protocol as api
+from engines.heartbeat import Heartbeat, heartbeat
 from engines.inference.backend import Backend, BackendError, Generation
 
 DISCONNECT_POLL_S = 0.25
@@ -99,6 +100,26 @@ def admin_auth(token: str) -> Callable[..., None]:
             raise HTTPException(status_code=401, detail="admin route: missing or wrong bearer token")
 
     return check
+
+
+class HeldWork:
+    """Holds every POST (generation, weight update) in the process's heartbeat while it runs; each response
+    chunk sent is progress (engines/heartbeat.py: a server holding work that stops moving is stuck)."""
+
+    def __init__(self, app, beat: Heartbeat):
+        self.app, self.beat = app, beat
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+
+        async def sending(message):
+            if message["type"] == "http.response.body":
+                self.beat.advance()
+            await send(message)
+
+        with self.beat.hold():
+            await self.app(scope, receive, sending)
 
 
 class BodyLimit:
@@ -240,6 +261,7 @@ def build_app(backend: Backend, settings: Settings) -> FastAPI:
     app = FastAPI(title=f"rollflow inference ({type(backend).__name__})")
     install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(HeldWork, beat=heartbeat())
     admin = Depends(admin_auth(settings.admin_token))
     admission = Admission(settings)
     generate = _generation_route(backend, settings, admission)

@@ -21,6 +21,7 @@ import sys
 
 from config.process import InferenceProcessConfig
 from engines.entry import read_process_config
+from engines.heartbeat import heartbeat
 from engines.inference import backend as backends
 from engines.protocol import ADMIN_TOKEN_ENV
 from engines.registry import PluginError
@@ -30,6 +31,16 @@ log = logging.getLogger("rollflow.inference")
 
 async def serve(cfg: InferenceProcessConfig) -> bool:
     """Build the backend and serve it; True when the backend failed (its `watch` ended)."""
+    beat = heartbeat()
+    beat.server = True  # idle while it holds no request: only held work is judged (engines/heartbeat.py)
+    beats = asyncio.create_task(beat.run())  # from the event loop: a blocked loop stops the heartbeat too
+    try:
+        return await _serve(cfg)
+    finally:
+        beats.cancel()
+
+
+async def _serve(cfg: InferenceProcessConfig) -> bool:
     import uvicorn
 
     from engines.inference.frontend import Settings, build_app

@@ -25,7 +25,7 @@ from typing import Any
 
 from config.model import ModelConfig
 from engines.models import families
-from engines.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+from engines.models.tokenizer import CHAT_TEMPLATE, CharTokenizer, HFTokenizer, Tokenizer
 
 log = logging.getLogger("rollflow.models")
 
@@ -154,7 +154,9 @@ def resolve(cfg: ModelConfig) -> ModelSource:
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:
-    if source.directory is None:
+    """The built-in character tokenizer for the built-in model and for its publications (so a run that starts
+    from one keeps the `tag` prompts it was trained on), else the directory's own tokenizer."""
+    if source.directory is None or _is_char_publication(source.directory):
         return CharTokenizer()
     try:
         return HFTokenizer(source.directory)
@@ -162,6 +164,19 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
         raise ModelDirError(str(exc)) from exc
     except OSError as exc:
         raise ModelDirError(f"{source.directory}: the tokenizer does not load: {exc}") from exc
+
+
+def _is_char_publication(directory: Path) -> bool:
+    """A directory whose tokenizer files are the ones `CharTokenizer.save_pretrained` writes."""
+    config_path = directory / "tokenizer_config.json"
+    if not config_path.is_file() or not (directory / "tokenizer.json").is_file():
+        return False
+    try:
+        template = json.loads(config_path.read_text()).get("chat_template")
+        signature = _file_signature(directory)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False
+    return template == CHAT_TEMPLATE and signature is not None and signature[0] == CharTokenizer().vocab
 
 
 def _token_text(value: Any) -> str | None:
@@ -175,7 +190,11 @@ def tokenizer_signature(source: ModelSource) -> tuple[dict[str, int], tuple[str 
     if source.directory is None:
         char = CharTokenizer()
         return dict(char.vocab), tuple(char.inverse[i] for i in (char.bos_id, char.eos_id, char.pad_id))
-    path = source.directory / "tokenizer.json"
+    return _file_signature(source.directory)
+
+
+def _file_signature(directory: Path) -> tuple[dict[str, int], tuple[str | None, ...]] | None:
+    path = directory / "tokenizer.json"
     if not path.is_file():
         return None
     data = json.loads(path.read_text())
@@ -183,7 +202,7 @@ def tokenizer_signature(source: ModelSource) -> tuple[dict[str, int], tuple[str 
     if isinstance(vocab, list):  # Unigram: [piece, score] at each id
         vocab = {piece: i for i, (piece, _) in enumerate(vocab)}
     vocab = {**vocab, **{t["content"]: t["id"] for t in data.get("added_tokens") or []}}
-    config_path = source.directory / "tokenizer_config.json"
+    config_path = directory / "tokenizer_config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     bos, eos, pad = (_token_text(config.get(f"{k}_token")) for k in ("bos", "eos", "pad"))
     return vocab, (bos, eos, pad or eos)

@@ -38,10 +38,11 @@ from collections import Counter
 
 import httpx
 
-from config.process import OrchestratorProcessConfig
+from config.process import EXIT_REFUSED, OrchestratorProcessConfig
 from engines.entry import read_process_config
-from engines.environments.base import EnvMix, Task
+from engines.environments.base import EnvironmentRefused, EnvMix, Task
 from engines.environments.episodes import GroupEnvironment, MultiTurnEnvironment, is_multi_turn
+from engines.heartbeat import heartbeat
 from engines.models import modeldir
 from engines.orchestrator.admission import admit
 from engines.orchestrator.estimators import StepEstimators
@@ -69,13 +70,17 @@ log = logging.getLogger("rollflow.orchestrator")
 
 
 class WeightSync:
-    """Tracks the engine's policy version and pushes newer publications to it."""
+    """Tracks the engine's policy version and pushes newer publications to it.
+
+    `hold`, when set (online evaluation, engines/orchestrator/online_eval.py), is a version the engine does not
+    move past: every sample of that evaluation comes from that one policy."""
 
     def __init__(self, client: httpx.AsyncClient, fs, root: str, token: str, poll_s: float):
         self.client, self.poll_s = client, poll_s
         self.fs, self.root = fs, root
         self.headers = {"Authorization": f"Bearer {token}"}
         self.engine_version = -1
+        self.hold: int | None = None
         self.changed = asyncio.Event()
         self.follower: asyncio.Task
 
@@ -85,15 +90,25 @@ class WeightSync:
         self.engine_version = HealthResponse.model_validate_json(r.content).policy_version
 
     async def push_latest(self) -> None:
-        latest = await asyncio.to_thread(weights.latest_version, self.fs, self.root)
+        latest = await asyncio.to_thread(self.target)
         if latest is not None and latest > self.engine_version:
             body = UpdateWeightsRequest(version=latest).model_dump(exclude_none=True)
-            r = await self.client.post("/update_weights", json=body, headers=self.headers)
+            # the step waiting for this version waits on this request now, not on the trainer
+            with heartbeat().waiting_on("inference", f"updating the engine to version {latest}", priority=1):
+                r = await self.client.post("/update_weights", json=body, headers=self.headers)
             r.raise_for_status()
             resp = UpdateWeightsResponse.model_validate_json(r.content)
             self.engine_version = resp.policy_version
             log.info(f"engine now serves policy version {self.engine_version} (from {resp.source}, {resp.load_s:.3f}s)")
             self.changed.set()
+
+    def target(self) -> int | None:
+        """The newest committed publication; under a hold, the newest at or below it, unless the held version's
+        own publication is gone while newer ones exist (a rollback): then the hold cannot be met and is ignored."""
+        versions = weights.committed_versions(self.fs, self.root)
+        if self.hold is None or not versions or versions[-1] <= self.hold or self.hold not in versions:
+            return versions[-1] if versions else None
+        return self.hold
 
     async def follow(self) -> None:
         while True:
@@ -189,6 +204,7 @@ class Orchestrator:
         rows = await self.scored_group(step, group)
         if self.teacher is not None:
             await self.teacher.score(rows)
+        heartbeat().advance()
         return rows
 
     async def scored_group(self, step: int, group: int) -> list[RolloutRow]:
@@ -244,11 +260,14 @@ class Orchestrator:
         ]
 
     async def run_step(self, step: int) -> None:
-        waited = await self.sync.wait_for(step - 1 - self.cfg.async_level)
+        version = step - 1 - self.cfg.async_level
+        with heartbeat().waiting_on("trainer", f"waiting for policy version {version}"):
+            waited = await self.sync.wait_for(version)
         t0 = time.perf_counter()
-        dispatched = self.pool.top_up(step)
         bound, mode = self.cfg.max_off_policy_steps, self.ocfg.stale_turns
-        taken = await self.pool.take(step, lambda rows: bool(admit(rows, step, bound, mode)[0]))
+        with heartbeat().waiting_on("inference", f"generating step {step}"):
+            dispatched = self.pool.top_up(step)
+            taken = await self.pool.take(step, lambda rows: bool(admit(rows, step, bound, mode)[0]))
         gen_s = time.perf_counter() - t0
         # a group carried over from an earlier step is consumed by this one
         groups = [
@@ -267,6 +286,7 @@ class Orchestrator:
             meta |= {"groups": list(taken.groups), "dispatched": dispatched + taken.dispatched}
             meta |= {"aged_out": taken.aged_out, "inflight": self.pool.inflight()}
         await asyncio.to_thread(rollouts.write_step, self.fs, self.root, step, rollouts.to_table(kept), meta)
+        heartbeat().advance(f"committed step {step}")
         reward = sum(r.reward for r in kept) / len(kept)
         log.info(
             f"step {step}/{self.cfg.max_steps}: {len(kept)} samples (dropped {meta['dropped']}, "
@@ -292,16 +312,26 @@ class Orchestrator:
 
 async def run(cfg: OrchestratorProcessConfig) -> None:
     token = os.environ.get(ADMIN_TOKEN_ENV, "")
+    beats = asyncio.create_task(heartbeat().run())  # progress for the flow's stall watch (engines/heartbeat.py)
+    try:
+        await _run(cfg, token)
+    finally:
+        beats.cancel()
+    log.info("all rollout steps committed")
+
+
+async def _run(cfg: OrchestratorProcessConfig, token: str) -> None:
     async with httpx.AsyncClient(base_url=cfg.inference_url, timeout=httpx.Timeout(600.0)) as client:
-        await wait_healthy(client, cfg.orchestrator.inference_timeout_s, token)
+        with heartbeat().waiting_on("inference", "waiting for the inference server"):
+            await wait_healthy(client, cfg.orchestrator.inference_timeout_s, token)
         fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
         sync = WeightSync(client, fs, root, token, cfg.orchestrator.poll_interval_s)
         await sync.refresh()
-        sync.start()
         tea = await start_teacher(cfg)
         orch = Orchestrator(cfg, client, sync, tea)
         online = OnlineEval(cfg, client, orch.limit, orch.tok, orch.mix.envs, sync, fs, root)
         online.start()  # eval.interval > 0: held-out evaluations alongside the rollouts (online_eval.py)
+        sync.start()  # after online.start() has set its first hold
         try:
             orch.restore_pool()
             for step in orch.pending_steps():
@@ -309,7 +339,8 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
                     sync.follower.result()  # surfaces the follower's error
                 online.check()
                 await orch.run_step(step)
-            await online.finish()
+            with heartbeat().waiting_on("inference", "finishing the online evaluation"):
+                await online.finish()
         finally:
             await orch.pool.cancel()  # groups still running after the last step are never committed
             online.cancel()
@@ -319,7 +350,6 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
                     await env.close()
             if tea is not None:
                 await tea.aclose()
-    log.info("all rollout steps committed")
 
 
 async def start_teacher(cfg: OrchestratorProcessConfig) -> Teacher | None:
@@ -328,7 +358,8 @@ async def start_teacher(cfg: OrchestratorProcessConfig) -> Teacher | None:
         return None
     await asyncio.to_thread(check_tokenizer, cfg.model, cfg.teacher)
     tea = Teacher(cfg.teacher, cfg.teacher_url)
-    await wait_healthy(tea.client, cfg.orchestrator.inference_timeout_s, os.environ.get(TEACHER_TOKEN_ENV, ""))
+    with heartbeat().waiting_on("teacher", "waiting for the teacher's server"):
+        await wait_healthy(tea.client, cfg.orchestrator.inference_timeout_s, os.environ.get(TEACHER_TOKEN_ENV, ""))
     return tea
 
 
@@ -345,4 +376,8 @@ def forbid_torch() -> None:
 def main(argv: list[str] | None = None) -> None:
     forbid_torch()
     cfg = OrchestratorProcessConfig.model_validate(read_process_config("engines.orchestrator", __doc__, argv))
-    asyncio.run(run(cfg))
+    try:
+        asyncio.run(run(cfg))
+    except EnvironmentRefused as exc:  # a restart would fail the same way: the flow stops the run
+        print(f"refused: {exc}", flush=True)
+        raise SystemExit(EXIT_REFUSED) from None

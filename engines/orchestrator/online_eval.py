@@ -2,9 +2,9 @@
 held-out split, concurrently with rollout generation and through the same request semaphore.
 
     targets: version 0, every multiple of eval.interval, max_steps
-    per target V (in order): wait until the engine serves V or newer -> evaluate (engines/orchestrator/evaluation.py)
-    into evals/online/version=V/ (never rollouts/: the trainer does not train on these samples; each row keeps
-    the policy_version that sampled it, V or newer when the engine moved on mid-evaluation)
+    per target V (in order): hold the engine at V (WeightSync.hold: no newer version is pushed) -> wait until it
+    serves V -> evaluate (engines/orchestrator/evaluation.py) into evals/online/version=V/ (never rollouts/: the
+    trainer does not train on these samples) -> release; so every row is sampled by V alone (its policy_version)
     after the last rollout step: wait, bounded by eval.final_timeout_s, for the remaining targets (max_steps last)
 
 The trainer merges each finished summary's `metrics` into metrics.jsonl (engines/trainer/rl.py). After a resume
@@ -20,6 +20,7 @@ import time
 
 from config.process import OrchestratorProcessConfig
 from engines.environments.base import Environment
+from engines.heartbeat import heartbeat
 from engines.models.tokenizer import Tokenizer
 from engines.orchestrator.evaluation import Evaluator, spec_for_envs
 from storage import evals
@@ -40,14 +41,21 @@ class OnlineEval:
 
     def start(self) -> None:
         if self.cfg.eval.interval > 0:
-            self.task = asyncio.create_task(self.run(self.sync.engine_version))
+            # versions before the one served now are not served again (a resumed run)
+            todo = [v for v in targets(self.cfg.max_steps, self.cfg.eval.interval) if v >= self.sync.engine_version]
+            self.sync.hold = todo[0] if todo else None  # before the follower can push past the first target
+            self.task = asyncio.create_task(self.run(todo))
 
-    async def run(self, start: int) -> None:
-        for version in targets(self.cfg.max_steps, self.cfg.eval.interval):
-            if version < start:
-                continue  # that policy is not served again (a resumed run)
-            await self.sync.wait_for(version)
-            await self.evaluate(version)
+    async def run(self, todo: list[int]) -> None:
+        """Rollouts wait for a held version's evaluation only when they need a newer policy (the async bound);
+        the evaluation takes seconds (docs/evaluation.md)."""
+        try:
+            for version in todo:
+                self.sync.hold = version
+                await self.sync.wait_for(version)
+                await self.evaluate(version)
+        finally:
+            self.sync.hold = None
 
     async def evaluate(self, version: int) -> None:
         directory = evals.online_dir(self.root, version)
@@ -57,9 +65,11 @@ class OnlineEval:
         if status == "done":
             return
         served, t0 = self.sync.engine_version, time.perf_counter()
-        summary = await Evaluator(
-            self.client, self.limit, self.tok, self.envs, spec, self.fs, directory, self.cfg.session_header
-        ).run()
+        # while it runs the engine is held at `version`: rollouts needing a newer one wait on this, not the trainer
+        with heartbeat().waiting_on("inference", f"evaluating version {version}", priority=1):
+            summary = await Evaluator(
+                self.client, self.limit, self.tok, self.envs, spec, self.fs, directory, self.cfg.session_header
+            ).run()
         log.info(
             f"eval of version {version} (engine served {served}, samples from {summary['policy_versions']}): "
             f"reward {summary['reward_mean']:.3f}, {time.perf_counter() - t0:.2f}s"

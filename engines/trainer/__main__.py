@@ -3,10 +3,12 @@
 the SFT trainer refuses exits with EXIT_REFUSED, which the flow does not restart."""
 
 from engines.entry import read_process_config
+from engines.heartbeat import heartbeat
 
 
 def main(argv: list[str] | None = None) -> None:
     data = read_process_config("engines.trainer", __doc__, argv)
+    heartbeat().start_thread()  # progress for the flow's stall watch (engines/heartbeat.py)
     if data.get("mode") == "sft":
         from config.process import EXIT_REFUSED, SFTProcessConfig
         from engines.trainer.sft import run_sft

@@ -13,6 +13,7 @@ With `world_size = 1` nothing here touches torch.distributed: the trainer is the
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import signal
 from collections.abc import Iterator, Sequence
@@ -87,7 +88,8 @@ def init(p: TrainerParallelConfig) -> Dist:
         torch.cuda.set_device(device)
     else:
         compat.torchtitan_on_cpu()
-    dist.init_process_group(backend)
+    # every collective of the group is bounded: a peer that never joins fails the rank, and the flow restarts it
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=p.timeout_s))
     from torchtitan.distributed import ParallelDims
 
     dims = ParallelDims(

@@ -17,6 +17,7 @@ import torch
 
 from config.process import TrainerProcessConfig
 from config.tracking import resolve_tracking_uri
+from engines.heartbeat import heartbeat
 from engines.models import lora, modeldir
 from engines.models.decoder import CausalLM
 from engines.trainer import checkpoint, context_parallel, distributed, parallel
@@ -164,8 +165,9 @@ class RLTrainer:
 
     def wait_for_rollouts(self, step: int):
         directory = rollouts.step_path(self.root, step)
-        while not is_committed(self.fs, directory):
-            time.sleep(0.05)
+        with heartbeat().waiting_on("orchestrator", f"waiting for rollouts step={step}"):
+            while not is_committed(self.fs, directory):
+                time.sleep(0.05)
         return rollouts.read_step(self.fs, self.root, step)
 
     def train_micro_batches(self, batch: Batch) -> list[Batch] | list[PackedBatch]:
@@ -243,6 +245,7 @@ class RLTrainer:
             loss, mb_stats = self.objective(token_scores(mb, scored.logprobs, entropy, m.proximal, m.reference), counts)
             (loss * m.weight).backward()  # weight 0: a stand-in that keeps the ranks' collectives in step
             loss_sum += float(loss.detach()) * m.weight
+            heartbeat().advance()
             mb_stats.update(replayed=replayed, support_mismatch=float(scored.support_mismatch_tokens))
             # a stand-in adds nothing, but every rank must hold the same keys for the all-reduce
             _add(stats, mb_stats if m.weight else {k: -math.inf if k in MAX_STATS else 0.0 for k in mb_stats})
@@ -274,6 +277,7 @@ class RLTrainer:
         t0 = time.perf_counter()
         table, manifest = self.wait_for_rollouts(step)
         t1 = time.perf_counter()
+        heartbeat().advance(f"training step {step}")
         batch = make_batch(table, self.tok.pad_id, self.tcfg.keep_sampling_mask)
         pack_pad = self.tok.pad_id if self.tcfg.packing else None
         mismatch = (
@@ -300,6 +304,7 @@ class RLTrainer:
         elif self.history:
             self.history.add(step, self.model)
         t3 = time.perf_counter()
+        heartbeat().advance(f"published step {step}")
         stale = [staleness(step, v) for v in table.column("policy_version").to_pylist()]
         rewards = table.column("reward").to_pylist()
         return {
@@ -345,11 +350,13 @@ class RLTrainer:
             if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.max_steps or nudged:
                 CHECKPOINT_NOW.clear()
                 written = checkpoint.save(self.fs, self.root, step, self.state, self.dist)
+                heartbeat().advance(f"checkpoint step={step} written")
                 if self.dist.is_main:
                     log.info(f"checkpoint written: {written}")
                     retention.enforce(self.fs, self.root, bases=self.publisher.bases)
         if self.dist.is_main:
-            self.evals.wait_final(self.cfg.max_steps)
+            with heartbeat().waiting_on("orchestrator", "waiting for the final evaluation"):
+                self.evals.wait_final(self.cfg.max_steps)
         distributed.shutdown(self.dist)
 
     def _report(self, step: int, row: dict) -> None:

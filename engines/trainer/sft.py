@@ -25,6 +25,7 @@ from config.process import SFTProcessConfig
 from config.tracking import resolve_tracking_uri
 from engines.environments.base import EnvMix
 from engines.environments.episodes import demonstration_ids, is_multi_turn
+from engines.heartbeat import heartbeat
 from engines.models import lora, modeldir
 from engines.models.tokenizer import Tokenizer
 from engines.trainer import checkpoint, distributed, expert_parallel, parallel
@@ -168,6 +169,7 @@ class SFTJob:
         assert self.opt is not None
         batch = to_batch(self.source.take(self.cfg.sft.batch_size), self.loaded.tokenizer.pad_id)
         loss, rows = train_step(self.model, self.opt, batch, self.cfg, self.dist, self.loaded.tokenizer.pad_id)
+        heartbeat().advance("training")
         return loss, int(batch.loss_mask.sum()), rows
 
     def warm_up(self) -> None:

@@ -28,7 +28,6 @@ def test_a_run_of_a_plugin_family_model(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(PKG), str(site)])
     out = tmp_path / "run"
     args = ["rl", "@", str(ROOT / "profiles/tiny-cpu.toml"), "--model.path", str(mini), "--output-dir", str(out)]
-    # the instruct prompts of a directory's chat template are longer than the built-in tag prompts
     args += ["--model.max-seq-len", "128", "--max-steps", "2", "--sft.steps", "5", "--orchestrator.batch-size", "8"]
     proc = subprocess.run(cli_argv(*args), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,6 +1,6 @@
 """Long-horizon episodes end to end.
 
-Small scale: the real orchestrator (`engines.orchestrator.loop.run`, in process) against the
+Small scale (default suite): the real orchestrator (`engines.orchestrator.loop.run`, in process) against the
 real inference server, groups kept in flight across steps (`orchestrator.max_inflight_groups`), a stand-in
 trainer publishing policy N as soon as step N is committed (the engine takes it mid-episode), and a mix of
 12-turn and 2-turn `long-hop` episodes, so long groups outlive steps and the staleness rule masks their early
@@ -140,7 +140,6 @@ def _assert_rule_held(rows: list[dict]) -> int:
     return masked
 
 
-@pytest.mark.long  # 23-50 s on the shared 2-core machine: over the default suite's budget
 def test_long_episodes_carry_over_span_versions_and_the_rule_masks_stale_turns(tmp_path, monkeypatch):
     root = _run(tmp_path, monkeypatch)
     fs, r = get_fs(root)

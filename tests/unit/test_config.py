@@ -11,6 +11,7 @@ import pytest
 from config.loader import ConfigError, load_run_config, parse_value
 from config.process import InferenceProcessConfig, OrchestratorProcessConfig, SFTProcessConfig, TrainerProcessConfig
 from config.run import RunConfig
+from engines.models.tokenizer import CharTokenizer
 from rollflow.cli import main, split_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -253,15 +254,20 @@ def test_unknown_environment_and_backend_name_the_registry():
 
 
 def _model_dir(path: Path, **config) -> Path:
-    """A model directory as the load step reads it: config.json, and weight and tokenizer files (their
-    contents are read only when a process builds the model)."""
+    """A model directory as the load step reads it: config.json, weight files (their contents are read only when
+    a process builds the model) and a tokenizer (the load step measures the environments' prompts with it)."""
     path.mkdir()
     hf = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
     hf |= {"num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "head_dim": 16}
     (path / "config.json").write_text(json.dumps({**hf, **config}))
     (path / "model.safetensors").write_bytes(b"")
-    (path / "tokenizer.json").write_text("{}")
+    CharTokenizer().save_pretrained(path)
     return path
+
+
+# A model directory makes prompts `instruct` sentences (~60 tokens through the character tokenizer), which the load
+# step measures against model.max_seq_len with orchestrator.max_new_tokens.
+LONG = ("--model.max-seq-len", "128")
 
 
 def _cli_refuses(capsys, out: Path, *args: str) -> str:
@@ -290,10 +296,8 @@ def test_cli_refuses_tensor_parallelism_on_moe_layers_at_load(tmp_path, capsys):
     err = _cli_refuses(capsys, tmp_path / "run", "--model.path", str(model), *tp)  # config.json's shape
     assert f"{model}/config.json" in err and "trainer.parallel.tp=2 on a MoE model (model.num_experts=4)" in err
     dense = _model_dir(tmp_path / "dense", model_type="qwen3")
-    assert (
-        main(["rl", "@", str(TINY), "--output-dir", str(tmp_path / "ok"), "--dry-run", "--model.path", str(dense), *tp])
-        == 0
-    )
+    ok = ("--output-dir", str(tmp_path / "ok"), "--dry-run", "--model.path", str(dense))
+    assert main(["rl", "@", str(TINY), *ok, *tp, *LONG]) == 0
 
 
 def test_inference_admission_limits_must_admit_the_orchestrators_load():

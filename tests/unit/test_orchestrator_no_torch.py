@@ -99,7 +99,12 @@ def _publish(out: Path, **shape) -> str:
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     base = tmp_path_factory.mktemp("models")
     moe = {"num_experts": 4, "num_experts_per_tok": 2, "qk_norm": True, "hidden_size": 32, "num_layers": 1}
-    return {"dense": _publish(base / "dense", hidden_size=32, num_layers=1), "moe": _publish(base / "moe", **moe)}
+    dirs = {"dense": _publish(base / "dense", hidden_size=32, num_layers=1), "moe": _publish(base / "moe", **moe)}
+    # another chat template makes the MoE directory's tokenizer a Hugging Face one (the dense one stays the
+    # built-in character tokenizer, as for any publication of the built-in model): both paths run without torch
+    config = Path(dirs["moe"]) / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("={% endif %}", ">{% endif %}"))
+    return dirs
 
 
 def test_the_orchestrator_process_does_not_import_torch(tmp_path, model_dirs):
@@ -120,12 +125,17 @@ def test_the_orchestrator_process_does_not_import_torch(tmp_path, model_dirs):
     assert proc.returncode == 0, proc.stderr[-3000:]
     verdict = json.loads(proc.stdout.strip().splitlines()[-1])
     assert verdict["torch_after"] is None, f"torch was imported by {verdict['torch_after']}"
-    from engines.models.tokenizer import HFTokenizer
+    from config.model import ModelConfig
+    from engines.models import modeldir
+    from engines.models.tokenizer import CharTokenizer
 
+    kinds = []
     for (_, overrides, _), seen in zip(cases, verdict["tokenized"], strict=True):
         if overrides:  # the same tokenizer with torch loaded (this process)
-            tok = HFTokenizer(dict(overrides)["model.path"])
+            tok = modeldir.load_tokenizer(modeldir.resolve(ModelConfig(path=dict(overrides)["model.path"])))
+            kinds.append(isinstance(tok, CharTokenizer))
             assert seen["prompt"] == tok.render_prompt("abc")
             chat = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]
             assert seen["chat"] == tok.render_messages([*chat, {"role": "user", "content": "c"}])
             assert seen["decoded"] == tok.decode(tok.encode("hello<eos>"), skip_special=False)
+    assert kinds == [True, False]

@@ -42,10 +42,14 @@ def test_a_live_lease_is_refused_and_an_expired_or_dead_one_is_taken(tmp_path):
     lease = runstate.acquire(fs, root, ttl_s=30, settle_s=0)
     with pytest.raises(runstate.LeaseHeld, match="already being run"):
         runstate.acquire(fs, root, ttl_s=30, settle_s=0)
-    lease.expires_at = time.time() - 1
+    # Expired, but its process (this one) lives: hung, or the clock stepped. Taken only after watching it go
+    # unrenewed for its TTL.
+    lease.expires_at, lease.ttl_s = time.time() - 1, 0.5
     (tmp_path / "lease.json").write_text(json.dumps(lease.__dict__))
-    taken = runstate.acquire(fs, root, ttl_s=30, settle_s=0)  # expired
-    assert taken.owner != lease.owner
+    t0 = time.monotonic()
+    taken = runstate.acquire(fs, root, ttl_s=30, settle_s=0)
+    assert 0.5 <= time.monotonic() - t0 < 3
+    assert taken.owner != lease.owner and taken.generation == lease.generation + 1
     assert not runstate.renew(fs, root, lease, 30)  # the old holder cannot renew someone else's lease
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

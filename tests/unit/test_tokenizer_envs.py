@@ -158,3 +158,21 @@ def test_instruct_style_prompts_and_reward():
     tag = build(EnvSpec(name="reverse-text", min_chars=4, max_chars=4, prompt="tag"), default_style="instruct")
     assert tag.sample(random.Random(0)).prompt == f"rev:{payload}"  # same draw, explicit style wins
     assert tag.reward(t, f" {t.answer}") < 1.0  # the tag style scores the text as generated
+
+
+def test_a_publication_of_the_built_in_model_keeps_its_tag_prompts(tmp_path):
+    """A run that starts from a built-in model's publication (`model.path = weights/step=N`) must see the prompts
+    it was trained on: the char tokenizer's `tag` style, not the `instruct` style of other model directories."""
+    from config.model import ModelConfig
+    from engines.models import modeldir
+
+    TOK.save_pretrained(tmp_path / "pub")
+    loaded = modeldir.load_tokenizer(modeldir.ModelSource(ModelConfig(), "custom", tmp_path / "pub", {}))
+    assert isinstance(loaded, CharTokenizer) and loaded.prompt_style == "tag"
+
+    other = tmp_path / "other"  # the same files with another chat template: a directory's own tokenizer
+    TOK.save_pretrained(other)
+    config = (other / "tokenizer_config.json").read_text().replace("={% endif %}", "=>{% endif %}")
+    (other / "tokenizer_config.json").write_text(config)
+    hf = modeldir.load_tokenizer(modeldir.ModelSource(ModelConfig(), "custom", other, {}))
+    assert not isinstance(hf, CharTokenizer) and hf.prompt_style == "instruct"

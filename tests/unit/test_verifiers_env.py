@@ -28,14 +28,14 @@ def test_verifiers_env_loads_as_a_plugin_and_samples_its_taskset(vf_path):
     plugins.check([spec], ["profile.toml"], "tag")
     env = plugins.build(spec)
     task = env.sample(random.Random(0))
-    assert len(env.tasks) == 5 and task.prompt == env.tasks[task.index].data.prompt
+    assert env.tasks.size() == 5 and task.prompt == env.tasks[task.index].data.prompt
     assert task.prompt.startswith("get:")
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ({"env": "vf_tools:value"}, "the factory raised TypeError"),  # needs arguments it is not given
+        ({"env": "vf_tools:value"}, "args.env 'vf_tools:value' raised TypeError"),  # needs arguments it is not given
         ({"env": "vf_tools:parse_calls", "env_args": {"text": "x"}}, "not a verifiers.v1.Env"),
         ({"env": "vf_nowhere:load_environment"}, "cannot import module 'vf_nowhere'"),
         ({"env": "vf_copy:load_environment", "tool_parser": "vf_tools:TOOLS"}, "is not callable"),

@@ -34,7 +34,7 @@ from config.inference import InferenceConfig
 from config.redact import MissingReference, resolve_env
 from config.vllm import DisaggregatedDeployment, MultiNodeDeployment
 from launch import vllm as vllm_launch
-from storage.fs import check_name, not_private
+from storage.fs import check_name, not_private, step_number
 
 log = logging.getLogger("rollflow.inference.vllm")
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: inference.vllm.python is relative to it
@@ -90,7 +90,8 @@ def materialize(fs, root: str, version: int, cache: Path) -> Path:
     save_file(weights.load(fs, directory), str(tmp / weights.WEIGHTS_FILE), metadata={"format": "pt"})
     _record(tmp, manifest)
     tmp.rename(dest)
-    for old in sorted(cache.glob("step=*"), key=lambda p: int(p.name.split("=")[1]))[:-KEEP_MATERIALIZED]:
+    numbered = [(n, p) for p in cache.glob("step=*") if (n := step_number(p.name, str(cache))) is not None]
+    for _, old in sorted(numbered)[:-KEEP_MATERIALIZED]:
         shutil.rmtree(old, ignore_errors=True)
     return dest
 
