@@ -3,7 +3,7 @@ shaping (config/advantage.py)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -21,6 +21,12 @@ class OrchestratorConfig(Strict):
     requests_in_flight: int = Field(16, gt=0, description="concurrent group requests to inference")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="the advantage estimator")
     overlong: OverlongConfig = Field(default_factory=OverlongConfig, description="DAPO soft overlong punishment")
+    max_inflight_groups: int = Field(
+        0, ge=0, description="groups kept in flight across steps (long-horizon episodes); 0 = batch_size"
+    )
+    stale_turns: Literal["mask", "drop"] = Field(
+        "mask", description="an episode whose oldest turn is over max_off_policy_steps: mask those turns, or drop it"
+    )
     poll_interval_s: float = Field(0.05, gt=0)
     inference_timeout_s: float = Field(120.0, gt=0, description="how long to wait for the engine's /health")
 
@@ -28,6 +34,19 @@ class OrchestratorConfig(Strict):
     @classmethod
     def _legacy_normalize(cls, data: Any) -> Any:
         return with_legacy_normalize(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _pool_fills_a_batch(self) -> OrchestratorConfig:
+        if 0 < self.max_inflight_groups < self.batch_size:
+            raise ValueError(
+                f"orchestrator.max_inflight_groups={self.max_inflight_groups} is less than "
+                f"orchestrator.batch_size={self.batch_size}: set it to 0 (= batch_size) or at least {self.batch_size}"
+            )
+        return self
+
+    @property
+    def inflight_groups(self) -> int:
+        return self.max_inflight_groups or self.batch_size
 
     @model_validator(mode="after")
     def _overlong_buffer_fits(self) -> OrchestratorConfig:

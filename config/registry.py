@@ -31,6 +31,7 @@ ENVIRONMENTS: dict[str, str] = {
     "sort-letters": "engines.environments.base:sort_letters",
     "reasoning-gym": "engines.environments.rgym:load",
     "tool-lookup": "engines.environments.tools:tool_lookup",  # multi-turn (engines/environments/episodes.py)
+    "long-hop": "engines.environments.longhop:long_hop",  # multi-turn, 20+ turns (long-horizon episodes)
     "verifiers": "engines.environments.verifiers_env:verifiers",  # verifiers (v1) environments (docs/environments.md)
     "openenv": "engines.environments.openenv_env:openenv",  # OpenEnv servers, run locally (docs/environments.md)
 }

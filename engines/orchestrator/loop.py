@@ -4,8 +4,8 @@ Per step N not yet committed: wait until the engine serves a policy no older tha
 prompts (a pure function of seed and step), request `group_size` samples each over HTTP, score them,
 shape the rewards (DAPO overlong punishment, engines/orchestrator/overlong.py) and compute the step's advantages
 once every group is in (here, for every environment kind: environments return scored rows; each env's groups by
-its configured estimator, engines/orchestrator/estimators.py), drop samples older than `max_off_policy_steps`,
-and commit
+its configured estimator, engines/orchestrator/estimators.py), apply the staleness rule (drop samples older than
+`max_off_policy_steps`; mask an episode's stale turns, engines/orchestrator/admission.py), and commit
 `rollouts/step=N/`. A background task follows `weights/` and pushes each new publication to the engine
 while generation runs, so one rollout may span two policy versions. Requests and responses are the
 inference API's own types (engines/protocol.py); each sample becomes a typed `RolloutRow`, carrying
@@ -14,7 +14,10 @@ inference.enable_return_routed_experts (MoE).
 Multi-turn environments run `group_size` episodes per prompt instead (engines/orchestrator/multiturn.py),
 and an environment that runs its own episodes (verifiers) samples through the same `EpisodeGroup`;
 a step's episodes are committed together with its other samples, so an episode is in the lake whole or not
-at all.
+at all. Groups run in a pool (engines/orchestrator/pool.py): with orchestrator.max_inflight_groups above batch_size
+a step takes the first groups to finish and the others carry over, mid-episode, to later steps, and the
+staleness rule (engines/orchestrator/admission.py) masks or drops the turns of a taken episode that outlived
+max_off_policy_steps; without, every step waits for its own groups, as a batch.
 Every request names its session in the configured session header (inference.router.session_header,
 `X-Session-ID` by default; one session per group, one per episode for multi-turn environments), which keeps
 a session's turns on the replica that holds its KV cache.
@@ -41,10 +44,12 @@ from engines.environments.base import EnvironmentRefused, EnvMix, Task
 from engines.environments.episodes import GroupEnvironment, MultiTurnEnvironment, is_multi_turn
 from engines.heartbeat import heartbeat
 from engines.models import modeldir
+from engines.orchestrator.admission import admit
 from engines.orchestrator.estimators import StepEstimators
 from engines.orchestrator.multiturn import EpisodeGroup, post_completion, truncation
 from engines.orchestrator.online_eval import OnlineEval
 from engines.orchestrator.overlong import shaped_rewards
+from engines.orchestrator.pool import GroupPool
 from engines.orchestrator.teacher import Teacher, check_tokenizer
 from engines.protocol import (
     ADMIN_TOKEN_ENV,
@@ -58,8 +63,8 @@ from engines.protocol import (
 )
 from engines.seeds import derive_seed
 from storage import rollouts, weights
-from storage.fs import Storage
-from storage.rollouts import RolloutRow, staleness
+from storage.fs import Storage, read_manifest
+from storage.rollouts import RolloutRow
 
 log = logging.getLogger("rollflow.orchestrator")
 
@@ -185,6 +190,7 @@ class Orchestrator:
             client, self.limit, self.tok, self.ocfg, cfg.seed, cfg.model.max_seq_len, cfg.session_header
         )
         self.estimators = StepEstimators(self.ocfg.advantage, cfg.envs)
+        self.pool = GroupPool(self.group, self.ocfg.inflight_groups, self.ocfg.batch_size)
 
     def set_advantages(self, groups: list[list[RolloutRow]]) -> dict[str, int]:
         """Every row's advantage from its group's (shaped) rewards, by its env's estimator, for the whole step;
@@ -258,30 +264,45 @@ class Orchestrator:
         with heartbeat().waiting_on("trainer", f"waiting for policy version {version}"):
             waited = await self.sync.wait_for(version)
         t0 = time.perf_counter()
+        bound, mode = self.cfg.max_off_policy_steps, self.ocfg.stale_turns
         with heartbeat().waiting_on("inference", f"generating step {step}"):
-            groups = await asyncio.gather(*(self.group(step, g) for g in range(self.ocfg.batch_size)))
+            dispatched = self.pool.top_up(step)
+            taken = await self.pool.take(step, lambda rows: bool(admit(rows, step, bound, mode)[0]))
         gen_s = time.perf_counter() - t0
-        counts: dict = self.set_advantages(list(groups))  # before the staleness filter: over whole groups
+        # a group carried over from an earlier step is consumed by this one
+        groups = [
+            [r.model_copy(update={"step": step}) if r.step != step else r for r in g] for g in taken.groups.values()
+        ]
+        counts: dict = self.set_advantages(groups)  # before the staleness rule: over whole groups
         rows = [row for grp in groups for row in grp]
         if self.teacher is not None:
             counts["teacher_kl"] = self.teacher.set_advantages(rows)
-        kept = [r for r in rows if staleness(step, r.policy_version) <= self.cfg.max_off_policy_steps]
+        kept, admission = admit(rows, step, bound, mode)
         if not kept:
             raise RuntimeError(f"step {step}: every sample exceeded max_off_policy_steps; nothing to commit")
         versions = Counter(r.policy_version for r in kept)
-        meta = {"gen_s": gen_s, "wait_s": waited, "dropped": len(rows) - len(kept), "versions": dict(versions)}
-        meta |= counts
+        meta = {"gen_s": gen_s, "wait_s": waited, "versions": dict(versions)} | admission.meta() | counts
+        if self.ocfg.inflight_groups > self.ocfg.batch_size:  # what a resume needs (engines/orchestrator/pool.py)
+            meta |= {"groups": list(taken.groups), "dispatched": dispatched + taken.dispatched}
+            meta |= {"aged_out": taken.aged_out, "inflight": self.pool.inflight()}
         await asyncio.to_thread(rollouts.write_step, self.fs, self.root, step, rollouts.to_table(kept), meta)
         heartbeat().advance(f"committed step {step}")
         reward = sum(r.reward for r in kept) / len(kept)
         log.info(
-            f"step {step}/{self.cfg.max_steps}: {len(kept)} samples (dropped {meta['dropped']}), "
-            f"reward {reward:.3f}, "
+            f"step {step}/{self.cfg.max_steps}: {len(kept)} samples (dropped {meta['dropped']}, "
+            f"turns masked {admission.masked_turns}), reward {reward:.3f}, "
             + (f"teacher_kl {counts['teacher_kl']:.4f}, " if counts.get("teacher_kl") is not None else "")
             + f"zero-advantage groups {counts['zero_advantage_groups']}/{len(groups)}, "
             f"policy versions {dict(sorted(versions.items()))}, "
             f"gen {gen_s:.2f}s, waited {waited:.2f}s"
         )
+
+    def restore_pool(self) -> None:
+        """Re-dispatch the groups the last committed step left in flight (none without carry-over)."""
+        done = rollouts.committed_rollout_steps(self.fs, self.root)
+        if done and self.ocfg.inflight_groups > self.ocfg.batch_size:
+            manifest = read_manifest(self.fs, rollouts.step_path(self.root, done[-1]))
+            self.pool.restore(manifest.get("inflight", []))
 
     def pending_steps(self) -> list[int]:
         """Steps not yet committed, in order; after a resume this includes any step removed as corrupt."""
@@ -312,6 +333,7 @@ async def _run(cfg: OrchestratorProcessConfig, token: str) -> None:
         online.start()  # eval.interval > 0: held-out evaluations alongside the rollouts (online_eval.py)
         sync.start()  # after online.start() has set its first hold
         try:
+            orch.restore_pool()
             for step in orch.pending_steps():
                 if sync.follower.done():
                     sync.follower.result()  # surfaces the follower's error
@@ -320,6 +342,7 @@ async def _run(cfg: OrchestratorProcessConfig, token: str) -> None:
             with heartbeat().waiting_on("inference", "finishing the online evaluation"):
                 await online.finish()
         finally:
+            await orch.pool.cancel()  # groups still running after the last step are never committed
             online.cancel()
             sync.follower.cancel()
             for env in orch.mix.envs.values():

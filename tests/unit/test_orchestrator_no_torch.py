@@ -28,7 +28,7 @@ def check(where):
 
 import engines.orchestrator.loop
 check("import engines.orchestrator.loop")
-for name in ("base", "episodes", "plugins", "tools", "rgym", "verifiers_env", "verifiers_client"):
+for name in ("base", "episodes", "plugins", "tools", "longhop", "rgym", "verifiers_env", "verifiers_client"):
     __import__(f"engines.environments.{name}")
     check(f"import engines.environments.{name}")
 engines.orchestrator.loop.forbid_torch()  # as main() does: from here on, `import torch` fails
