@@ -23,7 +23,8 @@ from config.transport import WeightBroadcastConfig
 from config.vllm import SESSION_HEADER
 
 # A component's exit code for input it refuses (an SFT dataset with a bad row): a restart would fail the same way.
-EXIT_REFUSED = 3
+# sysexits' EX_CONFIG: small codes are taken (uvicorn exits 3 when its port is in use, which a restart can fix).
+EXIT_REFUSED = 78
 
 
 class ComponentPaths(Strict):
