@@ -66,11 +66,11 @@ class GroupPool:
         for gid in inflight:
             self.dispatch(*parse_group_id(gid))
 
-    def top_up(self, step: int) -> list[str]:
+    def top_up(self, step: int, taken: int = 0) -> list[str]:
         """Dispatch step `step`'s new groups, numbered on from those it dispatched already, until `size` are
-        in flight; their ids."""
+        in flight or already taken by the step; their ids."""
         first = self.numbered.get(step, 0)
-        self.numbered[step] = first + max(0, self.size - len(self.running))
+        self.numbered[step] = first + max(0, self.size - taken - len(self.running))
         return [self.dispatch(step, g) for g in range(first, self.numbered[step])]
 
     async def take(self, step: int, usable: Usable) -> Taken:
@@ -87,8 +87,8 @@ class GroupPool:
                     taken[gid] = rows
                 else:
                     aged.append(gid)
-            if len(taken) < self.batch:
-                dispatched += self.top_up(step)
+            if len(taken) < self.batch:  # replaces aged-out groups only: a taken one is not sampled again
+                dispatched += self.top_up(step, len(taken))
                 await asyncio.wait([t for t in self.running.values()], return_when=asyncio.FIRST_COMPLETED)
         return Taken({gid: taken[gid] for gid in sorted(taken)}, aged, dispatched)
 

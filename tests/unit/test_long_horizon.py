@@ -127,6 +127,29 @@ def test_pool_takes_the_first_groups_to_finish_and_carries_the_rest():
     asyncio.run(scenario())
 
 
+def test_a_pool_of_one_batch_samples_each_step_only_for_that_step():
+    """Without carry-over (size == batch) a step dispatches exactly its batch and leaves nothing running: a group
+    taken is not replaced, so no group of the next step is sampled with this step's policy (async_level 0 stays
+    on-policy)."""
+
+    async def scenario() -> None:
+        finish: dict[tuple[int, int], asyncio.Event] = {}
+        pool = _pool(finish, size=2, batch=2)
+        assert pool.top_up(1) == ["s000001-g0000", "s000001-g0001"]
+        await asyncio.sleep(0)
+        finish[(1, 0)].set()
+        take = asyncio.ensure_future(pool.take(1, _ok))
+        await asyncio.sleep(0.05)
+        assert not take.done() and pool.inflight() == ["s000001-g0001"]  # the taken group was not replaced
+        finish[(1, 1)].set()
+        taken = await asyncio.wait_for(take, 5)
+        assert list(taken.groups) == ["s000001-g0000", "s000001-g0001"] and taken.dispatched == []
+        assert pool.inflight() == []
+        await pool.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_pool_ages_out_groups_the_rule_would_drop_whole_and_replaces_them():
     async def scenario() -> None:
         finish: dict[tuple[int, int], asyncio.Event] = {}
