@@ -7,7 +7,7 @@ from config.eval import EvalConfig
 from config.inference import InferenceConfig
 from config.orchestrator import OrchestratorConfig
 from config.registry import STRING_TASKS
-from config.run import resolve_seed_keys
+from config.run import RestartConfig, resolve_seed_keys
 from config.sft import SFTConfig
 from config.teacher import TeacherConfig
 from config.trainer import TrainerConfig
@@ -54,6 +54,7 @@ def _current_keys(config: dict) -> dict:
             ("sft", SFTConfig),
             ("eval", EvalConfig),
             ("inference", InferenceConfig),
+            ("restart", RestartConfig),
         ):
             if isinstance(config.get(name), dict):
                 config = {**config, name: model.model_validate(config[name]).model_dump(mode="json")}

@@ -20,6 +20,7 @@ from config.run import RunConfig
 from config.sft import SFTConfig
 from config.teacher import TeacherConfig
 from config.trainer import TrainerConfig
+from config.trainer_parallel import TrainerParallelConfig
 from launch import vllm as vllm_launch
 from rollflow.cli import main
 from runtime.rundir import RunDirError, check_resumable, stored_config, write_run_config
@@ -228,12 +229,15 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
             }
             section["overlong"] = {"buffer": 0, "penalty": 1.0}
             section.update(top_p=1.0, top_k=0)  # no truncation, as before they were settings
+            section.update(max_inflight_groups=0, stale_turns="mask")  # no carry-over: each step's own groups
         if "trainer" in stored:  # the loss gained a `type` (masked_is: what it always was) and the keys beside it
             stored["trainer"] = TrainerConfig.model_validate(stored["trainer"]).model_dump(mode="json")
             assert stored["trainer"]["loss"]["type"] == "masked_is" and stored["trainer"]["mini_batches"] == 1
         if "sft" in stored:  # the warm-up's section gained the data source (the environments: what it always read)
             stored["sft"] = SFTConfig.model_validate(stored["sft"]).model_dump(mode="json")
             assert stored["sft"]["data"] == {"type": "envs"} and stored["sft"]["packing"] is False
+        if name == "sft":  # the bound on the warm-up's collectives came later: its default
+            stored["parallel"] = {**stored["parallel"], "timeout_s": TrainerParallelConfig().timeout_s}
         if "inference" in stored:  # admission limits came later: their defaults (an unset token budget rises at load)
             stored["inference"] = {**stored["inference"], **_admission(sub)}
         assert sub.model_dump(mode="json") == {**stored, **added.get(name, {})}, name
