@@ -231,9 +231,9 @@ def test_long_episodes_survive_kills_mid_episode(tmp_path, prefect_api):
 
 @pytest.mark.long
 def test_tiny_long_profile_runs_long_episodes_across_policy_versions(tmp_path):
-    """The full profiles/tiny-long-cpu.toml: >= 90% of episodes play all 20 turns and >= 30% span two or more
-    policy versions. Its reward rise is printed, not asserted: it did not reach 0.1 in the runs recorded in
-    docs/environments.md."""
+    """The full profiles/tiny-long-cpu.toml (80 steps): >= 90% of episodes play all 20 turns, >= 30% span two or
+    more policy versions, and the reward rises by >= 0.1 from the first 5 steps to the last 5 (0.156 in the run
+    recorded in docs/environments.md)."""
     out = tmp_path / "run"
     argv = cli_argv("rl", "@", str(ROOT / "profiles/tiny-long-cpu.toml"), "--output-dir", str(out))
     proc = subprocess.run(argv, cwd=tmp_path, env=cli_env(None), capture_output=True, text=True, timeout=3600)
@@ -242,7 +242,7 @@ def test_tiny_long_profile_runs_long_episodes_across_policy_versions(tmp_path):
     turns = [len(r["turn_policy_versions"]) for r in rows]
     spanning = [len(set(r["turn_policy_versions"] + r["turn_policy_versions_end"])) >= 2 for r in rows]
     rewards = [json.loads(line)["reward_mean"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    third = len(rewards) // 3
-    print(f"20 turns {turns.count(20) / len(rows):.3f}, spanning {sum(spanning) / len(rows):.3f}, "
-          f"rise {sum(rewards[-third:]) / third - sum(rewards[:third]) / third:.3f}")  # fmt: skip
+    rise = sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5
+    print(f"20 turns {turns.count(20) / len(rows):.3f}, spanning {sum(spanning) / len(rows):.3f}, rise {rise:.3f}")
     assert turns.count(20) >= 0.9 * len(rows) and sum(spanning) >= 0.3 * len(rows)
+    assert rise >= 0.1, f"reward did not rise: {rewards}"
