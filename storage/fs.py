@@ -332,6 +332,12 @@ def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
             os.unlink(tmp)
 
 
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """`write_bytes_atomic` of a local file outside any run directory (a cache, a data folder), by path."""
+    fs, local = get_fs(str(path))
+    write_bytes_atomic(fs, local, text.encode())
+
+
 def _manifest_digest(manifest: dict) -> str:
     """The checksum of the manifest as a reader sees it: JSON turns integer keys (a step's `versions`) into
     strings, whose sorted order differs ("10" < "9"), so the digest is taken over that form."""

@@ -19,13 +19,13 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
+
+from storage.fs import write_text_atomic
 
 _DEPENDENCIES = re.compile(r"^# dependencies = (\[.*\])$", re.MULTILINE)
 
@@ -53,14 +53,6 @@ def unmet(requirements: list[str]) -> list[str]:
     return missing
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def use_local_interpreter() -> Path:
     """Prepare verifiers' chat program for its subprocess runtime on this interpreter; the script's path.
     Raises RuntimeError naming each unmet requirement (then only `uv` with an index could run it)."""
@@ -76,7 +68,7 @@ def use_local_interpreter() -> Path:
     digest = hashlib.sha256(CHAT_PROGRAM_SOURCE.encode()).hexdigest()
     path = Path(SubprocessRuntime.scripts_dir) / f"{digest}.py"  # where prepare_uv_script keys it
     if not path.is_file() or path.read_text() != CHAT_PROGRAM_SOURCE:
-        _write_atomic(path, CHAT_PROGRAM_SOURCE)
+        write_text_atomic(path, CHAT_PROGRAM_SOURCE)
     # The runtime's class-level cache of prepared scripts: an entry means "ready, run it with this".
     SubprocessRuntime._interpreters[str(path)] = sys.executable
     return path

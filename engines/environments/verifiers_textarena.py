@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.resources
-import os
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.registry import PluginError
+from storage.fs import write_text_atomic
 
 # What each game of verifiers' TextArenaConfig reads from NLTK's data (`nltk.data.find` paths).
 GAME_DATA = {
@@ -53,14 +53,6 @@ def _dictionary(name: str) -> list[str]:
     return [line.split("/")[0].strip() for line in text.splitlines()[1:] if line.strip()]
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def write_words_corpus(root: str | Path) -> Path:
     """A stand-in for NLTK's `words` corpus under `root` (an NLTK data folder), from textarena's bundled
     en_US and en_GB dictionaries: `en` every alphabetic entry of either, `en-basic` the lowercase words of
@@ -71,9 +63,9 @@ def write_words_corpus(root: str | Path) -> Path:
     lo, hi = BASIC_LENGTHS
     basic = sorted({w for w in us if w.isalpha() and w.islower() and lo <= len(w) <= hi} & set(gb))
     corpus = Path(root) / "corpora" / "words"
-    _write_atomic(corpus / "en", "\n".join(every) + "\n")
-    _write_atomic(corpus / "en-basic", "\n".join(basic) + "\n")
-    _write_atomic(corpus / "README", "Stand-in written by rollflow from textarena's bundled dictionaries.\n")
+    write_text_atomic(corpus / "en", "\n".join(every) + "\n")
+    write_text_atomic(corpus / "en-basic", "\n".join(basic) + "\n")
+    write_text_atomic(corpus / "README", "Stand-in written by rollflow from textarena's bundled dictionaries.\n")
     return corpus
 
 

@@ -81,3 +81,15 @@ def prefect_cli(api: str, *args: str, timeout: float = 180) -> str:
     proc = subprocess.run([prefect, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"prefect {' '.join(args)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
+
+
+def turn_spans(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of model tokens (1s) in a completion mask."""
+    spans, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans

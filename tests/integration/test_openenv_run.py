@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.dataset as ds
 import pytest
-from conftest import ROOT, cli_argv, cli_env, processes_mentioning
+from conftest import ROOT, cli_argv, cli_env, processes_mentioning, turn_spans
 
 from config.envs import EnvSpec
 from engines.environments import plugins
@@ -48,23 +48,11 @@ def _run(tmp_path: Path) -> tuple[Path, Path]:
     return out, record
 
 
-def _turn_spans(mask: list[int]) -> list[tuple[int, int]]:
-    """[start, end) of each run of model tokens (1s) in a completion mask."""
-    spans, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
-
-
 def _assert_turns_are_the_servers(r: dict, turns: dict) -> list[tuple[int, int]]:
     """Each run of mask-1 tokens is one model turn and equals the server's token ids byte for byte (logprobs to
     float32); the request of turn k was exactly prompt_ids + the completion before it; versions are the server's."""
     ids, lps = r["completion_ids"], r["completion_logprobs"]
-    spans = _turn_spans(r["completion_mask"])
+    spans = turn_spans(r["completion_mask"])
     assert len(spans) == len(r["turn_policy_versions"])
     for k, (a, b) in enumerate(spans):
         t = turns[(r["sample_id"], k)]

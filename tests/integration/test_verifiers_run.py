@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.dataset as ds
 import pytest
-from conftest import ROOT, cli_argv, cli_env
+from conftest import ROOT, cli_argv, cli_env, turn_spans
 
 from engines.models.tokenizer import CharTokenizer
 
@@ -37,18 +37,6 @@ def _run(tmp_path: Path, env: str, tool_parser: str | None) -> tuple[Path, Path]
     return out, record
 
 
-def _turn_spans(mask: list[int]) -> list[tuple[int, int]]:
-    """[start, end) of each run of model tokens (1s) in a completion mask."""
-    spans, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
-
-
 def _assert_exact_tokens(out: Path, record: Path) -> list[dict]:
     """Per row: each run of mask-1 tokens is one model turn and equals the server's token ids byte for byte
     (logprobs to float32), the request of turn k was exactly prompt_ids + the completion before it, mask 0
@@ -62,7 +50,7 @@ def _assert_exact_tokens(out: Path, record: Path) -> list[dict]:
     for r in rows:
         ids, mask, lps = r["completion_ids"], r["completion_mask"], r["completion_logprobs"]
         assert len(ids) == len(mask) == len(lps)
-        spans = _turn_spans(mask)
+        spans = turn_spans(mask)
         assert len(spans) == len(r["turn_policy_versions"])
         for k, (a, b) in enumerate(spans):
             t = turns[(r["sample_id"], k)]
@@ -127,7 +115,7 @@ def test_tool_calling_verifiers_env_masks_tool_tokens(tmp_path):
         assert env_text.endswith("=") and (env_text.startswith("is:") or env_text == "use lookup=")
         calls += env_text.startswith("is:")
         scores = _scores(r)
-        replies = [tok.decode(ids[a:b]) for a, b in _turn_spans(mask)]
+        replies = [tok.decode(ids[a:b]) for a, b in turn_spans(mask)]
         assert scores["metric/tool_calls"] == sum("?" in reply for reply in replies)  # vf_tools' call syntax
         assert r["reward"] == pytest.approx(scores["reward/called_key"] + scores["reward/answer"], abs=1e-5)
     assert calls > 0, "no episode called the tool"

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pyarrow.dataset as ds
 import pytest
-from conftest import ROOT, cli_argv, cli_env
+from conftest import ROOT, cli_argv, cli_env, turn_spans
 
 from config.envs import EnvSpec
 from config.model import ModelConfig
@@ -49,18 +49,6 @@ def nltk_data(tmp_path_factory) -> Path:
     return root
 
 
-def _turn_spans(mask: list[int]) -> list[tuple[int, int]]:
-    """[start, end) of each run of model tokens (1s) in a completion mask."""
-    spans, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
-
-
 def _assert_exact(rows: list[dict], record: Path) -> int:
     """Every row's model turns are the server's choices byte for byte, each turn's request was the stored
     context before it, mask 1 on exactly the model tokens; returns the number of user turns seen."""
@@ -71,7 +59,7 @@ def _assert_exact(rows: list[dict], record: Path) -> int:
     user_turns = 0
     for r in rows:
         ids, mask, lps = r["completion_ids"], r["completion_mask"], r["completion_logprobs"]
-        spans = _turn_spans(mask)
+        spans = turn_spans(mask)
         assert len(spans) == len(r["turn_policy_versions"]) >= 1
         for k, (a, b) in enumerate(spans):
             choice = turns[(r["sample_id"], k)]["choice"]
@@ -110,7 +98,7 @@ def test_textarena_group_is_token_exact_through_the_server(tmp_path, nltk_data):
     with serving(str(tmp_path), model_cfg) as http:
         (row,) = asyncio.run(_run_group(str(http.base_url), record, nltk_data, group_size=1, max_turns=2))
     assert _assert_exact([row], record) == 1  # two model turns, the game's answer between them
-    (_, b), (c, _) = _turn_spans(row["completion_mask"])
+    (_, b), (c, _) = turn_spans(row["completion_mask"])
     user = CharTokenizer().decode(row["completion_ids"][b:c], skip_special=False)
     assert user.endswith("=") and ("guess" in user or "invalid move" in user)  # textarena's feedback
     scores = dict(zip(row["metric_names"], row["metric_values"], strict=True))
