@@ -47,7 +47,7 @@ run: install
 
 # The CI suite: everything but the `long` marker (learning curves and soaks; `make test-long`).
 test: install
-	$(BIN)/python -m pytest -q -m "not long" tests
+	$(BIN)/python -m pytest -q --durations=30 -m "not long" tests
 
 test-long: install
 	$(BIN)/python -m pytest -q -m long tests

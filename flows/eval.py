@@ -7,7 +7,9 @@ Flow (this process)                                   subprocess task
                                                           (the profile's backend; serves publication --step of
                                                           --run, or --model's own weights as version 0)
   wait for /health, then the evaluation over HTTP (engines/orchestrator/evaluation.py), a progress bar on stderr,
-  chunks committed as they finish, the summary last
+  chunks committed as they finish, the summary last; a server that stops making progress (its heartbeats, the
+  stall watch of runtime/stall.py) or exits is stopped and restarted (`restart.max_restarts` times), and the
+  evaluation goes on from its committed chunks
   stop the server; MLflow run `eval-<name>` (params: the spec; metrics at the evaluated version); the
   `eval-<name>` markdown artifact
 """
@@ -15,10 +17,14 @@ Flow (this process)                                   subprocess task
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import sys
 import threading
 import time
+from collections.abc import Coroutine
+from concurrent.futures import CancelledError
+from typing import Any
 
 import httpx
 from prefect import flow, get_run_logger
@@ -27,11 +33,14 @@ from prefect.artifacts import create_markdown_artifact
 from config.eval import EvalTarget
 from config.process import ComponentPaths, InferenceProcessConfig
 from config.run import RunConfig
+from config.stall import HEARTBEAT_ENV
 from config.tracking import resolve_tracking_uri
 from engines.environments.base import EnvMix
 from engines.models import modeldir
 from engines.orchestrator.evaluation import Evaluator, spec_for
+from runtime.process import ComponentFailed
 from runtime.rundir import free_port
+from runtime.stall import StallWatch
 from runtime.tracking import end_mlflow_run, start_mlflow_run
 from storage import evals
 from storage.fs import CONFIG_STORAGE_ENV, Storage, is_local, join, write_json
@@ -70,6 +79,29 @@ async def _healthy(client: httpx.AsyncClient, server, timeout_s: float) -> None:
     raise TimeoutError(f"inference server at {client.base_url} not healthy after {timeout_s}s")
 
 
+def _ended(server, within_s: float) -> bool:
+    """Whether the server's task ends within `within_s`."""
+    with contextlib.suppress(TimeoutError, CancelledError):
+        server.wrapped_future.exception(timeout=within_s)
+    return server.wrapped_future.done()
+
+
+async def _watched(work: Coroutine[Any, Any, dict], server, settle_s: float = 30.0) -> dict:
+    """`work`, cancelled as soon as the server's task ends (stuck, failed, or exited on its own). A request that
+    could not reach the server is explained by the server's end when it ends within `settle_s`: the flow stops
+    a stuck server before its task reports why."""
+    task = asyncio.ensure_future(work)
+    while not (await asyncio.wait({task}, timeout=0.5))[0]:
+        if server.wrapped_future.done():
+            task.cancel()
+            break
+    unreachable = not task.cancelled() and isinstance(task.exception(), httpx.TransportError)
+    if task.cancelled() or (unreachable and await asyncio.to_thread(_ended, server, settle_s)):
+        server.result()  # raises the component's failure, ComponentStalled for a stuck server
+        raise ComponentFailed("the inference server exited during the evaluation", 0)
+    return task.result()
+
+
 async def _run(cfg: RunConfig, t: EvalTarget, spec: dict, fs, directory: str, icfg, server) -> dict:
     from tqdm import tqdm
 
@@ -83,22 +115,37 @@ async def _run(cfg: RunConfig, t: EvalTarget, spec: dict, fs, directory: str, ic
         with tqdm(total=total, desc=f"eval {t.name}", unit="task", file=sys.stderr) as bar:
             header = cfg.inference.vllm.router.session_header
             evaluator = Evaluator(client, limit, tok, envs, spec, fs, directory, header, bar.update)
-            return await evaluator.run()
+            return await _watched(evaluator.run(), server)
 
 
-def _evaluate(cfg: RunConfig, t: EvalTarget, spec: dict, fs, directory: str) -> dict:
+def _evaluate_once(cfg: RunConfig, t: EvalTarget, spec: dict, fs, directory: str) -> dict:
     """Start the server, evaluate, stop the server (also when the evaluation fails)."""
     config_url, icfg = _inference_config(cfg, t, fs, directory)
     logs = join(directory, "_logs") if is_local(fs) else f"rollflow-logs/eval-{t.name}"
     env = {CONFIG_STORAGE_ENV: cfg.storage.model_dump_json()}
+    stall = StallWatch(cfg.restart.stall) if cfg.restart.stall.enabled else None
+    if stall is not None:
+        env[HEARTBEAT_ENV] = str(cfg.restart.stall.heartbeat_s)
     stop = threading.Event()
     log = join(logs, "inference.log")
-    server = run_component.submit("inference", "engines.inference", config_url, env, log, stop)
+    server = run_component.submit("inference", "engines.inference", config_url, env, log, stop, stall=stall)
     try:
         return asyncio.run(_run(cfg, t, spec, fs, directory, icfg, server))
     finally:
         stop.set()
         server.wait()
+
+
+def _evaluate(cfg: RunConfig, t: EvalTarget, spec: dict, fs, directory: str, logger) -> dict:
+    """`_evaluate_once`, again from the committed chunks after a stuck or failed server."""
+    for attempt in range(1, cfg.restart.max_restarts + 2):
+        try:
+            return _evaluate_once(cfg, t, spec, fs, directory)
+        except ComponentFailed as e:  # ComponentStalled too
+            if attempt > cfg.restart.max_restarts:
+                raise
+            logger.warning(f"restart {attempt}/{cfg.restart.max_restarts} of the evaluation's server: {e}")
+    raise AssertionError("unreachable")
 
 
 def _log_mlflow(cfg: RunConfig, t: EvalTarget, directory: str, summary: dict, logger) -> str | None:
@@ -147,7 +194,7 @@ def evaluate(config: dict, target: dict) -> dict:
         summary = evals.read_summary(fs, directory) or {}
         mlflow_run = None
     else:
-        summary = _evaluate(cfg, t, spec, fs, directory)
+        summary = _evaluate(cfg, t, spec, fs, directory, logger)
         mlflow_run = _log_mlflow(cfg, t, directory, summary, logger)
     key = "eval-" + re.sub(r"[^a-z0-9-]+", "-", t.name.lower())
     create_markdown_artifact(to_markdown(t.name, summary), key=key, description=f"rollflow eval {t.name}")

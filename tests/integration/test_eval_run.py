@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
-from conftest import TINY, cli_argv, cli_env, start_cli
+from conftest import TINY, cli_argv, cli_env, descendants, start_cli
 
 from engines.orchestrator.evaluation import task_seed
 from tests.eval_fixture import make_run
@@ -105,3 +105,43 @@ def test_a_killed_evaluation_resumes_to_the_uninterrupted_result(tmp_path, prefe
     assert _rows(directory) == _rows(run / "evals" / "full")
     summaries = [json.loads((run / "evals" / n / "_summary.json").read_text()) for n in ("full", "killed")]
     assert summaries[0] == summaries[1]
+
+
+def _server_pid(cli_pid: int) -> int:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for pid in descendants(cli_pid):
+            try:
+                if b"_inference.json" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return pid
+            except OSError:
+                continue
+        time.sleep(0.05)
+    raise AssertionError("no inference server under the eval")
+
+
+@pytest.mark.long
+def test_a_stopped_evaluation_server_is_restarted_and_the_result_is_unchanged(tmp_path, prefect_api):
+    """SIGSTOP of the eval's inference server: the stall watch stops it (no heartbeat for its timeout), a new one
+    serves the remaining chunks, and the rows equal an uninterrupted evaluation's."""
+    run = make_run(tmp_path / "run")
+    slow = ("--eval.requests-in-flight", "1", "--eval.num-tasks", "12")
+    stall = ("--restart.stall.inference-s", "5", "--restart.stall.heartbeat-s", "0.5")
+    full = subprocess.run(
+        cli_argv(*_argv(run, *slow, "--eval.name", "full")), cwd=tmp_path,
+        env=cli_env(prefect_api), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert full.returncode == 0, full.stderr[-3000:]
+    log = tmp_path / "stopped.log"
+    proc = start_cli(tmp_path, log, prefect_api, *_argv(run, *slow, *stall, "--eval.name", "stopped"))
+    try:
+        _wait_for_chunks(run / "evals" / "stopped", proc, 2)
+        stopped = _server_pid(proc.pid)
+        os.kill(stopped, signal.SIGSTOP)
+        assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert "inference is stuck: " in text and "restart 1/" in text, text[-3000:]
+    assert _rows(run / "evals" / "stopped") == _rows(run / "evals" / "full")
