@@ -61,7 +61,8 @@ lint: install
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-# Runs every benchmark against its baseline (tests/bench/) and rewrites docs/benchmarks.md (~6-7 min on 2 cores).
+# Runs every benchmark against its baseline (tests/bench/) and rewrites docs/benchmarks.md (about 40 min on 2 cores,
+# last measured 2026-11; a failing benchmark fails the command and leaves the page, see docs/benchmarks.failed.md).
 bench: install
 	ROLLFLOW_BENCH_COMMAND="make bench" $(BIN)/python -m tests.bench
 

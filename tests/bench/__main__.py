@@ -1,7 +1,9 @@
 """`python -m tests.bench [NAME ...] [--out PATH] [--quick]`: run the benchmarks, rewrite docs/benchmarks.md.
 
 Each benchmark module has `TITLE` and `run(workspace) -> markdown`. The hand-written part of the page
-(everything from ANALYSIS_MARKER on) is kept as it is; the generated part above it is replaced.
+(everything from ANALYSIS_MARKER on) is kept as it is; the generated part above it is replaced. A benchmark
+that fails makes the command fail (exit 1) and leaves the page as it was: the page it would have written,
+failures included, goes next to it as `<page>.failed.md`.
 tests/bench/storage.py, when present, runs as its own process (`python -m tests.bench.storage`) and its
 markdown output becomes a section.
 """
@@ -38,6 +40,9 @@ ANALYSIS_MARKER = "<!-- hand-written below: kept by `make bench` -->"
 DEFAULT_ANALYSIS = f"{ANALYSIS_MARKER}\n\n## Analysis\n\n(not written yet)\n"
 
 
+FAILED = "**Failed"
+
+
 def run_module(name: str, ws: harness.Workspace) -> tuple[str, str, float]:
     """(title, markdown, seconds); a failing benchmark reports its error instead of sinking the rest."""
     t0 = time.perf_counter()
@@ -47,7 +52,7 @@ def run_module(name: str, ws: harness.Workspace) -> tuple[str, str, float]:
         title = module.TITLE
         body = module.run(ws)
     except Exception:
-        body = "**Failed:**\n\n```text\n" + traceback.format_exc()[-3000:] + "```"
+        body = FAILED + ":**\n\n```text\n" + traceback.format_exc()[-3000:] + "```"
     return title, body, time.perf_counter() - t0
 
 
@@ -59,7 +64,7 @@ def run_storage() -> tuple[str, str, float] | None:
     proc = subprocess.run([sys.executable, "-m", STORAGE_MODULE], capture_output=True, text=True, cwd=harness.ROOT)
     # its own "## " sections become subsections of this page's storage section
     lines = [("#" + line if line.startswith("#") else line) for line in proc.stdout.strip().splitlines()]
-    body = "\n".join(lines) if proc.returncode == 0 else f"**Failed** (exit {proc.returncode}):\n\n```text\n"
+    body = "\n".join(lines) if proc.returncode == 0 else f"{FAILED}** (exit {proc.returncode}):\n\n```text\n"
     if proc.returncode != 0:
         body += (proc.stdout + proc.stderr)[-3000:] + "\n```"
     return "Storage (tests/bench/storage.py)", body, time.perf_counter() - t0
@@ -83,7 +88,8 @@ def render(sections: list[tuple[str, str, float]], command: str, total_s: float,
         "`median (min-max)` over repeats, because these machines are shared and noisy: absolute times are",
         "rough on CPU and only mean something on a GPU. **GPU figures were not measured** (no GPU here).",
         "",
-        f"Command: `{command}` ({total_s / 60:.1f} min, finished {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+        f"Command: `{command}` at commit {harness.commit()} ({total_s / 60:.1f} min, finished "
+        + time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         + (", quick mode: 1 repeat, 3 steps" if harness.QUICK else "")
         + ").",
         "",
@@ -121,7 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.names and (storage := run_storage()):
         sections.append(storage)
     out = Path(args.out)
-    out.write_text(render(sections, command, time.perf_counter() - t0, kept_analysis(out)))
+    page = render(sections, command, time.perf_counter() - t0, kept_analysis(out))
+    if failed := [title for title, body, _ in sections if body.startswith(FAILED)]:
+        out.with_suffix(".failed.md").write_text(page)
+        print(f"[bench] FAILED: {failed}; {out} left as it was, see {out.with_suffix('.failed.md')}", flush=True)
+        return 1
+    out.write_text(page)
     print(f"[bench] wrote {out} in {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
     return 0
 

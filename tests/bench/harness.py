@@ -127,6 +127,18 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def commit() -> str:
+    """The checkout's commit, `+changes` when the work tree differs from it."""
+    git = ["git", "-C", str(ROOT)]
+    try:
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return (head.stdout.strip() or "unknown") + (" +changes" if dirty.stdout.strip() else "")
+
+
 def machine() -> dict[str, str]:
     import torch
 

@@ -3,10 +3,13 @@ and the page generator keeps the hand-written analysis. (`make bench` runs the f
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
+from tests.bench import __main__ as bench_main
 from tests.bench import harness, scaling
 from tests.bench.__main__ import ANALYSIS_MARKER, kept_analysis, render
 
@@ -42,3 +45,31 @@ def test_page_without_analysis_gets_a_placeholder(tmp_path: Path, missing: bool)
     if not missing:
         page.write_text("no marker here\n")
     assert kept_analysis(page).startswith(ANALYSIS_MARKER)
+
+
+def _fake_benchmark(monkeypatch, name: str, run) -> None:
+    module = types.ModuleType(f"tests.bench.fake_{name}")
+    module.TITLE, module.run = f"Fake {name}", run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(bench_main.MODULES, name, module.__name__)
+
+
+def _broken(ws):
+    raise RuntimeError("this benchmark broke")
+
+
+@pytest.mark.parametrize("broken", [True, False])
+def test_a_failing_benchmark_fails_the_command_and_leaves_the_page(monkeypatch, tmp_path: Path, broken: bool):
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"old page\n\n{ANALYSIS_MARKER}\n\nkept\n")
+    _fake_benchmark(monkeypatch, "fine", lambda ws: "| a |\n|---|\n| 1 |")
+    _fake_benchmark(monkeypatch, "broken", _broken if broken else (lambda ws: "fine too"))
+    rc = bench_main.main(["fine", "broken", "--out", str(page)])
+    failed = page.with_suffix(".failed.md")
+    if broken:
+        assert rc == 1 and page.read_text().startswith("old page")
+        assert "this benchmark broke" in failed.read_text() and "## Fake fine" in failed.read_text()
+    else:
+        assert rc == 0 and not failed.exists()
+        text = page.read_text()
+        assert "## Fake broken\n\nfine too" in text and text.endswith("kept\n") and "at commit " in text
