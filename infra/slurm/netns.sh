@@ -24,6 +24,11 @@ NET=10.77.0
 CTL_ADDR=$NET.254
 HOST=$(hostname -s)
 MAX_NODES=3
+# The daemons run under names of their own (symlinks to Slurm's binaries: the kernel names a process after
+# the path it was exec'd by), so that `ps -C slurmd`, `pkill slurmd` or an older up.sh --down that stops
+# "the" slurmd by name never reach this cluster's daemons.
+CTLD=rfnet-slurmctld
+SLURMD=rfnet-slurmd
 
 log() { echo "slurm-netns: $*" >&2; }
 # The pid in a pid file, if that process is alive and is the named daemon (not a recycled pid).
@@ -126,14 +131,14 @@ start_munge() {
 
 start_node() {
     local i=$1
-    [[ -n "$(pid_of "$STATE/run/slurmd.rfnode$i.pid" slurmd)" ]] && return 0
+    [[ -n "$(pid_of "$STATE/run/slurmd.rfnode$i.pid" "$SLURMD")" ]] && return 0
     rm -f "$STATE/run/slurmd.rfnode$i.pid"
     # The node's network namespace; a UTS namespace of its own (gethostname() is rfnodeK for slurmd and every
     # job process on the node); a mount namespace (slave: the filesystem stays shared) with the node's hosts
     # file over /etc/hosts. Not `ip netns exec`: it remounts /sys without the cgroup fs slurmd needs.
     nsenter --net="/run/netns/rfnode$i" unshare --uts --mount --propagation slave sh -c \
-        'mount --bind "/etc/netns/$1/hosts" /etc/hosts && hostname "$1" && exec slurmd -f "$2" -N "$1"' \
-        _ "rfnode$i" "$CONF"
+        'mount --bind "/etc/netns/$1/hosts" /etc/hosts && hostname "$1" && exec "$3" -f "$2" -N "$1"' \
+        _ "rfnode$i" "$CONF" "$STATE/bin/$SLURMD"
 }
 
 wait_up() {  # $1: node list; bounded: 60 s
@@ -160,7 +165,10 @@ up() {
     make_network "$n"
     write_hosts "$n"
     start_munge
-    [[ -n "$(pid_of "$STATE/run/slurmctld.pid" slurmctld)" ]] || slurmctld -f "$CONF"
+    mkdir -p "$STATE/bin"
+    ln -sf "$(command -v slurmctld)" "$STATE/bin/$CTLD"
+    ln -sf "$(command -v slurmd)" "$STATE/bin/$SLURMD"
+    [[ -n "$(pid_of "$STATE/run/slurmctld.pid" "$CTLD")" ]] || "$STATE/bin/$CTLD" -f "$CONF"
     for i in $(seq 1 "$n"); do start_node "$i"; done
     wait_up "rfnode[1-$n]"
 }
@@ -189,7 +197,7 @@ down() {
     local n i
     n=$(node_count)
     for i in $(seq 1 "$MAX_NODES"); do kill_node "$i" || true; done
-    pid=$(pid_of "$STATE/run/slurmctld.pid" slurmctld)
+    pid=$(pid_of "$STATE/run/slurmctld.pid" "$CTLD")
     [[ -n "$pid" ]] && stop_pid "$pid"
     for i in $(seq 1 "$MAX_NODES"); do
         ip link del "rfv$i" 2>/dev/null || true
