@@ -18,7 +18,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from config.loader import ConfigError, load_with_sources, stored_with_sources
 from config.run import RunConfig
@@ -305,7 +305,7 @@ def _launch(cfg: RunConfig, flags: set[str], kind: str = "rl") -> int:
     return 0
 
 
-def requeued_flags(cfg: RunConfig, flags: set[str], env: dict[str, str] | os._Environ = os.environ) -> set[str]:
+def requeued_flags(cfg: RunConfig, flags: set[str], env: Mapping[str, str] = os.environ) -> set[str]:
     """Slurm runs a requeued job's batch script again (SLURM_RESTART_COUNT > 0: after a node failure, which
     Slurm requeues by itself, or a preemption): the `rollflow rl` line of `rollflow submit` then continues the
     run it started (--resume) instead of refusing the existing run or, with --overwrite, replacing it."""
