@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.audit import committed_rollouts, nothing_lost_or_duplicated
 from tests.soak.record import FaultRecord, SegmentResult
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,8 +112,6 @@ def lose_node(out: Path, job_id: str, node: int, t_start: float) -> FaultRecord:
 
 def node_loss_run(workdir: Path, seed: int, losses: int, max_steps: int) -> SegmentResult:
     """One run of `max_steps` on the namespace cluster with `losses` node losses at seeded trainer steps."""
-    from tests.audit import committed_rollouts, nothing_lost_or_duplicated
-
     rng, out, t0 = random.Random(seed), workdir / "run", time.monotonic()
     points = sorted(rng.sample(range(2, max_steps - 1), losses))
     job_id = submit(out, max_steps)
