@@ -204,6 +204,7 @@ down() {
         ip netns del "rfnode$i" 2>/dev/null || true
         rm -rf "/etc/netns/rfnode$i"
     done
+    rmdir /etc/netns 2>/dev/null || true  # only when empty: other namespaces' files stay
     ip link del "$BRIDGE" 2>/dev/null || true
     rm -rf "$STATE"
     log "down ($n nodes removed)"
