@@ -152,7 +152,7 @@ class Placement:
     """Where this attempt's components run: inside a Slurm job, srun job steps on the allocation's nodes."""
 
     srun: dict[str, list[str]]  # component -> its job-step prefix; empty locally
-    inference_node: str | None  # the host the orchestrator reaches inference on; None locally
+    inference_node: str | None  # the node the orchestrator reaches inference on; None: beside it (locally too)
     trainer_launcher: list[str]  # torchrun's arguments when the trainer has ranks (one agent per trainer node)
     warmup_launcher: list[str]  # the warm-up's, on the first trainer node (config.process.warmup_parallel)
     trainer_nodes: list[str] = field(default_factory=list)  # several: agents meet under a per-attempt id
@@ -176,7 +176,10 @@ def _placement(cfg: RunConfig, logger) -> Placement:
     if cfg.teacher.enabled:  # the teacher's server beside the first inference server
         srun["teacher"] = srun_prefix("teacher", teacher_nodes(nodes), cfg.placement.slurm)
     trainer = torchrun_args(p.world_size, nodes["trainer"], p.rdzv_port)
-    return Placement(srun, nodes["inference"][0], trainer, warmup, nodes["trainer"])
+    # The orchestrator reaches inference by its node's name only from another node: a name that may resolve to
+    # an address the engine does not serve on when both share one (a one-node job).
+    engine = nodes["inference"][0] if nodes["inference"][0] != nodes["orchestrator"][0] else None
+    return Placement(srun, engine, trainer, warmup, nodes["trainer"])
 
 
 def _attempts(

@@ -18,7 +18,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from config.loader import ConfigError, load_with_sources, stored_with_sources
 from config.run import RunConfig
@@ -305,9 +305,24 @@ def _launch(cfg: RunConfig, flags: set[str], kind: str = "rl") -> int:
     return 0
 
 
+def requeued_flags(cfg: RunConfig, flags: set[str], env: Mapping[str, str] = os.environ) -> set[str]:
+    """Slurm runs a requeued job's batch script again (SLURM_RESTART_COUNT > 0: after a node failure, which
+    Slurm requeues by itself, or a preemption): the `rollflow rl` line of `rollflow submit` then continues the
+    run it started (--resume) instead of refusing the existing run or, with --overwrite, replacing it."""
+    from runtime.rundir import run_exists
+
+    if not (env.get("SLURM_RESTART_COUNT") or "0").isdigit() or int(env.get("SLURM_RESTART_COUNT") or 0) == 0:
+        return flags
+    if "dry-run" in flags or not run_exists(cfg.output_dir, cfg.storage):
+        return flags
+    print(f"rollflow: Slurm requeued this job (restart {env['SLURM_RESTART_COUNT']}): resuming {cfg.output_dir}")
+    return (flags - {"overwrite"}) | {"resume"}
+
+
 def cmd_rl(tokens: list[str]) -> int:
     profiles, overrides, flags = split_args(tokens)
     cfg = _load(profiles, overrides)
+    flags = requeued_flags(cfg, flags)
     _precheck(cfg, flags)
     if "dry-run" in flags:
         from engines.inference.backend import launch_plan, teacher_plan

@@ -3,7 +3,6 @@ from, roll the run directory back to it, and write the components' configs for t
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 from prefect import get_run_logger, task
@@ -30,7 +29,11 @@ class Attempt:
 def prepare_attempt(
     cfg: RunConfig, run_id: str, tracking_uri: str | None, mlflow_run_id: str | None, inference_node: str | None = None
 ) -> Attempt:
-    """`inference_node`: inside a Slurm job, the node the engine runs on (the orchestrator's target)."""
+    """`inference_node`: inside a Slurm job whose orchestrator runs on another node than the engine, the
+    engine's node (flows/rl.py `_placement`): the engine binds its address and the orchestrator reaches it by
+    that name. None: the engine serves on `inference.host` (loopback by default) beside the orchestrator.
+    Not a comparison with the flow's own host: the flow runs on the job's first node, which is the inference
+    node itself on several nodes, while the orchestrator sits on the trainer's first node."""
     logger = get_run_logger()
     fs, root = get_fs(cfg.output_dir, cfg.storage)
     step = resume_point(fs, root, logger.warning)
@@ -44,7 +47,7 @@ def prepare_attempt(
     teacher = attempt_cfg.teacher.inference
     if cfg.teacher.enabled:
         teacher.port = teacher.port or free_port(teacher.host)
-    if inference_node and inference_node != socket.gethostname().split(".")[0]:
+    if inference_node:
         attempt_cfg.inference.host = inference_node  # another node: serve on, and connect to, its name
         teacher.host = inference_node  # the teacher's server runs beside the first inference server
     url = f"http://{attempt_cfg.inference.host}:{attempt_cfg.inference.port}"

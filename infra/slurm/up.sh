@@ -14,9 +14,15 @@ CPUS=$(nproc)
 MEM_MB=$(awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.85}' /proc/meminfo)
 
 log() { echo "slurm-up: $*" >&2; }
-# Live (not defunct) processes named $1: a daemon stopped here can linger as a zombie under PID 1.
-# `|| true`: ps exits 1 when none runs, which pipefail + set -e would turn into an exit of this script.
-alive() { ps -C "$1" -o pid=,stat= 2>/dev/null | awk '$2 !~ /^Z/ {print $1}' || true; }
+# This cluster's live daemon $1, by its pid file: not by name, since infra/slurm/netns.sh runs daemons of
+# the same names beside it (never ours to stop). Not a zombie (a daemon stopped here can linger as one under
+# PID 1), and still that daemon (a pid file can outlive its process, and the pid be reused).
+alive() {
+    local pid
+    pid=$(cat "/run/slurm/$1.pid" 2>/dev/null || true)
+    [[ -n "$pid" && "$(cat "/proc/$pid/comm" 2>/dev/null || true)" == "$1" ]] || return 0
+    awk '$3 != "Z" {print $1}' "/proc/$pid/stat" 2>/dev/null || true
+}
 
 if [[ "${1:-}" == "--down" ]]; then
     for d in slurmd slurmctld; do

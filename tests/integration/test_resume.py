@@ -15,8 +15,8 @@ import pytest
 from conftest import ROOT, TINY, descendants, prefect_cli, processes_mentioning, start_cli
 from safetensors.torch import load_file
 
-from storage.rollouts import staleness
 from storage.runstate import pid_alive
+from tests.audit import committed_rollouts, nothing_lost_or_duplicated
 
 pytestmark = pytest.mark.slow
 RESUME = ROOT / "tests" / "profiles" / "resume.toml"
@@ -31,15 +31,7 @@ def _checkpoints(out: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in root.iterdir() if (p / "trainer" / "_manifest.json").exists())
 
 
-def _committed_rollouts(out: Path) -> dict[int, str]:
-    root = out / "rollouts"
-    found = {}
-    for p in sorted(root.iterdir()) if root.exists() else []:
-        try:
-            found[int(p.name[5:])] = (p / "_manifest.json").read_text()
-        except FileNotFoundError:
-            continue
-    return found
+_committed_rollouts = committed_rollouts  # its old name, which other tests import from here
 
 
 def _component_pid(cli_pid: int, name: str) -> int | None:
@@ -110,23 +102,8 @@ def _wait_for_progress(cli, out: Path, after: list[int], timeout_s: float = 120.
 
 
 def _assert_nothing_lost_or_duplicated(out: Path, max_steps: int, snapshots: dict[int, str]) -> None:
-    committed = _committed_rollouts(out)
-    assert sorted(committed) == list(range(1, max_steps + 1))
-    for step, manifest in snapshots.items():  # a committed step is never written again
-        assert committed[step] == manifest, f"rollout step {step} was committed twice"
-    for step in committed:
-        listed = set(json.loads(committed[step])["files"]) | {"_manifest.json"}
-        assert {p.name for p in (out / "rollouts" / f"step={step:06d}").iterdir()} == listed
-    table = ds.dataset(out / "rollouts", format="ipc", partitioning="hive").to_table()
-    ids = table.column("sample_id").to_pylist()
-    assert len(ids) == len(set(ids)), "duplicate sample_id"
-    for step, version in zip(table.column("step").to_pylist(), table.column("policy_version").to_pylist(), strict=True):
-        assert 0 <= staleness(step, version) <= 2
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == list(range(1, max_steps + 1))
-    for v in range(max_steps + 1):
-        assert (out / "weights" / f"step={v:06d}" / "_manifest.json").exists()
-    assert json.loads((out / "state.json").read_text())["status"] == "finished"
+    problems = nothing_lost_or_duplicated(out, max_steps, snapshots)
+    assert not problems, problems
 
 
 # `make test-long` only (three seeds: other kill targets and times); `make test` keeps the exact kill-and-resume

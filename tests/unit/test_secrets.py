@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import subprocess
 from pathlib import Path
 
@@ -143,14 +142,14 @@ def test_a_flow_refuses_tracking_credentials_in_its_parameters_before_writing_an
 
 
 def test_inside_a_slurm_job_inference_serves_on_its_node_and_vllm_stays_on_loopback(tmp_path, monkeypatch):
-    """tasks/resume.py: on another node than the flow's, the engine binds (engines/inference/server.py binds
+    """tasks/resume.py: on another node than the orchestrator's, the engine binds (engines/inference/server.py binds
     inference.host) and is reached at that node's name; the vLLM servers behind it stay on 127.0.0.1."""
     import tasks.resume
 
     monkeypatch.setattr(tasks.resume, "get_run_logger", lambda: logging.getLogger("test"))
     cfg = RunConfig.model_validate({"output_dir": str(tmp_path), "inference": {"backend": "vllm"}})
 
-    def placed(node: str) -> tuple[dict, dict, str]:
+    def placed(node: str | None) -> tuple[dict, dict, str]:
         tasks.resume.prepare_attempt.fn(cfg, "rid", None, None, inference_node=node)
         read = lambda name: json.loads((tmp_path / "config" / name).read_text())  # noqa: E731
         return read("inference.json"), read("orchestrator.json"), read("vllm-plan.json")
@@ -161,8 +160,8 @@ def test_inside_a_slurm_job_inference_serves_on_its_node_and_vllm_stays_on_loopb
     assert orchestrator["inference_url"] == f"http://node-b:{port}"
     (server,) = plan["replicas"][0]["processes"]
     assert server["argv"][server["argv"].index("--host") + 1] == "127.0.0.1"
-    inference, orchestrator, _ = placed(socket.gethostname().split(".")[0])  # the flow's own node
-    assert inference["inference"]["host"] == "127.0.0.1"
+    tasks.resume.prepare_attempt.fn(cfg, "rid", None, None, inference_node=None)  # beside the orchestrator
+    assert json.loads((tmp_path / "config" / "inference.json").read_text())["inference"]["host"] == "127.0.0.1"
 
 
 def test_the_vllm_middleware_guards_every_route_but_health_and_fails_closed(monkeypatch):

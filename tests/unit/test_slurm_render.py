@@ -132,3 +132,18 @@ def test_numbers_for_mem_and_time_limit_are_read_as_text_from_the_command_line_a
     assert (slurm.mem, slurm.time_limit) == ("512000", "120")
     with pytest.raises(ConfigError, match=r"deployment.slurm.time_limit: .*'1.5' is not a Slurm time"):
         load_run_config([tiny], [("deployment.slurm.time_limit", "1.5")])
+
+
+def test_a_requeued_job_resumes_the_run_it_started_and_never_overwrites_it(tmp_path) -> None:
+    """rollflow/cli.py `requeued_flags`: Slurm runs a requeued job's script again (node failure, preemption)."""
+    from rollflow.cli import requeued_flags
+
+    cfg = load_run_config([ROOT / "profiles/tiny-cpu.toml"], [("output_dir", str(tmp_path))])
+    requeued = {"SLURM_RESTART_COUNT": "1"}
+    assert requeued_flags(cfg, {"overwrite"}, requeued) == {"overwrite"}  # no run yet: start it as asked
+    (tmp_path / "rollouts").mkdir()
+    assert requeued_flags(cfg, {"overwrite"}, requeued) == {"resume"}
+    assert requeued_flags(cfg, set(), requeued) == {"resume"}
+    assert requeued_flags(cfg, {"overwrite"}, {"SLURM_RESTART_COUNT": "0"}) == {"overwrite"}  # the first run
+    assert requeued_flags(cfg, {"overwrite"}, {"SLURM_RESTART_COUNT": "x"}) == {"overwrite"}
+    assert requeued_flags(cfg, set(), {}) == set()
