@@ -332,6 +332,17 @@ def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
             os.unlink(tmp)
 
 
+def append_durable(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Append `data` to an existing local file (fsync'd when the storage is durable). A crash can leave part of
+    it: readers of such a file take complete lines only. Refused (`LeaseLost`) like `write_bytes_atomic`."""
+    _fenced(fs, path)
+    with open(path, "ab") as f:
+        f.write(data)
+        f.flush()
+        if fs_settings(fs).fsync:
+            os.fsync(f.fileno())
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """`write_bytes_atomic` of a local file outside any run directory (a cache, a data folder), by path."""
     fs, local = get_fs(str(path))

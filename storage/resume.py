@@ -68,7 +68,7 @@ def rollback(fs: fsspec.AbstractFileSystem, root: str, step: int | None) -> list
             evals.remove(fs, evals.online_dir(root, version))
             removed.append(evals.online_dir(root, version))
     metrics = MetricsLog(fs, root)
-    if any(s > keep_up_to for s in metrics.rows):
+    if metrics.last_step is not None and metrics.last_step > keep_up_to:
         metrics.truncate_after(keep_up_to)
         removed.append(f"{metrics.path} rows after step {keep_up_to}")
     return removed

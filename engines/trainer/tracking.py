@@ -30,7 +30,7 @@ class Tracker:
 
     def merge(self, step: int, values: dict) -> None:
         """Add `values` to step's row (a row of its own when the step has none yet) and log only them."""
-        self.metrics.record({**self.metrics.rows.get(step, {"step": step}), **values})
+        self.metrics.record({**(self.metrics.row(step) or {"step": step}), **values})
         self._log(step, values)
 
     def _log(self, step: int, values: dict) -> None:

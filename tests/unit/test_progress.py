@@ -109,7 +109,13 @@ def _wait(cond, timeout_s: float = 5.0) -> None:
 def test_watcher_follows_the_file_and_survives_bad_reads_and_failed_publishes(tmp_path, caplog):
     fs, root = get_fs(str(tmp_path / "run"))
     seen: list[int] = []
-    fail = {"publish": False}
+    fail = {"publish": False, "read": False}
+    follower = MetricsFollower(fs, root)
+
+    def read() -> list[dict] | None:
+        if fail["read"]:
+            raise OSError("storage unreachable")
+        return follower.poll()
 
     def publish(rows: list[dict]) -> None:
         if fail["publish"]:
@@ -119,22 +125,45 @@ def test_watcher_follows_the_file_and_survives_bad_reads_and_failed_publishes(tm
     log = MetricsLog(fs, root)
     logger = logging.getLogger("test-progress")
     with caplog.at_level(logging.WARNING, "test-progress"):
-        with MetricsWatcher(MetricsFollower(fs, root).poll, publish, logger, interval_s=0.02) as w:
+        with MetricsWatcher(read, publish, logger, interval_s=0.02) as w:
             _wait(lambda: seen == [0])  # no file yet: no rows
             log.record({"step": 1, "reward_mean": 0.5})
             _wait(lambda: seen == [0, 1])
             polls = w.polls
             _wait(lambda: w.polls >= polls + 3)
             assert seen == [0, 1]  # unchanged file: nothing published again
-            (tmp_path / "run" / "metrics.jsonl").write_text("{not json\n")
+            fail["read"] = True
             _wait(lambda: w.polls >= polls + 8)
-            fail["publish"] = True
+            fail["read"], fail["publish"] = False, True
             log.record({"step": 2, "reward_mean": 0.6})
             _wait(lambda: w.polls >= polls + 12)
             fail["publish"] = False
             _wait(lambda: seen == [0, 1, 2])  # the rows whose publish failed are published on a later poll
-            log.record({"step": 3, "reward_mean": 0.7})
+            (tmp_path / "run" / "metrics.jsonl").write_text("{not json\n")  # clobbered: read again, the line skipped
+            _wait(lambda: seen == [0, 1, 2, 0])
+            log.record({"step": 3, "reward_mean": 0.7})  # appended after the bad line
         assert seen[-1] == 3  # the last poll when the block exits
     warnings = [r.getMessage() for r in caplog.records]
-    assert sum("JSONDecodeError" in m for m in warnings) == 1  # once per distinct error in a row
+    assert sum("storage unreachable" in m for m in warnings) == 1  # once per distinct error in a row
     assert sum("ConnectionError: API down" in m for m in warnings) == 1
+    assert follower.skipped == 1
+
+
+def test_the_follower_reads_only_what_was_appended_and_rereads_a_rewritten_file(tmp_path, monkeypatch):
+    fs, root = get_fs(str(tmp_path / "run"))
+    log, follower = MetricsLog(fs, root), MetricsFollower(fs, root)
+    for step in range(1, 6):
+        log.record({"step": step, "reward_mean": step / 10, "loss": 1.0})
+    assert [r["step"] for r in follower.poll() or []] == [1, 2, 3, 4, 5]
+    reads: list[int | None] = []
+    cat = fs.cat_file
+    monkeypatch.setattr(fs, "cat_file", lambda path, start=None, end=None: reads.append(start) or cat(path, start, end))
+    log.record({"step": 6, "reward_mean": 0.6, "loss": 1.0})
+    rows = follower.poll() or []
+    assert rows[-1] == {"step": 6, "reward_mean": 0.6} and reads[-1] and reads[-1] > 0  # from near the end only
+    log.truncate_after(3)  # a rollback rewrites the file shorter
+    log.record({"step": 4, "reward_mean": 0.9, "loss": 1.0})
+    assert [(r["step"], r["reward_mean"]) for r in follower.poll() or []] == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.9)]
+    with (tmp_path / "run" / "metrics.jsonl").open("ab") as f:
+        f.write(b'{"step": 5, "rew')  # an append cut short: not a row yet
+    assert [r["step"] for r in follower.poll() or []] == [1, 2, 3, 4]

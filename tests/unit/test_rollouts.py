@@ -261,3 +261,24 @@ def test_metric_means_average_each_rubric_name_over_the_rows_that_carry_it():
     table = to_table(_rows(1))  # rows k=1, 2 carry scores, k=0 none
     assert rollouts.metric_means(table) == {"env/metric/len": 1.5, "env/reward/exact": 0.75}
     assert rollouts.metric_means(table.drop_columns(["metric_names", "metric_values"])) == {}
+
+
+def test_metrics_log_appends_new_steps_and_rewrites_only_to_change_one(tmp_path):
+    fs, root = get_fs(str(tmp_path / "run"))
+    path = tmp_path / "run" / "metrics.jsonl"
+    log = MetricsLog(fs, root)
+    log.record({"step": 1, "loss": 1.0})
+    inode = path.stat().st_ino
+    for step in range(2, 40):
+        log.record({"step": step, "loss": 1.0 / step})
+    assert path.stat().st_ino == inode and not hasattr(log, "_rows")  # appended in place; no rows held
+    log.record({"step": 5, "loss": 0.0})  # a step again: the file is written anew, atomically
+    assert path.stat().st_ino != inode
+    assert [r["step"] for r in read_metrics(fs, root)] == list(range(1, 40)) and log.row(5) == {"step": 5, "loss": 0.0}
+    with path.open("ab") as f:
+        f.write(b'{"step": 40, "lo')  # an append cut short by a crash
+    assert [r["step"] for r in read_metrics(fs, root)][-1] == 39  # readers take complete lines only
+    again = MetricsLog(fs, root)
+    again.record({"step": 40, "loss": 0.025})
+    assert path.read_bytes().endswith(b'{"step": 40, "loss": 0.025}\n')
+    assert [r["step"] for r in read_metrics(fs, root)] == list(range(1, 41))
