@@ -33,6 +33,7 @@ from test_resume import (  # noqa: E402
 from test_stalls import STALL  # noqa: E402
 
 from tests.soak.record import FaultRecord, SegmentResult  # noqa: E402
+from tests.soak.recovery import resume_point, stepped_since  # noqa: E402
 
 KINDS = {"sigkill:rank": signal.SIGKILL, "sigstop:rank": signal.SIGSTOP}
 SECONDS_PER_FAULT = 75  # a stall timeout (20 s) or a crash, the restart of torchrun and its ranks, progress
@@ -65,12 +66,10 @@ def wait_restarted(cli, out: Path, old: list[int], t_fault: float, timeout_s: fl
         last = max(last, _trained_steps(out))
         time.sleep(0.1)
     started = time.time()
-    metrics = out / "metrics.jsonl"
-    while not (metrics.exists() and metrics.stat().st_mtime > started):
+    while not stepped_since(out, started, last):
         assert cli.poll() is None and time.monotonic() < deadline, f"no step after the restart in {timeout_s}s ({new})"
         time.sleep(0.1)
-    resume_point = max((c for c in _checkpoints(out) if c <= last), default=0)
-    return time.monotonic() - t_fault, last - resume_point
+    return time.monotonic() - t_fault, last - resume_point(out, last)
 
 
 def _inject(cli, out: Path, kind: str, rng: random.Random, t0: float, snapshots: dict) -> FaultRecord | None:

@@ -30,10 +30,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))  # the integration suite's helpers
 
 from conftest import ROOT  # noqa: E402
-from test_resume import _assert_nothing_lost_or_duplicated, _checkpoints, _committed_rollouts  # noqa: E402
+from test_resume import _assert_nothing_lost_or_duplicated, _committed_rollouts, _trained_steps  # noqa: E402
 from test_slurm import PROFILES, _job_id, _read, _start, _wait_job_gone, slurm_worker_running  # noqa: E402
 
 from tests.soak.record import FaultRecord, SegmentResult  # noqa: E402
+from tests.soak.recovery import resume_point, stepped_since  # noqa: E402
 
 STEPS_PER_MINUTE = 50  # tiny-cpu on 2 loaded cores: 0.7-1.2 s a step
 MIN_STEPS = 160  # more than the first job and its requeued run do before the walltime (~2 x 100 s)
@@ -45,13 +46,6 @@ def preempt(job_id: str) -> None:
     into the queue."""
     subprocess.run(["scancel", "--signal=TERM", "--full", job_id], check=True, timeout=30)
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
-
-
-def _trained(out: Path) -> int:
-    try:
-        return len((out / "metrics.jsonl").read_text().splitlines())
-    except FileNotFoundError:
-        return 0
 
 
 def _resumes(out: Path) -> list[dict]:
@@ -72,21 +66,18 @@ def _wait(what: str, check, timeout_s: float, poll_s: float = 0.2):
 def wait_resumed(out: Path, t_fault: float, resumes_before: int, timeout_s: float = 600) -> tuple[float, int]:
     """After a fault that stopped the run: (seconds from `t_fault` to the first trainer step of the run that
     resumed it, steps rolled back). Steps recorded by the stopping run are counted until the resume."""
-    last = _trained(out)
+    last = _trained_steps(out)
 
     def first_resumed_step() -> bool:
         nonlocal last
         resumes = _resumes(out)
         if len(resumes) <= resumes_before:
-            last = max(last, _trained(out))
+            last = max(last, _trained_steps(out))
             return False
-        metrics = out / "metrics.jsonl"
-        return metrics.exists() and metrics.stat().st_mtime > resumes[-1]["time"]
+        return stepped_since(out, resumes[-1]["time"], last)
 
     _wait("a trainer step of the resumed run", first_resumed_step, timeout_s, poll_s=0.1)
-    recover_s = time.monotonic() - t_fault
-    resume_point = max((c for c in _checkpoints(out) if c <= last), default=0)
-    return recover_s, last - resume_point
+    return time.monotonic() - t_fault, last - resume_point(out, last)
 
 
 def _warning_seen(script_dir: Path, run_id, job_id: str) -> bool:
@@ -104,7 +95,7 @@ def _run(out: Path, steps: int, rng: random.Random, script_dir: Path, t0: float,
     fr = _start("rl-from-profile/rl-slurm", params, JOB_LIMIT)
     job = _job_id(fr.id)
     point = rng.randint(2, 5)
-    _wait(f"trainer step {point}", lambda: _trained(out) >= point, 300)
+    _wait(f"trainer step {point}", lambda: _trained_steps(out) >= point, 300)
     time.sleep(rng.uniform(0.0, 0.8))  # anywhere in a step
     snapshots.update(_committed_rollouts(out))  # committed before a fault: never written again
     t_fault, resumes = time.monotonic(), len(_resumes(out))
