@@ -33,6 +33,7 @@ from conftest import ROOT  # noqa: E402
 from test_resume import _assert_nothing_lost_or_duplicated, _committed_rollouts, _trained_steps  # noqa: E402
 from test_slurm import PROFILES, _job_id, _read, _start, _wait_job_gone, slurm_worker_running  # noqa: E402
 
+from runtime import slurm  # noqa: E402
 from tests.soak.record import FaultRecord, SegmentResult  # noqa: E402
 from tests.soak.recovery import resume_point, stepped_since  # noqa: E402
 
@@ -90,10 +91,11 @@ def _final(run_id):
     return run if run.state is not None and run.state.is_final() else None
 
 
-def _run(out: Path, steps: int, rng: random.Random, script_dir: Path, t0: float, snapshots: dict) -> list[FaultRecord]:
+def _run(out: Path, steps: int, rng: random.Random, script_dir: Path, t0: float, snapshots: dict, jobs: list):
     params = {"profiles": PROFILES, "output_dir": str(out), "overrides": {"max_steps": steps}}
     fr = _start("rl-from-profile/rl-slurm", params, JOB_LIMIT)
     job = _job_id(fr.id)
+    jobs.append(job)
     point = rng.randint(2, 5)
     _wait(f"trainer step {point}", lambda: _trained_steps(out) >= point, 300)
     time.sleep(rng.uniform(0.0, 0.8))  # anywhere in a step
@@ -110,6 +112,7 @@ def _run(out: Path, steps: int, rng: random.Random, script_dir: Path, t0: float,
     assert "walltime" in (run.state.message or "").lower(), run.state
     assert _wait_job_gone(job) != "TIMEOUT", "the flow should stop before Slurm kills it"
     fr2 = _start("resume-unfinished/resume-unfinished-slurm", {"runs_root": str(out.parent), "max_runs": 1})
+    jobs.append(_job_id(fr2.id))
     recover_s, rolled = wait_resumed(out, t_fault, resumes)
     faults.append(FaultRecord("slurm:walltime", t_fault - t0, recover_s, rolled, f"job {job}, requeued once"))
     run2 = _wait("the resumed run to finish", lambda: _final(fr2.id), 60 * 30, poll_s=1)
@@ -147,10 +150,13 @@ def segment(workdir: Path, seed: int, minutes: float, *, api: str | None = None,
             (workdir / "worker").mkdir(parents=True, exist_ok=True)
             worker = stack.enter_context(slurm_worker_running(api, workdir / "worker"))
         snapshots: dict[int, str] = {}
+        jobs: list[str] = []
         try:
-            result.faults = _run(out, steps, random.Random(seed), worker / "slurm-jobs", t0, snapshots)
+            result.faults = _run(out, steps, random.Random(seed), worker / "slurm-jobs", t0, snapshots, jobs)
             _assert_nothing_lost_or_duplicated(out, steps, snapshots)
-        except AssertionError as exc:
-            result.problems.append(str(exc)[:2000])
+        except Exception as exc:  # noqa: BLE001 - the driver gets a result that names what failed
+            result.problems.append(f"{type(exc).__name__}: {exc}"[:2000])
+            for job in jobs:  # nothing of a failed segment keeps running
+                slurm.cancel(job)
     result.wall_s = time.monotonic() - t0
     return result
