@@ -1,7 +1,7 @@
 """The soak's ranks segment (tests/soak/ranks.py) as a test: a 2-rank FSDP2 trainer run with one rank
 SIGKILLed and one SIGSTOPped (a hung collective the stall watch must end), each restarted by the flow, and
-the resume audit passing. `make test-long`: 2 min 44 s here (14 steps; the stopped rank took 54 s to recover,
-20 s of it the stall timeout; the killed one 26 s)."""
+the resume audit passing. `make test-long`: 2 min 39-44 s here (14 steps; the stopped rank took 49-54 s to recover,
+20 s of it the stall timeout; the killed one 17-26 s)."""
 
 from __future__ import annotations
 
