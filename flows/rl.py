@@ -38,7 +38,7 @@ from flows.progress import live_progress
 from launch.slurm import srun_prefix, teacher_nodes
 from launch.torchrun import rdzv_id, torchrun_args
 from runtime.lease import LeaseKeeper, hold_lease
-from runtime.lifecycle import RunHandle, close_run, reopen_run, start_new_run
+from runtime.lifecycle import RunHandle, close_run, continues_requeued_job, reopen_run, start_new_run
 from runtime.process import ComponentFailed
 from runtime.restarts import RestartBudget
 from runtime.rundir import logs_dir
@@ -228,6 +228,7 @@ def rl(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
     fs.makedirs(root, exist_ok=True)
     checkpoints = lambda: checkpoint_steps(fs, root)  # noqa: E731 - what the walltime watch waits for
     with hold_lease(fs, root, cfg.restart.lease_ttl_s, logger) as lease, WalltimeWatch(logger, checkpoints) as watch:
+        resume = resume or continues_requeued_job(cfg, logger)
         run = reopen_run(cfg, logger) if resume else start_new_run(cfg, overwrite)
         logger.info(f"run {run.run_id} -> {cfg.output_dir}" + (" (resumed)" if resume else ""))
         finished = False

@@ -21,6 +21,7 @@ from runtime.rundir import (
     stored_config,
     write_run_config,
 )
+from runtime.slurm import requeued
 from runtime.tracking import end_mlflow_run, reopen_mlflow_run, start_mlflow_run
 from storage import fence, runstate
 from storage.fs import get_fs
@@ -60,6 +61,20 @@ def start_new_run(cfg: RunConfig, overwrite: bool) -> RunHandle:
     runstate.write_state(fs, root, run.state)
     _ensure_mlflow_run(cfg, run)
     return run
+
+
+def continues_requeued_job(cfg: RunConfig, logger) -> bool:
+    """A requeued Slurm job (preempted, then put back in the queue) reruns its batch script, so the flow
+    run starts `rl` again with the same parameters, without `resume`: it must continue the run it began,
+    not refuse the directory (or, with `overwrite`, wipe it). True when this job was requeued and the run
+    it started is there to resume."""
+    if not requeued():
+        return False
+    fs, root = get_fs(cfg.output_dir, cfg.storage)
+    if runstate.read_state(fs, root) is None or not fs.exists(f"{root}/config/run.json"):
+        return False  # preempted before the run was opened: start it as new
+    logger.warning("this Slurm job was requeued (preempted?): resuming its run from the last checkpoint")
+    return True
 
 
 def reopen_run(cfg: RunConfig, logger) -> RunHandle:

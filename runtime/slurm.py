@@ -119,6 +119,13 @@ def steps(job_id: str) -> list[str]:
     return out.stdout.split() if out.returncode == 0 else []
 
 
+def requeued(env: Mapping[str, str] = os.environ) -> bool:
+    """This batch job runs again after a requeue (a preemption, `scontrol requeue`, a node failure with
+    --requeue): Slurm reruns the same script with SLURM_RESTART_COUNT >= 1 (unset or 0 the first time)."""
+    count = env.get("SLURM_RESTART_COUNT", "")
+    return count.isdigit() and int(count) > 0
+
+
 def cancel(job_id: str) -> None:
     _slurm([require("scancel"), job_id], check=False)
 

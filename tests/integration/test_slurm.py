@@ -6,12 +6,14 @@ What Slurm says (squeue -s, scontrol) is asserted, not our own logs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -59,29 +61,37 @@ def _pause_schedules(name: str) -> None:
                 client.delete_flow_run(run.id)
 
 
-@pytest.fixture(scope="module")
-def slurm_worker(prefect_api, slurm_cluster, tmp_path_factory):
+@contextlib.contextmanager
+def slurm_worker_running(api: str, work: Path) -> Iterator[Path]:
     """A rollflow-slurm pool created with Prefect's CLI (`--type rollflow-slurm`), the deployments of
-    infra/prefect.yaml, and `prefect worker start --pool` in the background."""
-    work = tmp_path_factory.mktemp("slurm-worker")
-    prefect_cli(prefect_api, "work-pool", "create", POOL, "--type", POOL, "--overwrite")
+    infra/prefect.yaml, and `prefect worker start --pool` in the background in `work` (its batch scripts and
+    job output under work/slurm-jobs). Also used by the soak's Slurm segment (tests/soak/slurm.py)."""
+    prefect_cli(api, "work-pool", "create", POOL, "--type", POOL, "--overwrite")
     _create_process_pool("rollflow-local")
-    prefect_cli(prefect_api, "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml")
+    prefect_cli(api, "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml")
     _pause_schedules("resume-unfinished/resume-unfinished-slurm")  # the tests start it by hand
-    env = {**cli_env(prefect_api), "ROLLFLOW_HOME": str(ROOT), "PREFECT_WORKER_QUERY_SECONDS": "1"}
-    log = open(work / "worker.log", "ab")  # noqa: SIM115 - closed at teardown
+    env = {**cli_env(api), "ROLLFLOW_HOME": str(ROOT), "PREFECT_WORKER_QUERY_SECONDS": "1"}
+    log = open(work / "worker.log", "ab")  # noqa: SIM115 - closed below
     worker = subprocess.Popen(
         [str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", POOL],
         cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
-    yield work
-    os.killpg(worker.pid, signal.SIGTERM)  # before the API goes away: a worker without its server hangs
     try:
-        worker.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait()
-    log.close()
+        yield work
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)  # before the API goes away: a worker without its server hangs
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def slurm_worker(prefect_api, slurm_cluster, tmp_path_factory):
+    with slurm_worker_running(prefect_api, tmp_path_factory.mktemp("slurm-worker")) as work:
+        yield work
 
 
 def _start(deployment: str, parameters: dict, job_variables: dict | None = None, name: str | None = None):
