@@ -310,10 +310,9 @@ def requeued_flags(cfg: RunConfig, flags: set[str], env: Mapping[str, str] = os.
     Slurm requeues by itself, or a preemption): the `rollflow rl` line of `rollflow submit` then continues the
     run it started (--resume) instead of refusing the existing run or, with --overwrite, replacing it."""
     from runtime.rundir import run_exists
+    from runtime.slurm import requeued
 
-    if not (env.get("SLURM_RESTART_COUNT") or "0").isdigit() or int(env.get("SLURM_RESTART_COUNT") or 0) == 0:
-        return flags
-    if "dry-run" in flags or not run_exists(cfg.output_dir, cfg.storage):
+    if not requeued(env) or "dry-run" in flags or not run_exists(cfg.output_dir, cfg.storage):
         return flags
     print(f"rollflow: Slurm requeued this job (restart {env['SLURM_RESTART_COUNT']}): resuming {cfg.output_dir}")
     return (flags - {"overwrite"}) | {"resume"}

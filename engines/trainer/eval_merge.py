@@ -24,10 +24,12 @@ log = logging.getLogger("rollflow.trainer")
 class EvalMerger:
     def __init__(self, fs, root: str, tracker: Tracker, ecfg: EvalConfig):
         self.fs, self.root, self.tracker, self.ecfg = fs, root, tracker, ecfg
+        # read once: the trainer is metrics.jsonl's only writer, so what it merges later is added here
+        rows = tracker.metrics.rows().items() if ecfg.interval > 0 else ()
+        self._merged = {step for step, row in rows if any(k.startswith("eval/") for k in row)}
 
     def merged(self, version: int) -> bool:
-        row = self.tracker.metrics.rows.get(version, {})
-        return any(k.startswith("eval/") for k in row)
+        return version in self._merged
 
     def merge(self, upto: int) -> None:
         """Merge every finished evaluation of a version <= `upto` not merged yet."""
@@ -39,6 +41,7 @@ class EvalMerger:
             summary = evals.read_summary(self.fs, evals.online_dir(self.root, version))
             if summary and summary.get("metrics"):
                 self.tracker.merge(version, summary["metrics"])
+                self._merged.add(version)
                 log.info(f"eval of version {version}: reward {summary['reward_mean']:.3f} (merged into metrics)")
 
     def wait_final(self, version: int) -> None:
