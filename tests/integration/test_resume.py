@@ -13,46 +13,18 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 from conftest import ROOT, TINY, descendants, prefect_cli, processes_mentioning, start_cli
+from conftest import component_pid as _component_pid
 from safetensors.torch import load_file
 
-from storage.rollouts import staleness
 from storage.runstate import pid_alive
+from tests.soak.audit import audit_run, trained_steps
+from tests.soak.audit import checkpoints as _checkpoints
+from tests.soak.audit import committed_rollouts as _committed_rollouts
 
 pytestmark = pytest.mark.slow
 RESUME = ROOT / "tests" / "profiles" / "resume.toml"
 TARGETS = ("trainer", "orchestrator", "inference", "flow", "tree")
 RL_ARGS = ("rl", "@", str(TINY), "@", str(RESUME))
-
-
-def _checkpoints(out: Path) -> list[int]:
-    root = out / "checkpoints"
-    if not root.exists():
-        return []
-    return sorted(int(p.name[5:]) for p in root.iterdir() if (p / "trainer" / "_manifest.json").exists())
-
-
-def _committed_rollouts(out: Path) -> dict[int, str]:
-    root = out / "rollouts"
-    found = {}
-    for p in sorted(root.iterdir()) if root.exists() else []:
-        try:
-            found[int(p.name[5:])] = (p / "_manifest.json").read_text()
-        except FileNotFoundError:
-            continue
-    return found
-
-
-def _component_pid(cli_pid: int, name: str) -> int | None:
-    configs = {"trainer": ("trainer.json", "sft.json"), "orchestrator": ("orchestrator.json",),
-               "inference": ("inference.json",)}[name]  # fmt: skip
-    for config in configs:  # before the RL trainer starts, the warm-up is the trainer
-        for pid in descendants(cli_pid):
-            try:
-                if f"config/{config}" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                    return pid
-            except OSError:
-                continue
-    return None
 
 
 def _wait_gone(out: Path, timeout_s: float = 30.0) -> None:
@@ -82,10 +54,7 @@ def _kill(cli, out: Path, target: str, log: Path, api: str):
 
 
 def _trained_steps(out: Path) -> int:
-    try:
-        return len((out / "metrics.jsonl").read_text().splitlines())
-    except FileNotFoundError:
-        return 0
+    return len(trained_steps(out))
 
 
 def _wait_for_step(cli, out: Path, step: int, timeout_s: float = 180.0) -> None:
@@ -110,23 +79,8 @@ def _wait_for_progress(cli, out: Path, after: list[int], timeout_s: float = 120.
 
 
 def _assert_nothing_lost_or_duplicated(out: Path, max_steps: int, snapshots: dict[int, str]) -> None:
-    committed = _committed_rollouts(out)
-    assert sorted(committed) == list(range(1, max_steps + 1))
-    for step, manifest in snapshots.items():  # a committed step is never written again
-        assert committed[step] == manifest, f"rollout step {step} was committed twice"
-    for step in committed:
-        listed = set(json.loads(committed[step])["files"]) | {"_manifest.json"}
-        assert {p.name for p in (out / "rollouts" / f"step={step:06d}").iterdir()} == listed
-    table = ds.dataset(out / "rollouts", format="ipc", partitioning="hive").to_table()
-    ids = table.column("sample_id").to_pylist()
-    assert len(ids) == len(set(ids)), "duplicate sample_id"
-    for step, version in zip(table.column("step").to_pylist(), table.column("policy_version").to_pylist(), strict=True):
-        assert 0 <= staleness(step, version) <= 2
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == list(range(1, max_steps + 1))
-    for v in range(max_steps + 1):
-        assert (out / "weights" / f"step={v:06d}" / "_manifest.json").exists()
-    assert json.loads((out / "state.json").read_text())["status"] == "finished"
+    problems = audit_run(out, max_steps, snapshots)  # tests/soak/audit.py: the soak's audit too
+    assert problems == [], problems
 
 
 # `make test-long` only (three seeds: other kill targets and times); `make test` keeps the exact kill-and-resume

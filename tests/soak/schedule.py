@@ -1,0 +1,120 @@
+"""Run one soak segment: a real `rollflow rl` under a seeded random fault schedule, one fault at a time, each
+followed by a bounded wait for recovery (a step recorded by the trainer after the fault), then the audit.
+
+    faults = soak(ctx, kinds, quick, deadline, max_steps)   # FaultRecord per injected fault
+    wall_s = finish(ctx, max_steps)                          # the run carried to its end (resumed if it stopped)
+
+Recovery of a fault that restarts the attempt counts only once a trainer process other than the one before the
+fault records a step; rolled_back is the trained steps recorded before the fault minus the fewest seen after it
+(the resume point).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tests.integration.conftest import component_pid
+from tests.soak.audit import committed_rollouts
+from tests.soak.faults import Ctx, injector
+from tests.soak.record import FaultRecord
+
+RECOVER_S = 300.0  # a fault not recovered in this long is reported as never recovered
+MAX_DRIVER_RESUMES = 5  # per fault: a run that keeps stopping is a finding, not something to retry forever
+
+
+def plan(ctx: Ctx, kinds: list[str], quick: bool) -> list[str]:
+    """quick: one fault of each class (sigkill, sigstop, ...) with a random target, shuffled; else one random kind
+    per call (the caller draws until its deadline)."""
+    if not quick:
+        return [ctx.rng.choice(kinds)]
+    classes: dict[str, list[str]] = {}
+    for kind in kinds:
+        classes.setdefault(kind.split(":")[0], []).append(kind)
+    picked = [ctx.rng.choice(options) for options in classes.values()]
+    ctx.rng.shuffle(picked)
+    return picked
+
+
+def _restart_if_stopped(ctx: Ctx, notes: list[str]) -> bool:
+    """A run that stopped with an error is resumed by the driver (noted); True when it finished."""
+    rc = ctx.run.cli.poll()
+    if rc is None:
+        return False
+    if rc == 0:
+        return True
+    notes.append(f"the flow exited with rc {rc}; the driver resumed it")
+    ctx.run.wait_gone()
+    ctx.run.resume()
+    return False
+
+
+def recover(ctx: Ctx, t0: float, old_trainer: int | None) -> tuple[float | None, int, str]:
+    """(seconds from t0 to the first step recorded after the fault or None, fewest rows seen, notes)."""
+    run, notes, resumes = ctx.run, [], 0
+    low = run.progress()[0]
+    t_ref = None if old_trainer else time.time()
+    while time.monotonic() - t0 < RECOVER_S and resumes <= MAX_DRIVER_RESUMES:
+        if run.cli.poll() is not None:
+            resumes += 1
+            if _restart_if_stopped(ctx, notes):
+                return time.monotonic() - t0, low, "; ".join(notes + ["the run finished"])
+        if t_ref is None and (pid := component_pid(run.cli.pid, "trainer")) and pid != old_trainer:
+            t_ref = time.time()
+        rows, last = run.progress()
+        low = min(low, rows)
+        if t_ref is not None and last > t_ref:
+            return time.monotonic() - t0, low, "; ".join(notes)
+        time.sleep(0.5)
+    return None, low, "; ".join(notes + ["NOT recovered"])
+
+
+def inject(ctx: Ctx, kind: str, t_start: float) -> FaultRecord:
+    run = ctx.run
+    if not run.out.startswith("s3://"):
+        ctx.snapshots.update(committed_rollouts(Path(run.out)))
+    before, _ = run.progress()
+    old_trainer = component_pid(run.cli.pid, "trainer")
+    t0 = time.monotonic()
+    note, restarts = injector(kind)(ctx)
+    recover_s, low, more = recover(ctx, t0, old_trainer if restarts else None)
+    if recover_s is None:
+        ctx.problems.append(f"{kind} at {t0 - t_start:.0f} s was not recovered in {RECOVER_S:.0f} s")
+    rolled_back = max(0, before - low)
+    note = f"{note}; {more}" if more else note
+    return FaultRecord(kind, round(t0 - t_start, 1), recover_s and round(recover_s, 1), rolled_back, note)
+
+
+def _wait_steps(ctx: Ctx, steps: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while ctx.run.progress()[0] < steps and time.monotonic() < deadline:
+        if ctx.run.cli.poll() is not None and _restart_if_stopped(ctx, []):
+            return
+        time.sleep(0.5)
+
+
+def soak(ctx: Ctx, kinds: list[str], quick: bool, deadline: float, max_steps: int) -> list[FaultRecord]:
+    """Faults one after the other until `deadline` (monotonic) or, quick, one of each class; never in the last
+    few steps (a fault must have a step after it to recover into)."""
+    t_start, records = time.monotonic(), []
+    _wait_steps(ctx, 2, 600)
+    todo = plan(ctx, kinds, quick) if quick else []
+    while (todo if quick else time.monotonic() < deadline) and ctx.run.cli.poll() is None:
+        time.sleep(ctx.rng.uniform(1.0, 4.0))  # somewhere into the next step or two
+        if ctx.run.progress()[0] >= max_steps - 3:
+            break
+        kind = todo.pop(0) if quick else plan(ctx, kinds, False)[0]
+        records.append(inject(ctx, kind, t_start))
+    return records
+
+
+def finish(ctx: Ctx, max_steps: int, timeout_s: float) -> None:
+    """Carry the run to its end (resuming it when it stops with an error), bounded by `timeout_s`."""
+    deadline, notes = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline and len(notes) <= MAX_DRIVER_RESUMES:
+        if ctx.run.cli.poll() is not None and _restart_if_stopped(ctx, notes):
+            break
+        time.sleep(0.5)
+    else:
+        ctx.problems.append(f"the run did not finish its {max_steps} steps in {timeout_s:.0f} s ({notes})")
+    ctx.problems.extend(f"at the end: {n}" for n in notes)
