@@ -33,6 +33,17 @@ SEGMENTS: list[tuple[Segment, float]] = [
 QUICK: list[tuple[Segment, float]] = [(functools.partial(segments.dense_local, quick=True), 1.0)]
 
 
+def _run_segment(segment: Segment, workdir: Path, seed: int, minutes: float) -> SegmentResult:
+    """A segment that crashes is a finding of the report, not the end of the other segments."""
+    t0 = time.monotonic()
+    try:
+        return segment(workdir, seed, minutes)
+    except Exception as exc:  # noqa: BLE001 - any crash is reported, with its type and message
+        name = getattr(segment, "__name__", None) or getattr(getattr(segment, "func", None), "__name__", "segment")
+        problem = f"the segment crashed: {type(exc).__name__}: {exc}"
+        return SegmentResult(name, "-", 0, round(time.monotonic() - t0, 1), problems=[problem], seed=seed)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.soak", description=__doc__.splitlines()[0])
     length = p.add_mutually_exclusive_group()
@@ -55,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, (segment, share) in enumerate(QUICK if args.quick else SEGMENTS):
             workdir = args.out / f"segment-{i}"
             workdir.mkdir(parents=True, exist_ok=True)
-            result = segment(workdir.resolve(), args.seed + i, minutes * share)
+            result = _run_segment(segment, workdir.resolve(), args.seed + i, minutes * share)
             results.append(result)
             print(f"{result.name}: {len(result.faults)} faults, {len(result.problems)} problems", flush=True)
     (args.out / "results.json").write_text(json.dumps([r.to_json() for r in results], indent=1))

@@ -115,7 +115,7 @@ def second_resume(ctx: Ctx) -> tuple[str, bool]:
     if done.returncode == 0:
         ctx.problems.append("a second `rollflow resume` of the live run succeeded: two writers")
         return "NOT refused: it ran", False
-    refused = "already being run" in text or "LeaseHeld" in text
+    refused = any(m in text for m in ("refusing to touch it", "already being run", "LeaseHeld"))
     if not refused:
         ctx.problems.append(f"the second resume failed without the lease refusal: {text[-300:]}")
     return f"refused (rc {done.returncode}, lease held)" if refused else f"failed rc {done.returncode}", False
