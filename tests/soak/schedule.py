@@ -100,11 +100,18 @@ def soak(ctx: Ctx, kinds: list[str], quick: bool, deadline: float, max_steps: in
     _wait_steps(ctx, 2, 600)
     todo = plan(ctx, kinds, quick) if quick else []
     while (todo if quick else time.monotonic() < deadline) and ctx.run.cli.poll() is None:
-        time.sleep(ctx.rng.uniform(1.0, 4.0))  # somewhere into the next step or two
+        # progress between faults (a run that only recovers trains nothing), then a random moment in a step
+        _wait_steps(ctx, ctx.run.progress()[0] + ctx.rng.randint(*((1, 3) if quick else (2, 8))), 120)
+        time.sleep(ctx.rng.uniform(0.0, 1.5))
         if ctx.run.progress()[0] >= max_steps - 3:
             break
         kind = todo.pop(0) if quick else plan(ctx, kinds, False)[0]
         records.append(inject(ctx, kind, t_start))
+        r = records[-1]
+        print(
+            f"  {r.at_s:7.1f}s {r.kind:22} recovered in {r.recover_s}s, {r.rolled_back} rolled back: {r.note}",
+            flush=True,
+        )
     return records
 
 

@@ -48,8 +48,9 @@ S3_FLAGS = ("--storage.timeout_s", "2", "--storage.retry_budget_s", "120", "--st
 
 
 def steps_for(minutes: float) -> int:
-    """Trained steps that outlast `minutes` of faults: ~1 s a step on 2 cores, about half the time recovering."""
-    return max(40, int(minutes * 60 * 0.5))
+    """Trained steps that outlast `minutes` of faults: a fault every ~30 s on 2 cores (~20 s to recover, 2-8 steps of
+    ~1 s between faults), ~5 steps net each, so ~10 steps a minute; a few more, so the run outlasts the schedule."""
+    return max(40, int(minutes * 12))
 
 
 def _api() -> str | None:
