@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import subprocess
@@ -153,6 +154,7 @@ def dense_s3(workdir: Path, seed: int, minutes: float) -> SegmentResult:
     """The dense run with its output_dir on moto S3 behind the FaultProxy; audited on a copy fetched after it."""
     import s3fs
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request otherwise
     profiles = [ROOT / "profiles" / "tiny-cpu.toml", SOAK]
     kinds = ["s3:outage", "s3:outage", "sigkill:flow", "sigkill:tree", "sigkill:trainer"]
     args = (*(a for p in profiles for a in ("@", str(p))), *S3_FLAGS)
