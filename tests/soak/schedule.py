@@ -24,10 +24,11 @@ MAX_DRIVER_RESUMES = 5  # per fault: a run that keeps stopping is a finding, not
 
 
 def plan(ctx: Ctx, kinds: list[str], quick: bool) -> list[str]:
-    """quick: one fault of each class (sigkill, sigstop, ...) with a random target, shuffled; else one random kind
-    per call (the caller draws until its deadline)."""
+    """quick: one fault of each class (sigkill, sigstop, ...) with a random target, shuffled; else every kind once
+    in a seeded random order (the caller draws round after round until its deadline), so a soak long enough for a
+    round covers every kind."""
     if not quick:
-        return [ctx.rng.choice(kinds)]
+        return ctx.rng.sample(kinds, len(kinds))
     classes: dict[str, list[str]] = {}
     for kind in kinds:
         classes.setdefault(kind.split(":")[0], []).append(kind)
@@ -105,7 +106,9 @@ def soak(ctx: Ctx, kinds: list[str], quick: bool, deadline: float, max_steps: in
         time.sleep(ctx.rng.uniform(0.0, 1.5))
         if ctx.run.progress()[0] >= max_steps - 3:
             break
-        kind = todo.pop(0) if quick else plan(ctx, kinds, False)[0]
+        if not todo:  # quick never gets here empty; a long soak starts its next round
+            todo = plan(ctx, kinds, False)
+        kind = todo.pop(0)
         records.append(inject(ctx, kind, t_start))
         r = records[-1]
         print(

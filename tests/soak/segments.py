@@ -50,8 +50,9 @@ S3_FLAGS = ("--storage.timeout_s", "2", "--storage.retry_budget_s", "120", "--st
 
 def steps_for(minutes: float) -> int:
     """Trained steps that outlast `minutes` of faults: a fault every ~30 s on 2 cores (~20 s to recover, 2-8 steps of
-    ~1 s between faults), ~5 steps net each, so ~10 steps a minute; a few more, so the run outlasts the schedule."""
-    return max(40, int(minutes * 12))
+    ~1 s between faults), ~5 steps net each, so ~10 steps a minute; half as many again, so the run outlasts the
+    schedule."""
+    return max(40, int(minutes * 15))
 
 
 def _api() -> str | None:
