@@ -10,7 +10,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 
 
-.PHONY: install run test test-fast test-long lint format bench bench-algorithms clean smollm2 vllm
+.PHONY: install run test test-fast test-long lint format bench bench-algorithms clean smollm2 vllm soak
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PY) -m venv $(VENV)
@@ -70,6 +70,13 @@ bench: install
 # docs/algorithm.md regenerated (48 runs: about 1.5 h on 2 cores; an interrupted run continues where it stopped).
 bench-algorithms: install
 	$(BIN)/python -m tests.bench.algorithms
+
+# The chaos soak (tests/soak/): real runs under a seeded random fault schedule, audited; rewrites
+# docs/reliability.md. Root for the tmpfs it mounts. SOAK_MINUTES of fault injection, then the runs finish.
+SOAK_MINUTES ?= 45
+SOAK_SEED ?= 0
+soak: install
+	$(BIN)/python -m tests.soak --minutes $(SOAK_MINUTES) --seed $(SOAK_SEED) --out outputs/soak
 
 format: install
 	$(BIN)/ruff check --fix .

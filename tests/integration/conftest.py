@@ -60,6 +60,20 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def component_pid(cli_pid: int, name: str) -> int | None:
+    """The pid of the trainer, orchestrator or inference server under the CLI process `cli_pid`, if running."""
+    configs = {"trainer": ("trainer.json", "sft.json"), "orchestrator": ("orchestrator.json",),
+               "inference": ("inference.json",)}[name]  # fmt: skip
+    for config in configs:  # before the RL trainer starts, the warm-up is the trainer
+        for pid in descendants(cli_pid):
+            try:
+                if f"config/{config}" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
 def processes_mentioning(text: str) -> list[str]:
     """Command lines of live (non-zombie) processes that mention `text`."""
     found = []

@@ -2,7 +2,7 @@
 mount namespace with its own slurmd): `rollflow submit` of tests/profiles/netns-3node.toml places inference on
 rfnode1, the 2-rank FSDP2 trainer (one torchrun agent per node, c10d rendezvous and gloo over the namespaces'
 network) and the orchestrator on rfnode2 and rfnode3. Then node loss: a trainer node's every process killed,
-Slurm's requeue, the run resumed; both audited (tests/audit.py). The node-loss run is tests/soak/multinode.py's."""
+Slurm's requeue, the run resumed; both audited (tests/soak/audit.py). The node-loss run is tests/soak/multinode.py's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from tests.audit import nothing_lost_or_duplicated
+from tests.soak.audit import audit_run
 from tests.soak.multinode import LOSS_BUDGET_S, cluster, node_loss_run, squeue, submit, wait_until
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ def test_a_three_node_run_places_components_on_their_nodes_and_passes_the_audit(
     assert "inference on rfnode1, orchestrator on rfnode2, trainer on rfnode2,rfnode3" in text
     assert re.search(r"\[inference\] serving \S+ \(embedded\) on rfnode1:\d+", text), "the engine must bind rfnode1"
     assert "--nodelist=rfnode2,rfnode3" in text and "--rdzv-endpoint rfnode2:" in text
-    assert nothing_lost_or_duplicated(out, 6, {}) == []
+    assert audit_run(out, 6, {}) == []
 
 
 @pytest.mark.long  # ~3.5 min: Slurm holds a requeued job ~2 min before it starts it again

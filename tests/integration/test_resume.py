@@ -13,38 +13,18 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 from conftest import ROOT, TINY, descendants, prefect_cli, processes_mentioning, start_cli
+from conftest import component_pid as _component_pid
 from safetensors.torch import load_file
 
 from storage.runstate import pid_alive
-from tests.audit import committed_rollouts, nothing_lost_or_duplicated
+from tests.soak.audit import audit_run, trained_steps
+from tests.soak.audit import checkpoints as _checkpoints
+from tests.soak.audit import committed_rollouts as _committed_rollouts
 
 pytestmark = pytest.mark.slow
 RESUME = ROOT / "tests" / "profiles" / "resume.toml"
 TARGETS = ("trainer", "orchestrator", "inference", "flow", "tree")
 RL_ARGS = ("rl", "@", str(TINY), "@", str(RESUME))
-
-
-def _checkpoints(out: Path) -> list[int]:
-    root = out / "checkpoints"
-    if not root.exists():
-        return []
-    return sorted(int(p.name[5:]) for p in root.iterdir() if (p / "trainer" / "_manifest.json").exists())
-
-
-_committed_rollouts = committed_rollouts  # its old name, which other tests import from here
-
-
-def _component_pid(cli_pid: int, name: str) -> int | None:
-    configs = {"trainer": ("trainer.json", "sft.json"), "orchestrator": ("orchestrator.json",),
-               "inference": ("inference.json",)}[name]  # fmt: skip
-    for config in configs:  # before the RL trainer starts, the warm-up is the trainer
-        for pid in descendants(cli_pid):
-            try:
-                if f"config/{config}" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                    return pid
-            except OSError:
-                continue
-    return None
 
 
 def _wait_gone(out: Path, timeout_s: float = 30.0) -> None:
@@ -74,10 +54,7 @@ def _kill(cli, out: Path, target: str, log: Path, api: str):
 
 
 def _trained_steps(out: Path) -> int:
-    try:
-        return len((out / "metrics.jsonl").read_text().splitlines())
-    except FileNotFoundError:
-        return 0
+    return len(trained_steps(out))
 
 
 def _wait_for_step(cli, out: Path, step: int, timeout_s: float = 180.0) -> None:
@@ -102,8 +79,8 @@ def _wait_for_progress(cli, out: Path, after: list[int], timeout_s: float = 120.
 
 
 def _assert_nothing_lost_or_duplicated(out: Path, max_steps: int, snapshots: dict[int, str]) -> None:
-    problems = nothing_lost_or_duplicated(out, max_steps, snapshots)
-    assert not problems, problems
+    problems = audit_run(out, max_steps, snapshots)  # tests/soak/audit.py: the soak's audit too
+    assert problems == [], problems
 
 
 # `make test-long` only (three seeds: other kill targets and times); `make test` keeps the exact kill-and-resume

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.audit import committed_rollouts, nothing_lost_or_duplicated
+from tests.soak.audit import audit_run, committed_rollouts
 from tests.soak.record import FaultRecord, SegmentResult
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,7 +126,7 @@ def node_loss_run(workdir: Path, seed: int, losses: int, max_steps: int) -> Segm
         result.faults.append(lose_node(out, job_id, rng.choice(TRAINER_NODES), t0))
     wait_until(f"Slurm job {job_id} done", lambda: not squeue(job_id), 300, every_s=1)
     result.wall_s = round(time.monotonic() - t0, 1)
-    result.problems += nothing_lost_or_duplicated(out, max_steps, snapshots)
+    result.problems += audit_run(out, max_steps, snapshots)
     return result
 
 

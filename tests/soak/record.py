@@ -32,6 +32,8 @@ class SegmentResult:
     problems: list[str] = field(default_factory=list)  # the audit's findings; empty: it passed
     rss_mb: dict[str, tuple[float, float]] = field(default_factory=dict)  # process -> (first, last) sample
     fault_free_wall_s: float | None = None  # the same run without faults, when measured
+    rss_slope_kb_per_step: dict[str, float] = field(default_factory=dict)  # process -> RSS growth per trained step
+    seed: int | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
