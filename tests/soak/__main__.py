@@ -18,17 +18,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.soak import segments
+from tests.soak import multinode, ranks, segments, slurm
 from tests.soak.record import SegmentResult
 from tests.soak.report import write_report
 
 Segment = Callable[[Path, int, float], SegmentResult]
 # (callable, share of the minutes); the dense local segment carries most of the faults
 SEGMENTS: list[tuple[Segment, float]] = [
-    (segments.dense_local, 0.55),
-    (segments.dense_s3, 0.2),
-    (segments.moe, 0.125),
-    (segments.multiturn, 0.125),
+    (segments.dense_local, 0.45),
+    (segments.dense_s3, 0.17),
+    (segments.moe, 0.1),
+    (segments.multiturn, 0.1),
+    (ranks.segment, 0.07),  # two gloo trainer ranks: a killed rank, a stopped one (a hung collective)
+    (slurm.segment, 0.02),  # the real one-node Slurm: a preemption and a walltime (its run has a minimum length)
+    (multinode.node_loss_segment, 0.09),  # the network-namespace cluster: a trainer node lost
 ]
 QUICK: list[tuple[Segment, float]] = [(functools.partial(segments.dense_local, quick=True), 1.0)]
 
