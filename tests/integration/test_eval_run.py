@@ -126,7 +126,15 @@ def test_a_stopped_evaluation_server_is_restarted_and_the_result_is_unchanged(tm
     serves the remaining chunks, and the rows equal an uninterrupted evaluation's."""
     run = make_run(tmp_path / "run")
     slow = ("--eval.requests-in-flight", "1", "--eval.num-tasks", "12")
-    stall = ("--restart.stall.inference-s", "5", "--restart.stall.heartbeat-s", "0.5")
+    # startup-s: a server stopped before its counter first moved is judged by the startup timeout
+    stall = (
+        "--restart.stall.inference-s",
+        "5",
+        "--restart.stall.heartbeat-s",
+        "0.5",
+        "--restart.stall.startup-s",
+        "60",
+    )
     full = subprocess.run(
         cli_argv(*_argv(run, *slow, "--eval.name", "full")), cwd=tmp_path,
         env=cli_env(prefect_api), capture_output=True, text=True, timeout=300,
