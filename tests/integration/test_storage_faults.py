@@ -138,7 +138,9 @@ def _cli(out: str, cwd: Path, api_url: str, *extra: str, env_extra: dict | None 
 FAULT_FLAGS = ["--storage.timeout_s", "1.0", "--storage.retry_base_s", "0.05", "--storage.retry_max_backoff_s", "0.5"]
 
 
+# `make test-long`: the soak's S3 segment (`make soak`) rides out longer outages in a longer run
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_run_survives_transient_storage_faults(proxy, tmp_path, prefect_api):
     out = _url("flaky-run")
     proxy.fail_every(25, "503", "reset", "503", "stall")
