@@ -62,3 +62,17 @@ def test_duplicated_and_stale_samples_and_a_rewritten_step_are_found(tmp_path):
     assert any("duplicated sample ids" in p for p in problems), problems
     assert any("staleness outside 0..2: [3]" in p for p in problems), problems
     assert any("rollout step 1 was committed twice" in p for p in problems), problems
+
+
+def test_the_report_rewrites_its_tables_and_keeps_the_hand_written_part(tmp_path):
+    from tests.soak.record import FaultRecord, SegmentResult
+    from tests.soak.report import KEPT_MARKER, write_report
+
+    doc = tmp_path / "reliability.md"
+    doc.write_text(f"# old tables\n\n{KEPT_MARKER}\n\n## What is not covered\n\nkept words\n")
+    faults = [FaultRecord("sigkill:trainer", 10.0, 12.5, 1), FaultRecord("sigkill:trainer", 50.0, 7.5, 0)]
+    result = SegmentResult("dense-local", "tiny", 40, 100.0, faults=faults)
+    write_report([result], "make soak", 1, 600.0, doc)
+    text = doc.read_text()
+    assert "old tables" not in text and text.endswith("kept words\n") and text.count(KEPT_MARKER) == 1
+    assert "| sigkill:trainer | 2 | 2 | 10.0 | 12.5 | 1, 1 |" in text
