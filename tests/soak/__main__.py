@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("outputs/soak"))
     p.add_argument("--no-report", action="store_true", help="do not rewrite docs/reliability.md")
     args = p.parse_args(argv)
-    # --steps: the minutes that give the dense segment N steps (segments.steps_for: ~15 steps a minute)
-    minutes = args.minutes if args.steps is None else args.steps / (15 * SEGMENTS[0][1])
+    # --steps: the minutes that give the dense segment N steps (segments.steps_for: 40 steps a minute)
+    minutes = args.minutes if args.steps is None else args.steps / (40 * SEGMENTS[0][1])
     from prefect.testing.utilities import prefect_test_harness
 
     results, t0 = [], time.monotonic()
