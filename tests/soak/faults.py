@@ -72,7 +72,9 @@ def sigstop(ctx: Ctx, target: str) -> tuple[str, bool]:
 
 
 def _newest(out: Path, what: str) -> Path | None:
-    """The file to damage: the newest committed shard, weight publication or checkpoint's weights."""
+    """The file to damage: the newest committed shard, weight publication or checkpoint's weights. A shard only
+    past the newest checkpoint: the restart reads those again (and verifies them); a shard already trained on is
+    never read by the run again, so its damage would be found by nobody but a reader of the lake."""
     parent, sub, pattern = {
         "shard": ("rollouts", "", "part-*.arrow"),
         "publication": ("weights", "", "model.safetensors"),
@@ -80,6 +82,9 @@ def _newest(out: Path, what: str) -> Path | None:
     }[what]
     dirs = sorted(d / sub if sub else d for d in (out / parent).glob("step=*"))
     committed = [d for d in dirs if (d / "_manifest.json").exists() and list(d.glob(pattern))]
+    if what == "shard":
+        trained = [int(m.parent.parent.name[5:]) for m in (out / "checkpoints").glob("step=*/trainer/_manifest.json")]
+        committed = [d for d in committed if int(d.name[5:]) > max(trained, default=0)]
     return sorted(committed[-1].glob(pattern))[0] if committed else None
 
 
@@ -87,7 +92,7 @@ def corrupt(ctx: Ctx, what: str) -> tuple[str, bool]:
     out = Path(ctx.run.out)
     ctx.run.kill(tree=True)
     victim = _newest(out, what)
-    how = "nothing to corrupt"
+    how = "no committed one past the newest checkpoint: nothing corrupted"
     if victim is not None:
         data = bytearray(victim.read_bytes())
         if ctx.rng.random() < 0.5:
