@@ -2,7 +2,7 @@
 a SIGKILL, a SIGSTOP past the stall timeout, a corrupt newest shard/publication/checkpoint, a second resume, a
 full tmpfs) against a real tiny run, and the audit must pass. The S3 outage, MoE and multi-turn segments run in
 `make soak` only (each costs a run of its own). Measured on the shared 2-core machine (load 4-8 from other
-work) with 60 steps: 176 s and 210 s for the pytest call, of which the soaked run itself 147-186 s; now 40."""
+work) with 60 steps: 176 s and 210 s for the pytest call, of which the soaked run itself 147-186 s."""
 
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ def run_local(name: str, profiles: list[Path], workdir: Path, out: Path, seed: i
               quick: bool, disk: Path | None = None, extra: tuple[str, ...] = ()) -> SegmentResult:  # fmt: skip
     """One local run under the schedule: start, soak, finish, audit; memory sampled throughout."""
     args = tuple(a for p in profiles for a in ("@", str(p))) + extra
-    max_steps = 40 if quick else steps_for(minutes)
+    max_steps = 60 if quick else steps_for(minutes)
     run = Run(workdir, str(out), (*args, "--max-steps", str(max_steps), "--seed", str(seed)), _api(), LocalFileSystem())
     ctx = Ctx(run, random.Random(seed), disk=disk)
     if quick:
