@@ -29,6 +29,7 @@ ENV_GROUP = "rollflow.envs"
 ENVIRONMENTS: dict[str, str] = {
     "reverse-text": "engines.environments.base:reverse_text",
     "sort-letters": "engines.environments.base:sort_letters",
+    "count-shapes": "engines.environments.shapes:count_shapes",  # images (engines/environments/shapes.py)
     "reasoning-gym": "engines.environments.rgym:load",
     "tool-lookup": "engines.environments.tools:tool_lookup",  # multi-turn (engines/environments/episodes.py)
     "long-hop": "engines.environments.longhop:long_hop",  # multi-turn, 20+ turns (long-horizon episodes)

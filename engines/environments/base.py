@@ -9,6 +9,8 @@ A task's `prompt` is the user message; the tokenizer renders it through its chat
 and the character tokenizer's template makes it `<bos><tag>:<payload>=`; the `instruct` style (chat
 models) asks in a sentence. The model's answer ends with its tokenizer's end-of-sequence token.
 
+Tasks may carry images (`Task.images`; the toy visual task is `count-shapes`, engines/environments/shapes.py).
+
 Held-out split: an environment that can be evaluated also has `eval_size` and `eval_task(index)`, a fixed,
 seeded list of tasks that its `sample` never draws (`HeldOut`; `rollflow eval`, docs/evaluation.md). The string
 tasks split their payloads by a hash (one in EVAL_BUCKETS is held out); reasoning-gym holds out its first items.
@@ -32,6 +34,9 @@ class Task:
     env: str
     prompt: str  # the user message (rendered by the tokenizer's chat template)
     answer: str  # the reference completion (without <eos>)
+    # PNG or JPEG bytes, shown before the prompt text in the user message (engines/models/vision.py): the
+    # orchestrator renders [{"type": "image"}] * len(images) + [{"type": "text", "text": prompt}]. Empty: text only.
+    images: tuple[bytes, ...] = ()
 
 
 class EnvironmentRefused(RuntimeError):
