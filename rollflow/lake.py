@@ -6,7 +6,9 @@
     rollflow lake OUTPUT_DIR --export out.jsonl [--steps 3:5] [--env reverse-text] [--min-reward 0.5]
                              [--max-reward 1] [--limit 100]      selected samples, one JSON object a line
     rollflow lake OUTPUT_DIR --plot DIR            reward_by_step.png and staleness.png (+ eval_by_step.png
-                                                   when metrics.jsonl has held-out evaluation rows)
+                                                   when metrics.jsonl has held-out evaluation rows; + samples.png,
+                                                   a contact sheet of samples with their images, rewards and
+                                                   completions, when samples carry images)
     rollflow lake OUTPUT_DIR --verify              also check every weight publication and checkpoint
 
 Only committed steps are read (through their manifests) and every shard is checked against its
@@ -36,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--plot",
         metavar="DIR",
-        help="write reward_by_step.png, staleness.png (eval_by_step.png too with eval rows) into DIR",
+        help="write reward_by_step.png, staleness.png (eval_by_step.png too with eval rows; samples.png, a contact "
+        "sheet, with image samples) into DIR",
     )
     p.add_argument("--verify", action="store_true", help="also check every weight publication and checkpoint file")
     return p

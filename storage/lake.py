@@ -127,8 +127,10 @@ def inspect(output_dir: str) -> dict[str, Any]:
 
     from storage import checkpoints, rollouts
     from storage.fs import CorruptError, get_fs
+    from storage.lake_images import ImageStats
 
     fs, root = get_fs(output_dir)
+    images = ImageStats()
     steps = rollouts.committed_rollout_steps(fs, root)
     errors: list[dict] = []
     by_step: dict[int, dict] = {}
@@ -143,6 +145,7 @@ def inspect(output_dir: str) -> dict[str, Any]:
             errors.append({"path": rollouts.step_path(root, step), "error": str(exc)})
             continue
         schema_versions.add(int(manifest.get("schema_version", 0)))
+        images.add(table)
         rewards = table.column("reward").to_pylist()
         lengths = pc.list_value_length(table.column("completion_ids")).to_pylist()
         versions = table.column("policy_version").to_pylist()
@@ -168,6 +171,7 @@ def inspect(output_dir: str) -> dict[str, Any]:
         "uncommitted_step_dirs": _uncommitted(fs, rollouts.rollouts_root(root), steps),
         "schema_versions": sorted(schema_versions),
         **total.row(),
+        "images": images.report(),
         "by_step": by_step,
         "by_policy_version": {v: by_version[v].row() for v in sorted(by_version)},
         "staleness_histogram": dict(sorted(staleness.items())),
@@ -231,6 +235,10 @@ def render(report: dict[str, Any]) -> str:
         lines.append(_table(["version", "samples", "reward", "length"], rows))
         lines += ["", "staleness (consuming step - 1 - policy_version) -> samples:"]
         lines.append(_table(["staleness", "samples"], [[k, n] for k, n in report["staleness_histogram"].items()]))
+    if report.get("images", {}).get("images"):
+        from storage.lake_images import render_stats
+
+        lines += ["", render_stats(report["images"])]
     w = report["weights"]
     ratio = f", payload ratio {w['payload_ratio']:.3f} of full" if w["payload_ratio"] is not None else ""
     enc = ", ".join(f"{k} {n}" for k, n in sorted(w["encodings"].items()))
@@ -332,9 +340,10 @@ def export(
     """Write the selected committed samples as JSONL to `path` (local path or URL); returns the count.
     A corrupted shard in the selection raises `CorruptError` naming it."""
     from storage.fs import get_fs, write_bytes_atomic
+    from storage.lake_images import jsonable
 
     lines = [
-        json.dumps(row)
+        json.dumps(jsonable(row))
         for _, table in selected(output_dir, steps, env, min_reward, max_reward, limit)
         for row in table.to_pylist()
     ]
@@ -392,7 +401,32 @@ def plot(report: dict[str, Any], out_dir: str) -> list[str]:
     written.append(str(path))
     if report.get("eval"):
         written.append(_plot_eval(plt, report, out / "eval_by_step.png"))
+    if report.get("images", {}).get("images"):
+        sheet = contact_sheet_of(report, str(out / "samples.png"))
+        written += [sheet] if sheet else []
     return written
+
+
+SHEET_STEPS = 4  # steps a contact sheet shows, spread over the run
+SHEET_PER_STEP = 4  # samples with images shown per step
+
+
+def contact_sheet_of(report: dict[str, Any], path: str) -> str | None:
+    """samples.png: the first samples with images of a few steps spread over the run (first and last included),
+    with their rewards and completions; None when those steps hold no image sample."""
+    from storage.lake_images import contact_sheet, with_images
+
+    steps = report["rollout_steps"]
+    picked = sorted({steps[round(i * (len(steps) - 1) / max(1, SHEET_STEPS - 1))] for i in range(SHEET_STEPS)})
+    samples = []
+    for step in picked:
+        for _, table in selected(report["output_dir"], (step, step)):
+            samples += with_images(table, SHEET_PER_STEP)
+    sheet = contact_sheet(samples, columns=SHEET_PER_STEP)
+    if sheet is None:
+        return None
+    sheet.save(path)
+    return path
 
 
 def _plot_eval(plt, report: dict[str, Any], path) -> str:

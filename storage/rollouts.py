@@ -7,6 +7,7 @@ reader goes through the manifest and verifies checksums. Columns are documented 
 
 from __future__ import annotations
 
+import hashlib
 import io
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, get_args, get_origin
@@ -24,7 +25,9 @@ from storage.fs import commit_dir, committed_steps, join, read_manifest, read_ve
 # version-2 shards lack it and read as sampled from the full vocabulary (the trainer scores them so).
 # 4: teacher_logprobs and token_advantages (on-policy distillation); version-3 shards lack them and read as
 # samples without a teacher, every token carrying the sample's `advantage`.
-SCHEMA_VERSION = 4
+# 5: images and image_sha256 (the prompt's images, in prompt order, and their checksums); version-4 shards lack
+# them and read as text-only samples.
+SCHEMA_VERSION = 5
 
 
 class ArrowType:
@@ -88,9 +91,19 @@ class RolloutRow(BaseModel):
     # Per completion token, the advantage the trainer uses (kl_coef * (teacher - sampler logprob) + reward_coef *
     # advantage with a teacher); null: `advantage` on every token.
     token_advantages: list[Float32] | None = None
+    # The prompt's images (PNG or JPEG bytes, in prompt order: the i-th run of image tokens in `prompt_ids` is
+    # image i) and the sha256 of each, which readers check (`verified_images`); null for text-only samples.
+    images: list[bytes] | None = None
+    image_sha256: list[str] | None = None
 
 
-_SCALARS: dict[type, pa.DataType] = {str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_()}
+_SCALARS: dict[type, pa.DataType] = {
+    str: pa.string(),
+    int: pa.int64(),
+    float: pa.float64(),
+    bool: pa.bool_(),
+    bytes: pa.binary(),
+}
 
 
 def _arrow_type(annotation: Any) -> pa.DataType:
@@ -154,6 +167,7 @@ def to_table(rows: Sequence[RolloutRow | Mapping[str, Any]]) -> pa.Table:
     check_routed_experts(table)
     for r in typed:
         check_episode(r)
+        check_images(r)
         for name in ("completion_kept", "teacher_logprobs", "token_advantages"):
             values = getattr(r, name)
             if values is not None and len(values) != len(r.completion_ids):
@@ -176,6 +190,28 @@ def check_episode(row: RolloutRow) -> None:
     turns = row.turn_policy_versions or []
     if len(turns) != len(row.turn_policy_versions_end or []) or not turns:
         raise ValueError(f"{row.sample_id}: turn_policy_versions and turn_policy_versions_end need one entry per turn")
+
+
+def image_digests(images: Sequence[bytes]) -> list[str]:
+    """The `image_sha256` of a row's images."""
+    return [hashlib.sha256(b).hexdigest() for b in images]
+
+
+def check_images(row: RolloutRow) -> None:
+    """A row's images come with one matching checksum each (or neither column)."""
+    verified_images(row.images, row.image_sha256, row.sample_id)
+
+
+def verified_images(images: Sequence[bytes] | None, digests: Sequence[str] | None, where: str) -> list[bytes]:
+    """A row's images (`[]` for a text-only row), after checking each against its `image_sha256`: an image
+    changed in the shard after the orchestrator wrote it raises a ValueError naming the sample and the image."""
+    images, digests = list(images or []), list(digests or [])
+    if len(images) != len(digests):
+        raise ValueError(f"{where}: {len(images)} images but {len(digests)} image_sha256 entries")
+    for i, (data, want) in enumerate(zip(images, image_digests(images), strict=True)):
+        if digests[i] != want:
+            raise ValueError(f"{where}: image {i} ({len(data)} bytes) does not match its image_sha256")
+    return images
 
 
 def metric_means(table: pa.Table) -> dict[str, float]:
