@@ -9,7 +9,7 @@ import hashlib
 import hmac
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from config.vllm import SESSION_HEADER as SESSION_HEADER  # re-exported for the engines
 
@@ -24,6 +24,16 @@ MAX_MESSAGES = 1024  # chat messages per request
 MAX_PROMPT_IDS = 2**20  # token ids in a prompt (the server then refuses what exceeds max_model_len)
 # Temperatures under this sample greedily (as vLLM does): dividing by them overflows the logits to inf
 GREEDY_BELOW = 1e-5
+# Images in a prompt (engines/models/vision.py, which takes these bounds from here): at most MAX_IMAGES, each at
+# most MAX_IMAGE_BYTES encoded, so at most MAX_IMAGE_BASE64 characters of base64 (checked before decoding)
+MAX_IMAGES = 8
+MAX_IMAGE_BYTES = 4 * 2**20
+MAX_IMAGE_BASE64 = 4 * -(-MAX_IMAGE_BYTES // 3)
+CHAT_IMAGES_REFUSED = (
+    "content parts (images) are not taken on /v1/chat/completions: send the prompt's token ids, with each image "
+    "placeholder expanded (engines/models/vision.py `expand`), and the images as base64 in `images` to "
+    "/v1/completions"
+)
 # The admin routes' bearer token: the flow draws one per attempt and gives it to the inference process and
 # the orchestrator through this environment variable (a process without it draws a random one).
 ADMIN_TOKEN_ENV = "ROLLFLOW_ADMIN_TOKEN"
@@ -109,6 +119,11 @@ class CompletionRequest(SamplingFields):
     echo: bool = False  # only false
     best_of: int | None = None  # only n (or unset)
     suffix: str | None = None  # only unset
+    # rollflow extension (vision-language models): base64 of each image's PNG or JPEG bytes, in prompt order; the
+    # prompt is token ids whose image token runs are already expanded, one per image (the server checks them)
+    images: Annotated[list[Annotated[str, Field(max_length=MAX_IMAGE_BASE64)]], Field(max_length=MAX_IMAGES)] | None = (
+        None
+    )
 
     @model_validator(mode="after")
     def _completion_only(self) -> CompletionRequest:
@@ -120,6 +135,10 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix is not supported by the embedded engine")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is returned only without streaming (stream=false)")
+        if self.images and isinstance(self.prompt, str):
+            raise ValueError(
+                "images need a token-id prompt whose image placeholders are expanded (engines/models/vision.py `expand`)"
+            )
         return self
 
 
@@ -127,6 +146,13 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant"]
     content: str
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        if isinstance(content, list):  # OpenAI's content parts: the image route is /v1/completions
+            raise ValueError(CHAT_IMAGES_REFUSED)
+        return content
 
 
 class ChatRequest(SamplingFields):

@@ -55,11 +55,11 @@ class HFCache:
 class HFCausalLM(Publishable, nn.Module):
     hf: Any  # a transformers PreTrainedModel
 
-    def __init__(self, hf_model: Any, cfg: ModelConfig):
+    def __init__(self, hf_model: Any, cfg: ModelConfig, vocab_size: int | None = None):
         super().__init__()
         self.hf = hf_model
         self.cfg = cfg
-        self.vocab_size = int(hf_model.config.vocab_size)
+        self.vocab_size = int(vocab_size or hf_model.config.vocab_size)
 
     def weights_module(self) -> nn.Module:
         return self.hf

@@ -11,6 +11,6 @@ This module is the backend's registration (config/registry.py): import-light, re
 from engines.inference.backend import BackendSpec, Capabilities
 
 BACKEND = BackendSpec(
-    Capabilities(collective_weights=True, routed_experts=True, kept_support=True),
+    Capabilities(collective_weights=True, routed_experts=True, kept_support=True, vision=True),
     create="engines.inference.embedded.backend:create",
 )
