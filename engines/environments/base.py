@@ -22,7 +22,7 @@ import difflib
 import random
 import string
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 from config.envs import EnvSpec
@@ -36,7 +36,8 @@ class Task:
     answer: str  # the reference completion (without <eos>)
     # PNG or JPEG bytes, shown before the prompt text in the user message (engines/models/vision.py): the
     # orchestrator renders [{"type": "image"}] * len(images) + [{"type": "text", "text": prompt}]. Empty: text only.
-    images: tuple[bytes, ...] = ()
+    # Keyword-only: subclasses' own fields (plugins') keep their positions after `answer`.
+    images: tuple[bytes, ...] = field(default=(), kw_only=True)
 
 
 class EnvironmentRefused(RuntimeError):

@@ -83,7 +83,7 @@ class CountShapes:
             background = (rng.randint(0, 60), rng.randint(0, 60), rng.randint(0, 60))
             pngs.append(render(squares, background))
             total += len(squares)
-        return Task(self.name, PROMPT, str(total), tuple(pngs))
+        return Task(self.name, PROMPT, str(total), images=tuple(pngs))
 
     def _split_task(self, rng: random.Random, held_out: bool) -> Task:
         for _ in range(MAX_DRAWS):

@@ -1,8 +1,9 @@
 """Evaluation on the environments' held-out splits, over the inference HTTP API (no torch).
 
     spec (what the samples depend on) -> chunks: per environment, blocks of `block_tasks` task indices
-    -> per task: `eval_task(i)` rendered by the tokenizer, one /v1/completions request for its `n` samples
-       (seed: derive_seed(seed, EVAL_SEED_TAG, crc32(env), i)), rewards by the environment
+    -> per task: `eval_task(i)` rendered by the tokenizer (with its images, engines/orchestrator/prompts.py), one
+       /v1/completions request for its `n` samples (seed: derive_seed(seed, EVAL_SEED_TAG, crc32(env), i)),
+       rewards by the environment; an image prompt over `max_seq_len` is left out (no rows), never cut
     -> each chunk committed as soon as its tasks are in (storage/evals.py), chunks already committed skipped
     -> the summary (engines/orchestrator/eval_metrics.py) from the rows read back, so a resumed evaluation
        summarizes exactly what an uninterrupted one would.
@@ -30,6 +31,7 @@ from engines.environments.episodes import GroupEnvironment, is_multi_turn
 from engines.models.tokenizer import Tokenizer
 from engines.orchestrator.eval_metrics import summarize
 from engines.orchestrator.multiturn import post_completion
+from engines.orchestrator.prompts import Prompts
 from engines.protocol import SESSION_HEADER, CompletionRequest
 from engines.seeds import derive_seed
 from storage import evals
@@ -114,8 +116,10 @@ class Evaluator:
         directory: str,
         session_header: str = SESSION_HEADER,
         progress: Callable[[int], None] | None = None,
+        max_seq_len: int | None = None,
     ):
         self.client, self.limit, self.tok, self.envs, self.spec = client, limit, tok, envs, spec
+        self.prompts = Prompts(tok, max_seq_len, spec["max_new_tokens"])
         self.fs, self.directory, self.session_header = fs, directory, session_header
         self.progress = progress or (lambda _: None)
 
@@ -146,10 +150,15 @@ class Evaluator:
         env = self.envs[chunk.env]
         assert has_held_out(env)
         task = await asyncio.to_thread(_held_out(env).eval_task, index)
-        prompt_ids = self.tok.render_prompt(task.prompt)
+        prompt = self.prompts.render(task, self.spec["n"])
+        if prompt is None:  # an image prompt over max_seq_len, or a bad image: no samples (prompts.py logs it)
+            self.progress(1)
+            return []
+        prompt_ids = prompt.ids
         seed = task_seed(self.spec["seed"], chunk.env, index)
         request = CompletionRequest(
             prompt=prompt_ids,
+            **prompt.request_fields(),
             n=self.spec["n"],
             max_tokens=self.spec["max_new_tokens"],
             temperature=self.spec["temperature"],

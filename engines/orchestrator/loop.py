@@ -50,6 +50,7 @@ from engines.orchestrator.multiturn import EpisodeGroup, post_completion, trunca
 from engines.orchestrator.online_eval import OnlineEval
 from engines.orchestrator.overlong import shaped_rewards
 from engines.orchestrator.pool import GroupPool
+from engines.orchestrator.prompts import Prompt, Prompts
 from engines.orchestrator.teacher import Teacher, check_tokenizer
 from engines.protocol import (
     ADMIN_TOKEN_ENV,
@@ -184,6 +185,7 @@ class Orchestrator:
         self.fs, self.root = sync.fs, sync.root
         self.ocfg = cfg.orchestrator
         self.tok = modeldir.load_tokenizer(modeldir.resolve(cfg.model))
+        self.prompts = Prompts(self.tok, cfg.model.max_seq_len, self.ocfg.max_new_tokens)
         self.mix = EnvMix(cfg.envs, cfg.seed, self.tok.prompt_style)
         self.limit = asyncio.Semaphore(self.ocfg.requests_in_flight)
         self.episodes = EpisodeGroup(
@@ -215,9 +217,12 @@ class Orchestrator:
         if is_multi_turn(env):
             assert isinstance(env, MultiTurnEnvironment)
             return await self.episodes.run(env, task, self.cfg.run.run_id, step, group)
-        prompt_ids = self.tok.render_prompt(task.prompt)
+        prompt = self.prompts.render(task, self.ocfg.group_size)
+        if prompt is None:  # dropped, and counted (prompts.py): the pool draws another group in its place
+            return []
         request = CompletionRequest(
-            prompt=prompt_ids,
+            prompt=prompt.ids,
+            **prompt.request_fields(),  # the images, base64, in prompt order
             n=self.ocfg.group_size,
             max_tokens=self.ocfg.max_new_tokens,
             temperature=self.ocfg.temperature,
@@ -230,12 +235,14 @@ class Orchestrator:
         )
         group_id = rollouts.group_id(step, group)
         response = await post_completion(self.client, self.limit, request, group_id, self.cfg.session_header)
-        return self.score_group(group_id, step, task, prompt_ids, response.choices)
+        return self.score_group(group_id, step, task, prompt, response.choices)
 
     def score_group(
-        self, group_id: str, step: int, task: Task, prompt_ids: list[int], choices: list[CompletionChoice]
+        self, group_id: str, step: int, task: Task, prompt: Prompt, choices: list[CompletionChoice]
     ) -> list[RolloutRow]:
         rewards = [self.mix.reward(task, c.text) for c in choices]
+        images = list(prompt.images) or None
+        digests = rollouts.image_digests(prompt.images) or None
         return [
             RolloutRow(
                 run_id=self.cfg.run.run_id,
@@ -245,7 +252,7 @@ class Orchestrator:
                 env=task.env,
                 policy_version=c.policy_version,
                 policy_version_end=c.policy_version_end,
-                prompt_ids=prompt_ids,
+                prompt_ids=prompt.ids,
                 completion_ids=_required(c.token_ids, "token_ids"),
                 completion_logprobs=_required(c.logprobs, "logprobs").token_logprobs,
                 reward=reward,
@@ -255,6 +262,8 @@ class Orchestrator:
                 completion_text=c.text,
                 routed_experts=c.routed_experts,
                 completion_kept=c.kept_sizes,  # null without truncation (or from a backend that cannot say)
+                images=images,
+                image_sha256=digests,
             )
             for k, (c, reward) in enumerate(zip(choices, rewards, strict=True))
         ]
@@ -274,6 +283,7 @@ class Orchestrator:
             [r.model_copy(update={"step": step}) if r.step != step else r for r in g] for g in taken.groups.values()
         ]
         counts: dict = self.set_advantages(groups)  # before the staleness rule: over whole groups
+        counts |= self.prompts.take_counts()  # prompts with images dropped before any request (prompts.py)
         rows = [row for grp in groups for row in grp]
         if self.teacher is not None:
             counts["teacher_kl"] = self.teacher.set_advantages(rows)
@@ -293,7 +303,8 @@ class Orchestrator:
             f"turns masked {admission.masked_turns}), reward {reward:.3f}, "
             + (f"teacher_kl {counts['teacher_kl']:.4f}, " if counts.get("teacher_kl") is not None else "")
             + f"zero-advantage groups {counts['zero_advantage_groups']}/{len(groups)}, "
-            f"policy versions {dict(sorted(versions.items()))}, "
+            + "".join(f"{k} {counts[k]}, " for k in ("overflow_dropped", "image_refused") if counts.get(k))
+            + f"policy versions {dict(sorted(versions.items()))}, "
             f"gen {gen_s:.2f}s, waited {waited:.2f}s"
         )
 

@@ -68,7 +68,15 @@ class OnlineEval:
         # while it runs the engine is held at `version`: rollouts needing a newer one wait on this, not the trainer
         with heartbeat().waiting_on("inference", f"evaluating version {version}", priority=1):
             summary = await Evaluator(
-                self.client, self.limit, self.tok, self.envs, spec, self.fs, directory, self.cfg.session_header
+                self.client,
+                self.limit,
+                self.tok,
+                self.envs,
+                spec,
+                self.fs,
+                directory,
+                self.cfg.session_header,
+                max_seq_len=self.cfg.model.max_seq_len,
             ).run()
         log.info(
             f"eval of version {version} (engine served {served}, samples from {summary['policy_versions']}): "

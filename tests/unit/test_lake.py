@@ -88,7 +88,8 @@ def test_export_selected_samples_as_jsonl(tmp_path):
 def test_plot_writes_png_charts(tmp_path):
     out = _lake(tmp_path)
     paths = lake.plot(lake.inspect(out), str(tmp_path / "plots"))
-    assert [Path(p).name for p in paths] == ["reward_by_step.png", "staleness.png"]
+    # _rows' samples carry (undecodable) images: the contact sheet shows them as grey squares
+    assert [Path(p).name for p in paths] == ["reward_by_step.png", "staleness.png", "samples.png"]
     for p in paths:
         data = Path(p).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
@@ -160,7 +161,7 @@ def test_eval_rows_of_metrics_are_reported_and_plotted(tmp_path, capsys):
     assert "held-out evaluation (metrics.jsonl) by step:" in printed
     assert printed.rstrip().endswith("4             0.500                -")
     names = sorted(p.name for p in (tmp_path / "plots").iterdir())
-    assert names == ["eval_by_step.png", "reward_by_step.png", "staleness.png"]
+    assert names == ["eval_by_step.png", "reward_by_step.png", "samples.png", "staleness.png"]
     assert (tmp_path / "plots" / "eval_by_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n{"reward_mean"\n')
     assert cli_main(["lake", out]) == lake.EXIT_CORRUPT

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from engines.models import tiny_vlm
+
 ROOT = Path(__file__).resolve().parents[2]
 
 RUN_PATH = r"""
@@ -28,7 +30,7 @@ def check(where):
 
 import engines.orchestrator.loop
 check("import engines.orchestrator.loop")
-for name in ("base", "episodes", "plugins", "tools", "longhop", "rgym", "verifiers_env", "verifiers_client"):
+for name in ("base", "episodes", "plugins", "tools", "longhop", "rgym", "verifiers_env", "verifiers_client", "shapes"):
     __import__(f"engines.environments.{name}")
     check(f"import engines.environments.{name}")
 engines.orchestrator.loop.forbid_torch()  # as main() does: from here on, `import torch` fails
@@ -68,7 +70,9 @@ def run_case(profile, overrides, out):
                                   temperature=1.0)]
         else:
             choices = [choice(tok, "ab"), choice(tok, "c")]
-            scored = orch.score_group(f"g{group}", 1, task, tok.render_prompt(task.prompt), choices)
+            prompt = orch.prompts.render(task)  # with its images expanded, for the vision-language model
+            assert prompt is not None and len(prompt.images) == len(task.images)
+            scored = orch.score_group(f"g{group}", 1, task, prompt, choices)
         rows += with_group_advantages(scored, True)
     rollouts.to_table(rows)
     chat = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}, {"role": "user", "content": "c"}]
@@ -100,6 +104,7 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     base = tmp_path_factory.mktemp("models")
     moe = {"num_experts": 4, "num_experts_per_tok": 2, "qk_norm": True, "hidden_size": 32, "num_layers": 1}
     dirs = {"dense": _publish(base / "dense", hidden_size=32, num_layers=1), "moe": _publish(base / "moe", **moe)}
+    dirs["vlm"] = str(tiny_vlm.write(base / "vlm"))
     # another chat template makes the MoE directory's tokenizer a Hugging Face one (the dense one stays the
     # built-in character tokenizer, as for any publication of the built-in model): both paths run without torch
     config = Path(dirs["moe"]) / "tokenizer_config.json"
@@ -114,6 +119,7 @@ def test_the_orchestrator_process_does_not_import_torch(tmp_path, model_dirs):
         ("profiles/tiny-moe-cpu.toml", []),
         ("profiles/tiny-cpu.toml", [("model.path", model_dirs["dense"])]),
         ("profiles/tiny-cpu.toml", [("model.path", model_dirs["moe"])]),
+        ("profiles/tiny-cpu.toml", [("model.path", model_dirs["vlm"]), ("envs", '[{id = "count-shapes"}]')]),
     ]
     cases = [(p, o, str(tmp_path / f"run{i}")) for i, (p, o) in enumerate(cases)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -138,4 +144,4 @@ def test_the_orchestrator_process_does_not_import_torch(tmp_path, model_dirs):
             chat = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]
             assert seen["chat"] == tok.render_messages([*chat, {"role": "user", "content": "c"}])
             assert seen["decoded"] == tok.decode(tok.encode("hello<eos>"), skip_special=False)
-    assert kinds == [True, False]
+    assert kinds == [True, False, False]

@@ -48,6 +48,8 @@ def _rows(step: int, n: int = 3) -> list[dict]:
                 "completion_kept": [40 - i for i in range(len(completion))] if k else None,
                 "teacher_logprobs": [-1.0 - 0.5 * i for i in range(len(completion))] if k else None,
                 "token_advantages": [0.25 * i - 0.5 for i in range(len(completion))] if k else None,
+                "images": [bytes([k]) * (8 + i) for i in range(k)] or None,  # any bytes: the lake does not decode
+                "image_sha256": rollouts.image_digests([bytes([k]) * (8 + i) for i in range(k)]) or None,
             }
         )
     return rows
