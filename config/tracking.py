@@ -6,6 +6,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from pydantic import Field
+
 from config.base import Strict
 from config.redact import is_redacted, redact_url
 
@@ -16,6 +18,9 @@ class TrackingConfig(Strict):
     mlflow: bool = True
     experiment: str = "rollflow"
     tracking_uri: str | None = None  # default: MLFLOW_TRACKING_URI, else sqlite in the run dir
+    # samples with images logged to MLflow as one contact-sheet PNG, every `image_every` trainer steps (0: never)
+    image_samples: int = Field(2, ge=0, le=16)
+    image_every: int = Field(10, ge=1)
 
 
 def resolve_tracking_uri(

@@ -305,6 +305,8 @@ class RLTrainer:
             self.history.add(step, self.model)
         t3 = time.perf_counter()
         heartbeat().advance(f"published step {step}")
+        if self.dist.is_main:  # a few samples' images, every tracking.image_every steps (engines/trainer/tracking.py)
+            self.tracker.log_samples(step, table, self.cfg.tracking)
         stale = [staleness(step, v) for v in table.column("policy_version").to_pylist()]
         rewards = table.column("reward").to_pylist()
         return {
@@ -326,6 +328,8 @@ class RLTrainer:
             "broadcast_s": broadcast_s,
             "step_s": t3 - t0,
             "gen_s": manifest.get("gen_s"),
+            # image prompts the orchestrator dropped before sampling (engines/orchestrator/prompts.py)
+            **{k: manifest[k] for k in ("overflow_dropped", "image_refused") if k in manifest},
             **rollouts.metric_means(table),
             **rollouts.teacher_kl(table),
         }
