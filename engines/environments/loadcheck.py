@@ -3,10 +3,11 @@
 Data flow: each `[[envs]]` entry -> `plugins.build` + `plugins.smoke` (engines/environments/plugins.py)
 -> a bounded sample of its first-turn prompts (`PROMPT_SAMPLE`): an environment with `preview(n)` (verifiers':
 its taskset's first n tasks, read lazily, never the whole taskset) gives their messages; any other draws n tasks
-from seeded rngs -> each rendered through the chat template by the run's tokenizer -> `EnvFacts` (config/envs.py:
-the longest prompt in tokens, whether the warm-up has demonstrations, what the run draws from). The rules joining
-those facts with other sections (model.max_seq_len, sft.steps) are the run config's (`RunConfig.env_problems`);
-the CLI reports the facts and refuses with every problem at once.
+from seeded rngs -> each rendered through the chat template by the run's tokenizer (a task's images as their image
+tokens, engines/environments/multimodal.py; images for a text-only model are a problem reported here)
+-> `EnvFacts` (config/envs.py: the longest prompt in tokens, whether the warm-up has demonstrations, what the run
+draws from). The rules joining those facts with other sections (model.max_seq_len, sft.steps) are the run
+config's (`RunConfig.env_problems`); the CLI reports the facts and refuses with every problem at once.
 """
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from config.envs import EnvFacts, EnvSpec
-from engines.environments import plugins
+from engines.environments import multimodal, plugins
+from engines.environments.base import EnvironmentRefused, Task
 from engines.environments.episodes import is_multi_turn
 from engines.models.tokenizer import Tokenizer
+from engines.models.vision import ImageError
 from engines.registry import PluginError
 
 PROMPT_SAMPLE = 16  # first-turn prompts measured per environment: bounded, whatever the taskset's size
 
 
-def first_prompts(env: Any, count: int) -> tuple[list[list[dict]], str]:
-    """`count` first-turn conversations of `env` and what its run draws tasks from."""
+def first_prompts(env: Any, count: int) -> tuple[list[list[dict]] | list[Task], str]:
+    """`count` first-turn conversations of `env` (or the tasks they come from) and what its run draws tasks from."""
     preview = getattr(env, "preview", None)
     if callable(preview):
         return preview(count)
@@ -33,14 +36,21 @@ def first_prompts(env: Any, count: int) -> tuple[list[list[dict]], str]:
         tasks = [env.sample(random.Random(f"load-check/{i}")) for i in range(count)]
     except Exception as exc:
         raise PluginError(f"sample(rng) raised {type(exc).__name__}: {exc}") from None
-    return [[{"role": "user", "content": t.prompt}] for t in tasks], f"{count} tasks drawn by sample(rng)"
+    return tasks, f"{count} tasks drawn by sample(rng)"
 
 
 def prompt_lengths(env: Any, tok: Tokenizer, count: int = PROMPT_SAMPLE) -> tuple[list[int], str]:
-    """The token counts of `count` of `env`'s first-turn prompts through the run's chat template."""
-    conversations, drawn = first_prompts(env, count)
+    """The token counts of `count` of `env`'s first-turn prompts through the run's chat template, a task's image
+    placeholders expanded to its images' tokens (engines/environments/multimodal.py)."""
+    drawn_from, drawn = first_prompts(env, count)
+    spec = multimodal.vision_spec(tok)
     try:
-        return [len(tok.render_messages(m)) for m in conversations], drawn
+        return [
+            len(multimodal.prompt_ids(tok, p, spec) if isinstance(p, Task) else tok.render_messages(p))
+            for p in drawn_from
+        ], drawn
+    except (EnvironmentRefused, ImageError) as exc:
+        raise PluginError(str(exc)) from None
     except Exception as exc:
         raise PluginError(
             f"rendering its prompt through the chat template raised {type(exc).__name__}: {exc}"

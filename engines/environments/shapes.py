@@ -10,8 +10,12 @@ trainer reports per image count).
            a size, a position inside its quadrant and a colour, on a dark background of its own colour
         -> PNG bytes (PIL, deterministic for the same draws) -> Task(prompt "count", answer "<n>", images)
 
-Reward: 1 for the exact count, else partial credit 1 - |guess - n| / (4 * images) (0 for no digit), so a policy
-that is off by one still earns more than one that is far off: RL has a gradient before the answers are exact.
+Reward: 1 for the exact count, else partial credit max(0, 1 - |guess - n| / credit) (0 for no digit; `credit` 2
+by default: off by one earns 0.5), so a policy that is off by one still earns more than one that is far off and
+RL has a gradient before the answers are exact. Measured with the tiny Qwen3-VL (engines/models/tiny_vlm.py,
+frozen encoder, AdamW 3e-3, 32 tasks a step, supervised on the answer): held-out exact 0.27 after 50 steps,
+0.65 after 200, 0.80 after 250 (one image); two images 0.17, 0.30, 0.49 after 50, 200, 300 steps: a short
+warm-up leaves room for RL.
 Held-out split: a task whose images hash (CRC-32 of the PNG bytes) into bucket 0 of EVAL_BUCKETS is held out;
 `sample` redraws those, `eval_task(i)` draws only them, as the string tasks do (engines/environments/base.py).
 """
@@ -75,6 +79,7 @@ class CountShapes:
     min_size: int = 8
     max_size: int = 20
     eval_size: int = 200
+    credit: int = 2
 
     def _draw(self, rng: random.Random) -> Task:
         pngs, total = [], 0
@@ -103,19 +108,27 @@ class CountShapes:
         if not text.isdigit():
             return 0.0
         miss = abs(int(text) - int(task.answer))
-        return 1.0 if miss == 0 else max(0.0, 1.0 - miss / (4 * self.images))
+        return max(0.0, 1.0 - miss / self.credit)
 
 
 def count_shapes(
-    images: int = 1, min_size: int = 8, max_size: int = 20, eval_size: int = 200, prompt_style: str = "tag"
+    images: int = 1,
+    min_size: int = 8,
+    max_size: int = 20,
+    eval_size: int = 200,
+    credit: int = 2,
+    prompt_style: str = "tag",
 ) -> Environment:
     """The `count-shapes` plugin: count the filled squares in `images` 64 x 64 images (1 or 2), squares of
-    `min_size`..`max_size` pixels; `eval_size` held-out tasks. The prompt is `count` in either prompt style."""
+    `min_size`..`max_size` pixels; `eval_size` held-out tasks; a guess `credit` or more off earns 0, closer ones
+    partial credit. The prompt is `count` in either prompt style."""
     if not (isinstance(images, int) and 1 <= images <= MAX_IMAGES):
         raise ValueError(f"images={images!r}; need 1..{MAX_IMAGES} (the answer is one digit)")
     if not (isinstance(min_size, int) and isinstance(max_size, int) and 2 <= min_size <= max_size <= QUADRANT - 2):
         raise ValueError(f"need integers 2 <= min_size <= max_size <= {QUADRANT - 2}, got {min_size}, {max_size}")
     if not (isinstance(eval_size, int) and eval_size > 0):
         raise ValueError(f"eval_size={eval_size!r}; need a positive integer (the held-out tasks)")
+    if not (isinstance(credit, int) and credit >= 1):
+        raise ValueError(f"credit={credit!r}; need an integer >= 1 (1: exact answers only)")
     del prompt_style  # one prompt for both styles: the char vocabulary spells `count` either way
-    return CountShapes("count-shapes", images, min_size, max_size, eval_size)
+    return CountShapes("count-shapes", images, min_size, max_size, eval_size, credit)

@@ -3,6 +3,7 @@
     Task(prompt, images=()) -> tok.render_prompt(prompt)                                  (text: as always)
     Task(prompt, images)    -> tok.render_messages([{user: [{"type": "image"}] * n + [{"type": "text", ...}]}])
                             -> vision.expand(ids, sizes, spec): each placeholder widened to its image's tokens
+                               (engines/environments/multimodal.py, which the load check measures with too)
                             -> Prompt(ids, images) -> CompletionRequest(prompt=ids, images=base64 of each)
 
 Multimodal-safe truncation: a prompt with images is never cut. One whose ids plus `max_new_tokens` would
@@ -17,16 +18,14 @@ a vision encoder are refused (EnvironmentRefused): every restart would draw them
 from __future__ import annotations
 
 import base64
-import json
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
+from engines.environments import multimodal
 from engines.environments.base import EnvironmentRefused, Task
-from engines.models import vision
 from engines.models.tokenizer import Tokenizer
-from engines.models.vision import ImageError, VisionSpec
+from engines.models.vision import ImageError
 
 log = logging.getLogger("rollflow.orchestrator")
 
@@ -44,27 +43,13 @@ class Prompt:
         return {"images": [base64.b64encode(b).decode() for b in self.images]} if self.images else {}
 
 
-def vision_spec(directory: str | Path | None) -> VisionSpec | None:
-    """The image token layout of a vision-language model directory (its config.json has a vision_config);
-    None for the built-in model and for text-only models."""
-    if directory is None or not (Path(directory) / "config.json").is_file():
-        return None
-    config = json.loads((Path(directory) / "config.json").read_text())
-    return VisionSpec.from_directory(directory) if isinstance(config, dict) and "vision_config" in config else None
-
-
-def user_message(task: Task) -> dict:
-    """The task as one user message: its images first, then its text (OpenAI-style content parts)."""
-    return {"role": "user", "content": [{"type": "image"}] * len(task.images) + [{"type": "text", "text": task.prompt}]}
-
-
 class Prompts:
     """Renders tasks for one model. `max_seq_len` None: no overflow check (the server's own 400 applies).
     `counts` gathers the drops until `take_counts` hands them to the step that commits next."""
 
     def __init__(self, tok: Tokenizer, max_seq_len: int | None, max_new_tokens: int):
         self.tok, self.max_seq_len, self.max_new_tokens = tok, max_seq_len, max_new_tokens
-        self.spec = vision_spec(getattr(tok, "directory", None))
+        self.spec = multimodal.vision_spec(tok)
         self.counts: Counter[str] = Counter()
         self.streak = 0
 
@@ -72,24 +57,11 @@ class Prompts:
         """The prompt of `task`, or None: dropped, its `samples` counted (see the module docstring)."""
         if not task.images:
             return Prompt(self.tok.render_prompt(task.prompt))
-        if self.spec is None:
-            where = getattr(self.tok, "directory", None) or "the built-in model"
-            raise EnvironmentRefused(
-                f"environment {task.env!r} draws tasks with images, but {where} is not a vision-language model "
-                "(its config.json has no vision_config): set model.path to one (docs/models.md, Images)"
-            )
         try:
-            sizes = [vision.image_size(b, f"{task.env} image {i}") for i, b in enumerate(task.images)]
-            if len(sizes) > vision.MAX_IMAGES:
-                raise ImageError(f"{len(sizes)} images in one prompt, over the limit of {vision.MAX_IMAGES}")
+            ids = multimodal.prompt_ids(self.tok, task, self.spec)
         except ImageError as exc:
             self._drop("image_refused", samples, f"{exc}")
             return None
-        ids = self.tok.render_messages([user_message(task)])
-        try:
-            ids = vision.expand(ids, sizes, self.spec)
-        except ImageError as exc:  # the chat template does not write one placeholder per image: every task would fail
-            raise EnvironmentRefused(f"the model's chat template cannot render images: {exc}") from None
         if self.max_seq_len is not None and len(ids) + self.max_new_tokens > self.max_seq_len:
             why = f"{len(ids)} prompt tokens + max_new_tokens {self.max_new_tokens}"
             why += f" > model.max_seq_len {self.max_seq_len}"

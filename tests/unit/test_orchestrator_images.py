@@ -104,3 +104,15 @@ def test_bad_images_are_counted_text_models_refuse_and_endless_drops_stop(vlm_di
         assert tight.render(good) is None
     with pytest.raises(EnvironmentRefused, match=f"{MAX_DROP_STREAK} prompts with images in a row"):
         tight.render(good)
+
+
+def test_the_load_check_measures_image_prompts_with_their_image_tokens(vlm_dir):
+    from config.envs import EnvSpec
+    from engines.environments import loadcheck
+
+    specs = [EnvSpec(id="count-shapes"), EnvSpec(id="count-shapes", name="two", args={"images": 2})]
+    facts, problems = loadcheck.inspect(specs, ["p.toml", "p.toml"], "tag", HFTokenizer(vlm_dir))
+    # <bos> + per image (start, 4 image tokens, end) + "count" + "=": what the orchestrator sends
+    assert not problems and [f.longest_prompt for f in facts] == [13, 19]
+    facts, problems = loadcheck.inspect(specs[:1], ["p.toml"], "tag", CharTokenizer())
+    assert not facts and "not a vision-language model" in problems[0]
