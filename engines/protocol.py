@@ -136,9 +136,7 @@ class CompletionRequest(SamplingFields):
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is returned only without streaming (stream=false)")
         if self.images and isinstance(self.prompt, str):
-            raise ValueError(
-                "images need a token-id prompt whose image placeholders are expanded (engines/models/vision.py `expand`)"
-            )
+            raise ValueError("images need a token-id prompt whose image placeholders are expanded (vision.py `expand`)")
         return self
 
 

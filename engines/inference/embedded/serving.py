@@ -1,7 +1,7 @@
 """The embedded engine's side of a generation: an OpenAI request in, the engine's completions out.
 
 A request (engines/protocol.py, checked by the front end) is checked against the model and turned into an
-engine `Request` (its token limit, its stop strings as a check the engine runs after each token); the
+engine `Request` (its token limit, its stop strings as a check the engine runs after each token, its images); the
 completions come back as one response body, or, with `stream=true`, as stream chunks: one per new piece
 of a choice's text, each choice's last chunk with its finish_reason and policy versions, and an optional
 usage chunk (the front end frames them and adds `[DONE]`). Text is decoded incrementally (`Detokenizer`: a
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from engines import protocol as api
 from engines.inference.backend import BackendError, Generation
 from engines.inference.embedded.engine import Completion, Engine, Request, TokenEvents
+from engines.models.vision import image_runs
 
 
 def cut(text: str, stops: list[str]) -> tuple[str, str | None]:
@@ -125,6 +126,8 @@ class Serving:
             problem = f"n={body.n} exceeds the engine's max_batch_size {self.engine.max_batch_size}"
         elif (body.min_tokens or 0) > limit:
             problem = f"min_tokens ({body.min_tokens}) exceeds max_tokens ({limit})"
+        elif not gen.images and (spec := getattr(self.engine.model, "vision_spec", None)) and image_runs(ids, spec):
+            problem = "the prompt has image tokens but no images (send them in `images` on /v1/completions)"
         if problem:
             raise BackendError(400, problem)
         temperature = body.temperature if body.temperature >= api.GREEDY_BELOW else 0.0
@@ -132,7 +135,7 @@ class Serving:
             ids, body.n, limit, temperature, body.seed, top_k=max(body.top_k or 0, 0), top_p=body.top_p or 1.0,
             min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos), stop=stop_check(self.tok, body.stops()),
             top_logprobs=_top_k(body), kept_sizes=bool(body.return_kept_sizes),
-            prompt_logprobs=getattr(body, "prompt_logprobs", None),
+            prompt_logprobs=getattr(body, "prompt_logprobs", None), images=gen.images,
         )  # fmt: skip
         return Prepared(body, ids, request, gen.chat, gen.id, gen.created)
 
