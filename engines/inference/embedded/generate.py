@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +40,7 @@ from engines.inference.embedded.sampling import sample, truncate_kept
 from engines.models.decoder import CausalLM
 from engines.models.moe import Routing
 from engines.models.vision import VisionInputs, digest, pixel_inputs
-from engines.models.vlm import is_vision
+from engines.models.vlm import HFVisionLM, is_vision
 
 
 @dataclass
@@ -249,7 +249,7 @@ class Decoder:
         self.alternatives: dict[int, int] = {}  # origin -> how many top logprobs it records, for rows that do
         self.kept_rows: set[int] = set()  # origins that record their tokens' kept support sizes
         # a vision-language model's image token is never sampled (see the module docstring)
-        self.image_token = model.vision_spec.image_token_id if is_vision(model) else None
+        self.image_token: int | None = cast(HFVisionLM, model).vision_spec.image_token_id if is_vision(model) else None
 
     @property
     def live(self) -> int:
@@ -326,7 +326,7 @@ class Decoder:
             positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
             every = self.model(ids, positions, mask, cache, routing)
         else:
-            positions = self.model.mrope_positions(ids, valid, vision)
+            positions = cast(HFVisionLM, self.model).mrope_positions(ids, valid, vision)
             every = self.model(ids, positions, mask, cache, routing, vision=vision)
             positions = positions[0]
         logits = every[:, -1]
