@@ -1,6 +1,7 @@
 """The inference HTTP API on a tiny Qwen3-VL (real HTTP on 127.0.0.1, the embedded backend in this process):
-images on /v1/completions are decoded, checked and sampled with, and a bad image, too many, a prompt whose image
-tokens do not match its images or a text-only model are each a 400 naming the problem, for that request alone."""
+images on /v1/completions (base64) and in chat content parts (data URLs) are decoded, checked and sampled with,
+and a bad image, too many, a prompt whose image tokens do not match its images or a text-only model are each a
+400 naming the problem, for that request alone."""
 
 from __future__ import annotations
 
@@ -90,9 +91,10 @@ def test_bad_images_are_400s_for_that_request_alone(vlm):
         assert r.status_code == 400 and needle in r.json()["error"]["message"], (needle, r.text)
     no_images = client.post("/v1/completions", json={"prompt": prompt("ok", [red]), "max_tokens": 4})
     assert no_images.status_code == 400 and "do not match" in no_images.text, no_images.text
-    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(red)}}, {"type": "text"}]
-    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": parts}]})
-    assert chat.status_code == 400 and "/v1/completions" in chat.text, chat.text
+    chat = client.post("/v1/chat/completions", json={"messages": [user(image_part("https://example.com/a.png"))]})
+    assert chat.status_code == 400 and "must be a data URL" in chat.text, chat.text
+    chat = client.post("/v1/chat/completions", json={"messages": [user(image_part(DATA + "AAAA"))]})
+    assert chat.status_code == 400 and "images[0]: not a readable image" in chat.text, chat.text
     assert running.is_alive(), "the good request ended before the bad ones were answered: nothing was shared"
     print(f"the refusals took {time.monotonic() - t0:.2f} s while the good request ran")
     running.join(timeout=120)
@@ -105,6 +107,34 @@ def test_bad_images_are_400s_for_that_request_alone(vlm):
         assert gap < 1e-5, gap
 
 
+DATA = "data:image/png;base64,"
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def user(*parts: dict) -> dict:
+    return {"role": "user", "content": list(parts)}
+
+
+def test_chat_content_parts_with_images_render_as_the_completions_prompt(vlm):
+    """OpenAI content parts: the chat template writes each image's placeholder, the server widens it to the
+    image's tokens; the prompt is the one the orchestrator sends to /v1/completions, sampled with its images."""
+    client, model = vlm
+    red, green = png("red"), png("green", (96, 64))
+    parts = [image_part(DATA + b64(red)), image_part(DATA + b64(green)), {"type": "text", "text": "two"}]
+    body = {"messages": [user(*parts)], "max_tokens": 6, "logprobs": True, "return_token_ids": True, "seed": 1}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["prompt_token_ids"] == prompt("two", [red, green])
+    tokens = out["choices"][0]["token_ids"]
+    ref = reference_logprobs(model, out["prompt_token_ids"], [red, green], tokens)
+    got = [lp["logprob"] for lp in out["choices"][0]["logprobs"]["content"]]
+    assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) < 1e-5
+
+
 def test_a_text_only_model_refuses_images():
     torch.manual_seed(0)
     tok = CharTokenizer()
@@ -115,3 +145,11 @@ def test_a_text_only_model_refuses_images():
         r = client.post("/v1/completions", json=body)
         assert r.status_code == 400 and "text-only" in r.json()["error"]["message"], r.text
         assert client.post("/v1/completions", json={**body, "images": None}).status_code == 200
+        chat = {"messages": [user(image_part(DATA + b64(png("red"))), {"type": "text", "text": "a"})], "max_tokens": 2}
+        r = client.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 400 and "text-only" in r.json()["error"]["message"], r.text
+        chat["messages"] = [user({"type": "text", "text": "a"}, {"type": "text", "text": "b"})]
+        r = client.post("/v1/chat/completions", json={**chat, "return_token_ids": True})  # text parts: text
+        assert r.status_code == 200 and r.json()["prompt_token_ids"] == tok.render_messages(
+            [{"role": "user", "content": "ab"}]
+        )
