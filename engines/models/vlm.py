@@ -88,8 +88,8 @@ class HFVisionLM(HFCausalLM):
             attention_mask=mask,
             past_key_values=cache.inner if cache is not None else None,
             use_cache=cache is not None,
-            pixel_values=None if vision is None else vision.pixel_values.to(self._dtype()),
-            image_grid_thw=None if vision is None else vision.grid_thw,
+            pixel_values=None if vision is None else vision.pixel_values.to(input_ids.device, self._dtype()),
+            image_grid_thw=None if vision is None else vision.grid_thw.to(input_ids.device),
         )
         if cache is not None:
             cache.length += input_ids.shape[1]
