@@ -11,12 +11,8 @@ to the same ids. `HFTokenizer` wraps the tokenizer of a model directory (engines
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from engines.models.vision import VisionSpec
+from typing import Any, Protocol
 
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 :=.,!?-_")
@@ -88,16 +84,6 @@ def render_conversation(tok: Tokenizer, messages: list[dict]) -> tuple[list[int]
 def image_message(prompt: str, images: int) -> dict:
     """The user message of a task with images: the images first, then the prompt text (OpenAI-style parts)."""
     return {"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": prompt}]}
-
-
-def render_image_prompt(tok: Tokenizer, prompt: str, images: Sequence[bytes], spec: VisionSpec) -> list[int]:
-    """A task's prompt ids with its images: the message through the chat template (one placeholder per image),
-    each placeholder widened to its image's token count (`vision.expand`); ImageError for a bad image."""
-    from engines.models import vision
-
-    ids = tok.render_messages([image_message(prompt, len(images))])
-    sizes = [vision.image_size(data, f"image {i}") for i, data in enumerate(images)]
-    return vision.expand(ids, sizes, spec)
 
 
 def _compiled(template: str) -> Any:

@@ -26,8 +26,8 @@ from config.tracking import resolve_tracking_uri
 from engines.environments.base import EnvMix
 from engines.environments.episodes import demonstration_ids, is_multi_turn
 from engines.heartbeat import heartbeat
-from engines.models import lora, modeldir
-from engines.models.tokenizer import Tokenizer, render_image_prompt
+from engines.models import lora, modeldir, vision
+from engines.models.tokenizer import Tokenizer, image_message
 from engines.models.vision import VisionSpec, pixel_inputs
 from engines.models.vlm import is_vision
 from engines.trainer import checkpoint, distributed, expert_parallel, parallel
@@ -74,6 +74,13 @@ def demonstration(mix: EnvMix, tok: Tokenizer, key: str, spec: VisionSpec | None
     prompt = render_image_prompt(tok, task.prompt, images, spec) if images and spec else tok.render_prompt(task.prompt)
     seq = prompt + tok.encode(task.answer, bos=False) + [tok.eos_id]
     return Sample(seq, [0] * len(prompt) + [1] * (len(seq) - len(prompt)), images)
+
+
+def render_image_prompt(tok: Tokenizer, prompt: str, images: tuple[bytes, ...], spec: VisionSpec) -> list[int]:
+    """A task's prompt ids with its images, as the orchestrator renders them: the message through the chat
+    template (one placeholder per image), each placeholder widened to its image's token count (`vision.expand`)."""
+    ids = tok.render_messages([image_message(prompt, len(images))])
+    return vision.expand(ids, [vision.image_size(data, f"image {i}") for i, data in enumerate(images)], spec)
 
 
 def to_batch(samples: list[Sample], pad_id: int, spec: VisionSpec | None = None) -> Batch:

@@ -16,12 +16,11 @@ from safetensors.torch import save_file
 
 from config.model import ModelConfig
 from engines.models import modeldir, vision
-from engines.models.tokenizer import render_image_prompt
 from engines.models.vlm import HFVisionLM, is_vision
 from engines.trainer.batch import make_batch
 from engines.trainer.common import batch_logprobs
 from engines.trainer.mismatch import PolicyHistory
-from engines.trainer.sft import to_batch
+from engines.trainer.sft import render_image_prompt, to_batch
 from engines.trainer.sft_data import Sample
 from tests.vlm_fixture import png, tiny_vlm_dir  # noqa: F401 (a fixture)
 
