@@ -237,6 +237,8 @@ def sample_lengths(batch: Batch) -> list[int]:
 
 def pack_batch(batch: Batch, pad_id: int, capacity: int | None = None) -> PackedBatch:
     """Pack a right-padded `Batch` into rows of `capacity` tokens (default: its longest sample)."""
+    if not batch.packable:
+        raise ValueError("a vision-language policy's batch is not packed (Batch.packable); train it padded")
     lengths = sample_lengths(batch)
     capacity = capacity or max(lengths)
     rows = pack_rows(lengths, capacity)

@@ -77,7 +77,7 @@ class PolicyHistory:
             selected = batch.select(rows)
             mbs: list[Batch] | list[PackedBatch] = (
                 micro_batches(pack_batch(selected, pack_pad_id), micro_batch_size)
-                if pack_pad_id is not None
+                if pack_pad_id is not None and selected.packable
                 else micro_batches(selected, micro_batch_size)
             )
             for mb in mbs:
