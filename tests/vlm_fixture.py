@@ -1,51 +1,71 @@
-"""A tiny Qwen3-VL (engines/models/tiny_vlm.py, random weights, offline) and image prompts for the tests of the
-embedded engine and the inference server on a vision-language model."""
+"""Shared by the vision-language tests: the tiny Qwen3-VL directory (engines/models/tiny_vlm.py, written once
+per test session) and small PNG images drawn from a seed."""
 
 from __future__ import annotations
 
 import io
+import random
 from pathlib import Path
 
-import torch
-
-from config.model import ModelConfig
-from engines.models import tiny_vlm, vision, vlm
-
-T = tiny_vlm.TOKEN_ID
-MAX_SEQ_LEN = 512  # the tiny VLM's max_position_embeddings
+import pytest
 
 
-def load(directory: Path) -> vlm.HFVisionLM:
-    """The tiny VLM written to `directory` (seed 0), loaded in float32."""
-    tiny_vlm.write(directory, seed=0)
-    return vlm.from_directory(str(directory), ModelConfig(max_seq_len=MAX_SEQ_LEN), pretrained=True).eval()
+def png(seed: int, width: int = 64, height: int = 64) -> bytes:
+    """A PNG of random RGB pixels, the same for the same arguments."""
+    from PIL import Image
 
-
-def png(color: str, size: tuple[int, int] = (64, 64)) -> bytes:
-    """A PNG of a white square with a rectangle of `color` in it (different colors: different encoder inputs)."""
-    from PIL import Image, ImageDraw
-
-    img = Image.new("RGB", size, "white")
-    ImageDraw.Draw(img).rectangle([8, 8, size[0] // 2 + 8, size[1] - 14], fill=color)
+    rng = random.Random(seed)
+    img = Image.frombytes("RGB", (width, height), bytes(rng.randrange(256) for _ in range(width * height * 3)))
     out = io.BytesIO()
-    img.save(out, "PNG")
+    img.save(out, format="PNG")
     return out.getvalue()
 
 
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory) -> Path:
+    from engines.models import tiny_vlm
+
+    return tiny_vlm.write(tmp_path_factory.mktemp("tiny-vlm"), seed=0)
+
+
+# The embedded engine's and the inference server's tests (tests/unit/test_vlm_engine.py,
+# tests/integration/test_vlm_server.py): the model loaded, image prompts, the model's own logprobs.
+MAX_SEQ_LEN = 512  # the tiny VLM's max_position_embeddings
+
+
+def token(t: str) -> int:
+    from engines.models import tiny_vlm
+
+    return tiny_vlm.TOKEN_ID[t]
+
+
+def load(directory: Path):
+    """The tiny VLM of `directory` (engines/models/vlm.py HFVisionLM), in float32, in eval mode."""
+    from config.model import ModelConfig
+    from engines.models import vlm
+
+    return vlm.from_directory(str(directory), ModelConfig(max_seq_len=MAX_SEQ_LEN), pretrained=True).eval()
+
+
 def prompt(text: str, images: list[bytes]) -> list[int]:
-    """`<bos>`, one `<vision_start><image_pad><vision_end>` per image, `text=`, with each image_pad expanded."""
-    placeholder = [T["<|vision_start|>"], T["<|image_pad|>"], T["<|vision_end|>"]]
-    ids = [T["<bos>"], *placeholder * len(images), *(T[c] for c in text), T["="]]
+    """`<bos>`, one `<vision_start><image_pad><vision_end>` per image, `text=`, with each image_pad expanded: what
+    the tiny VLM's chat template renders for image parts then a text part, and the orchestrator expands."""
+    from engines.models import tiny_vlm, vision
+
+    placeholder = [token("<|vision_start|>"), token("<|image_pad|>"), token("<|vision_end|>")]
+    ids = [token("<bos>"), *placeholder * len(images), *map(token, text), token("=")]
     return vision.expand(ids, [vision.image_size(b) for b in images], tiny_vlm.spec())
 
 
-@torch.no_grad()
-def reference_logprobs(model: vlm.HFVisionLM, ids: list[int], images: list[bytes], tokens: list[int]) -> list[float]:
+def reference_logprobs(model, ids: list[int], images: list[bytes], tokens: list[int]) -> list[float]:
     """Each completion token's logprob (temperature 1, the image token masked as the engine masks it) from one full
     forward of prompt + completion, no cache."""
-    inputs = vision.pixel_inputs(images, model.vision_spec)
-    full = torch.tensor([ids + tokens])
-    logits = model(full, vision=inputs)[0].float()
+    import torch
+
+    from engines.models import vision
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + tokens]), vision=vision.pixel_inputs(images, model.vision_spec))[0].float()
     logits[:, model.vision_spec.image_token_id] = float("-inf")  # never sampled (generate.py)
     logp = torch.log_softmax(logits, dim=-1)
     steps = torch.arange(len(ids) - 1, len(ids) + len(tokens) - 1)

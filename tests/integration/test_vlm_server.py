@@ -23,7 +23,7 @@ from engines.inference.frontend import Settings, build_app
 from engines.models.decoder import CausalLM
 from engines.models.tokenizer import CharTokenizer, HFTokenizer
 from engines.protocol import MAX_IMAGES
-from tests.vlm_fixture import T, load, png, prompt, reference_logprobs
+from tests.vlm_fixture import load, png, prompt, reference_logprobs, tiny_vlm_dir, token  # noqa: F401 (a fixture)
 
 LONG = 480  # tokens of the good request: it runs while the bad ones are answered
 
@@ -55,11 +55,20 @@ def serving(model, tokenizer) -> Iterator[httpx.Client]:
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny-vlm")
-    model = load(directory)
-    with serving(model, HFTokenizer(directory)) as client:
+def vlm(tiny_vlm_dir):  # noqa: F811 (the fixture)
+    model = load(tiny_vlm_dir)
+    with serving(model, HFTokenizer(tiny_vlm_dir)) as client:
         yield client, model
+
+
+def blank_png(width: int, height: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height)).save(out, "PNG")
+    return out.getvalue()
 
 
 def b64(data: bytes) -> str:
@@ -68,8 +77,8 @@ def b64(data: bytes) -> str:
 
 def test_bad_images_are_400s_for_that_request_alone(vlm):
     client, model = vlm
-    red = png("red")
-    big = png("red", (4097, 4097))  # small as a PNG, over the pixel bound once decoded
+    red = png(1)
+    big = blank_png(4097, 4097)  # small as a PNG, over the pixel bound once decoded
     good = {"prompt": prompt("ok", [red]), "images": [b64(red)], "n": 2, "max_tokens": LONG, "ignore_eos": True,
             "logprobs": 0, "return_token_ids": True, "seed": 5}  # fmt: skip
     out: dict = {}
@@ -122,7 +131,7 @@ def test_chat_content_parts_with_images_render_as_the_completions_prompt(vlm):
     """OpenAI content parts: the chat template writes each image's placeholder, the server widens it to the
     image's tokens; the prompt is the one the orchestrator sends to /v1/completions, sampled with its images."""
     client, model = vlm
-    red, green = png("red"), png("green", (96, 64))
+    red, green = png(1), png(3, 96, 64)
     parts = [image_part(DATA + b64(red)), image_part(DATA + b64(green)), {"type": "text", "text": "two"}]
     body = {"messages": [user(*parts)], "max_tokens": 6, "logprobs": True, "return_token_ids": True, "seed": 1}
     r = client.post("/v1/chat/completions", json=body)
@@ -141,11 +150,11 @@ def test_a_text_only_model_refuses_images():
     model = CausalLM(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64),
                      tok.vocab_size)  # fmt: skip
     with serving(model.eval(), tok) as client:
-        body = {"prompt": [tok.bos_id, T["a"]], "images": [b64(png("red"))], "max_tokens": 4}
+        body = {"prompt": [tok.bos_id, token("a")], "images": [b64(png(1))], "max_tokens": 4}
         r = client.post("/v1/completions", json=body)
         assert r.status_code == 400 and "text-only" in r.json()["error"]["message"], r.text
         assert client.post("/v1/completions", json={**body, "images": None}).status_code == 200
-        chat = {"messages": [user(image_part(DATA + b64(png("red"))), {"type": "text", "text": "a"})], "max_tokens": 2}
+        chat = {"messages": [user(image_part(DATA + b64(png(1))), {"type": "text", "text": "a"})], "max_tokens": 2}
         r = client.post("/v1/chat/completions", json=chat)
         assert r.status_code == 400 and "text-only" in r.json()["error"]["message"], r.text
         chat["messages"] = [user({"type": "text", "text": "a"}, {"type": "text", "text": "b"})]

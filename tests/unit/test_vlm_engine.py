@@ -10,7 +10,7 @@ import torch
 from engines.inference.embedded.engine import Engine, Request
 from engines.inference.embedded.generate import Decoder, Sampling, _unique_prompts
 from engines.models import vision
-from tests.vlm_fixture import T, load, png, prompt, reference_logprobs
+from tests.vlm_fixture import load, png, prompt, reference_logprobs, tiny_vlm_dir, token  # noqa: F401 (a fixture)
 
 # Largest |engine logprob - full forward logprob| allowed, float32: measured 9.5e-7 (a cached, batched, left-padded
 # decode against one unpadded forward), so a wrong position or a shared prefill (differences of 1e-2 and more)
@@ -19,13 +19,13 @@ BOUND = 1e-5
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return load(tmp_path_factory.mktemp("tiny-vlm"))
+def model(tiny_vlm_dir):  # noqa: F811 (the fixture)
+    return load(tiny_vlm_dir)
 
 
 def test_image_rows_match_a_full_forward_also_when_they_join_a_running_batch(model):
-    engine = Engine(model, 0, T["<eos>"], T["<pad>"], max_batch_size=8, seed=0)
-    red, blue, green = png("red"), png("blue"), png("green", (96, 64))
+    engine = Engine(model, 0, token("<eos>"), token("<pad>"), max_batch_size=8, seed=0)
+    red, blue, green = png(1), png(2), png(3, 96, 64)
     later = [
         Request(prompt("two", [blue, green]), n=2, max_tokens=12, temperature=1.0, seed=2, images=(blue, green)),
         Request(prompt("none", []), n=1, max_tokens=12, temperature=1.0, seed=3),
@@ -58,12 +58,12 @@ def test_image_rows_match_a_full_forward_also_when_they_join_a_running_batch(mod
 
 
 def test_equal_ids_with_other_images_get_their_own_prefill(model):
-    red, blue = png("red"), png("blue")
+    red, blue = png(1), png(2)
     ids = prompt("same", [red])
     assert ids == prompt("same", [blue])
     unique, rows = _unique_prompts([ids, ids, ids], [(red,), (blue,), (red,)])
     assert rows == [0, 1, 0] and len(unique) == 2
-    decoder = Decoder(model, T["<eos>"], T["<pad>"])
+    decoder = Decoder(model, token("<eos>"), token("<pad>"))
     decoder.add([ids, ids, ids], [Sampling(max_tokens=2, seed=s) for s in range(3)], [(red,), (blue,), (red,)])
     with torch.no_grad():
         inputs = [vision.pixel_inputs([b], model.vision_spec) for b in (red, blue)]
