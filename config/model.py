@@ -45,6 +45,32 @@ class LoRAConfig(Strict):
     )
 
 
+class VLMConfig(Strict):
+    """[model.vlm]: a vision-language model (docs/models.md "Vision-language models"). A directory whose
+    config.json has a `vision_config` is one whether or not this table is given (the defaults apply); the
+    attributes name where transformers' model keeps its parts, as in the seed's VLM registry.
+
+    Precision: the seed makes bfloat16 mandatory for VLMs because vLLM serves them in bfloat16 and a trainer in
+    another precision skews the importance ratio. rollflow's trainer has no optimization/reduce dtype to refuse:
+    it computes in float32 always (on CPU too, where float32 is the default); the sampler's precision is
+    `inference.dtype` (float32, or bfloat16, which runs on the CPU's AMX units here), and the gap between the
+    two is what `mismatch_kl` (per number of images: `mismatch_kl/images=K`) measures and the loss corrects."""
+
+    vision_encoder_attr: str = Field(
+        "model.visual", min_length=1, description="dotted attribute of the vision encoder in the transformers model"
+    )
+    language_model_attr: str = Field(
+        "model.language_model",
+        min_length=1,
+        description="dotted attribute of the language model (its `.layers` are the decoder layers)",
+    )
+    freeze_vision_encoder: bool = Field(
+        True,
+        description="keep the vision encoder's weights fixed: no gradients, not in the optimizer "
+        "(false trains it too; refused with [model.lora], which trains adapters only)",
+    )
+
+
 class ModelConfig(Strict):
     """The policy model. Without `path`: rollflow's built-in decoder (Llama/Qwen3 naming) of the shape below,
     with the character tokenizer and a supervised warm-up. With `path`: a Hugging Face model directory whose
@@ -88,6 +114,11 @@ class ModelConfig(Strict):
     decoder_sparse_step: int = Field(1, gt=0, description="every N-th layer is sparse")
     mlp_only_layers: list[int] = Field(default_factory=list, description="layers that stay dense")
     lora: LoRAConfig | None = Field(None, description="[model.lora]: train low-rank adapters only (None: all weights)")
+    vlm: VLMConfig | None = Field(
+        None,
+        description="[model.vlm]: vision-language model settings; None: the defaults when model.path is a VLM "
+        "(its config.json has a vision_config)",
+    )
 
     @field_validator("family")
     @classmethod
@@ -110,6 +141,22 @@ class ModelConfig(Strict):
                 f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds model.num_experts={self.num_experts}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _lora_keeps_the_encoder_frozen(self) -> ModelConfig:
+        """The seed's rule: LoRA freezes every non-adapter weight, so an unfrozen encoder would silently not train."""
+        if self.lora is not None and self.vlm is not None and not self.vlm.freeze_vision_encoder:
+            raise ValueError(
+                "model.vlm.freeze_vision_encoder = false with [model.lora]: LoRA trains its adapters only and keeps "
+                "every other weight fixed, so the vision encoder would not train; drop [model.lora] to fine-tune "
+                "the encoder, or keep model.vlm.freeze_vision_encoder = true"
+            )
+        return self
+
+    @property
+    def vision(self) -> VLMConfig:
+        """[model.vlm] as given, or its defaults (for a VLM directory without the table)."""
+        return self.vlm or VLMConfig()
 
     @property
     def head_size(self) -> int:

@@ -40,12 +40,14 @@ ENVIRONMENTS: dict[str, str] = {
 STRING_TASKS = ("reverse-text", "sort-letters")
 
 # `model.family` and config.json `model_type` -> the Family (engines/models/families.py) that maps its config.json
-# fields to ModelConfig; rollflow's own model code (engines/models/decoder.py) implements these.
+# fields to ModelConfig; rollflow's own model code (engines/models/decoder.py) implements these, except those
+# whose Family says `hf_only` (transformers' modeling runs them).
 MODEL_FAMILY_GROUP = "rollflow.model_families"
 MODEL_FAMILIES: dict[str, str] = {
     "llama": "engines.models.families:LLAMA",
     "qwen3": "engines.models.families:QWEN3",
     "qwen3_moe": "engines.models.families:QWEN3_MOE",
+    "qwen3_vl": "engines.models.families:QWEN3_VL",  # vision-language, model.impl = "hf" only (engines/models/vlm.py)
 }
 
 # `inference.backend` -> the backend's declaration (engines/inference/backend.py `BackendSpec`: its capabilities

@@ -168,5 +168,6 @@ def eval_curve_keys(rows: list[dict]) -> list[str]:
 
 
 def mlflow_name(key: str) -> str:
-    """A metrics.jsonl key as an MLflow metric name: MLflow refuses '@' (pass@k is logged as pass_at_k)."""
-    return key.replace("@", "_at_")
+    """A metrics.jsonl key as an MLflow metric name: MLflow refuses "@" (pass@k is logged as pass_at_k) and "="
+    (mismatch_kl/images=K is logged as mismatch_kl/images_K)."""
+    return key.replace("@", "_at_").replace("=", "_")

@@ -344,7 +344,7 @@ class Admission:
 def prompt_texts(body: api.CompletionRequest | api.ChatRequest) -> list[str] | None:
     """The prompt's text (a chat's contents), or None for token ids."""
     if isinstance(body, api.ChatRequest):
-        return [m.content for m in body.messages]
+        return [m.text() for m in body.messages]
     return [body.prompt] if isinstance(body.prompt, str) else None
 
 
@@ -409,13 +409,14 @@ def _generation_route(backend: Backend, settings: Settings, admission: Admission
 
 
 def request_images(body: api.CompletionRequest | api.ChatRequest, spec: VisionSpec | None) -> tuple[bytes, ...]:
-    """The request's images (bytes, in prompt order), each decoded within vision.py's bounds, and its token-id
-    prompt's image token runs checked against them (also without images: a vision model's prompt may hold no
-    image tokens then). A problem is a 400 naming it, for this request alone."""
-    images = getattr(body, "images", None) or []
+    """The request's images (bytes, in prompt order: `images`, or a chat's image parts), each decoded within
+    vision.py's bounds, and a token-id prompt's image token runs checked against them (also without images: a
+    vision model's prompt may hold no image tokens then). A problem is a 400 naming it, for this request alone."""
+    images = body.images() if isinstance(body, api.ChatRequest) else body.images or []
     if images and spec is None:
         raise BackendError(400, "this server's model is text-only: it takes no images", "images")
-    if spec is None or not isinstance(body, api.CompletionRequest) or isinstance(body.prompt, str):
+    ids = None if isinstance(body, api.ChatRequest) or isinstance(body.prompt, str) else body.prompt
+    if spec is None or (ids is None and not images):
         return ()
     found, sizes = [], []
     try:
@@ -427,7 +428,8 @@ def request_images(body: api.CompletionRequest | api.ChatRequest, spec: VisionSp
             img = vision.decode(data, f"images[{i}]")
             found.append(data)
             sizes.append((img.width, img.height))
-        vision.check_prompt(body.prompt, sizes, spec)
+        if ids is not None:  # a chat's ids are rendered by the backend, which checks them
+            vision.check_prompt(ids, sizes, spec)
     except vision.ImageError as exc:
         raise BackendError(400, str(exc), "images") from None
     return tuple(found)

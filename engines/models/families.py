@@ -39,6 +39,8 @@ class Family:
     check: Callable[[dict], str | None] = lambda hf: None
     extra_fields: dict[str, str] = field(default_factory=dict)  # config.json key -> ModelConfig field
     constants: dict[str, Any] = field(default_factory=dict)  # config.json keys a publication writes as given
+    # why rollflow's own code cannot run any model of this family ("" when it can): only `impl = "hf"` runs it
+    hf_only: str = ""
 
 
 def registered() -> dict[str, Family]:
@@ -122,7 +124,7 @@ def unsupported(hf: dict) -> str | None:
     family = families.get(str(hf.get("model_type")))
     if family is None:
         return f"model_type {hf.get('model_type')!r} is not a registered family ({', '.join(sorted(families))})"
-    return _shared_check(hf) or family.check(hf)
+    return family.hf_only or _shared_check(hf) or family.check(hf)
 
 
 def model_fields(hf: dict) -> dict:
@@ -175,3 +177,11 @@ LLAMA = Family("llama", "LlamaForCausalLM", qk_norm=False, check=_llama_check, c
 QWEN3 = Family("qwen3", "Qwen3ForCausalLM", qk_norm=True)
 # The sparse block itself lives with the MoE layer; this entry maps its config fields.
 QWEN3_MOE = Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True, extra_fields=MOE_FIELDS)
+# Vision-language: transformers' modeling behind engines/models/vlm.py; its fields stay in the directory's config.json.
+QWEN3_VL = Family(
+    "qwen3_vl",
+    "Qwen3VLForConditionalGeneration",
+    qk_norm=True,
+    hf_only="a vision-language model: rollflow's own model code has no vision encoder nor multimodal RoPE "
+    "(model.impl = 'hf' runs it with transformers' Qwen3-VL modeling, engines/models/vlm.py)",
+)

@@ -29,6 +29,11 @@ from engines.models.tokenizer import CHAT_TEMPLATE, CharTokenizer, HFTokenizer, 
 
 log = logging.getLogger("rollflow.models")
 
+# Vision-language families engines/models/vlm.py runs (transformers' modeling, model.impl = "hf").
+VISION_FAMILIES = ("qwen3_vl",)
+# Processor files a VLM publication copies from the model directory (vLLM's and transformers' processors read them).
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 TOKENIZER_EXTRA = (
     "tokenizer_config.json",
@@ -132,9 +137,27 @@ def pick_impl(cfg: ModelConfig, hf: dict, config_path: Path) -> str:
     return cfg.impl
 
 
+def check_vision(cfg: ModelConfig, hf: dict | None, config_path: Path | None) -> None:
+    """A vision-language directory needs a registered VLM family (transformers' modeling of it is what
+    engines/models/vlm.py drives); [model.vlm] needs a vision-language directory."""
+    vision = isinstance((hf or {}).get("vision_config"), dict)
+    if cfg.vlm is not None and not vision:
+        where = f"{config_path} has no vision_config" if config_path else "model.path is not set"
+        raise ModelDirError(f"[model.vlm] is set but {where}: it applies to vision-language model directories only")
+    if vision and (hf or {}).get("model_type") not in VISION_FAMILIES:
+        raise ModelDirError(
+            f"{config_path}: a vision-language model of model_type {(hf or {}).get('model_type')!r}; rollflow runs "
+            f"{', '.join(VISION_FAMILIES)} (engines/models/vlm.py)"
+        )
+
+
 def resolve(cfg: ModelConfig) -> ModelSource:
     """Check the model directory (if any) and settle the architecture and implementation."""
     if cfg.path is None:
+        check_vision(cfg, None, None)
+        hf_only = families.get(cfg.family_name).hf_only
+        if hf_only:
+            raise ModelDirError(f"model.family={cfg.family_name!r} needs model.path, a model directory: {hf_only}")
         if cfg.impl == "hf":
             raise ModelDirError(
                 "model.impl='hf' needs model.path (a Hugging Face directory); without it "
@@ -145,11 +168,15 @@ def resolve(cfg: ModelConfig) -> ModelSource:
     hf = read_config(directory)
     weight_files(directory)
     check_tokenizer_files(directory)
+    check_vision(cfg, hf, directory / "config.json")
     impl = pick_impl(cfg, hf, directory / "config.json")
     if impl == "custom":
         filled = cfg.model_copy(update=families.model_fields(hf))
     else:
-        filled = cfg.model_copy(update={"tie_word_embeddings": bool(hf.get("tie_word_embeddings", False))})
+        update: dict[str, Any] = {"tie_word_embeddings": bool(hf.get("tie_word_embeddings", False))}
+        if hf.get("model_type") in VISION_FAMILIES:
+            update["family"] = hf["model_type"]
+        filled = cfg.model_copy(update=update)
     return ModelSource(ModelConfig.model_validate(filled.model_dump()), impl, directory, hf)
 
 
@@ -254,10 +281,11 @@ def build_model(source: ModelSource, tok: Tokenizer, pretrained: bool) -> Any:
     """The policy model in float32: rollflow's `CausalLM` or transformers' (`HFCausalLM`). With
     `pretrained` the directory's weights are loaded (by name); else the caller loads a publication."""
     if source.impl == "hf":
-        from engines.models.hf import from_directory
+        from engines.models import hf, vlm
 
         assert source.directory is not None
-        return from_directory(str(source.directory), source.cfg, pretrained)
+        build = vlm.from_directory if is_vision(source) else hf.from_directory
+        return build(str(source.directory), source.cfg, pretrained)
     from engines.models.decoder import CausalLM
 
     model = CausalLM(source.cfg, source.cfg.vocab_size or tok.vocab_size)
@@ -267,6 +295,11 @@ def build_model(source: ModelSource, tok: Tokenizer, pretrained: bool) -> Any:
         except ValueError as exc:
             raise ModelDirError(f"{source.directory}: the safetensors do not fit its config.json: {exc}") from exc
     return model
+
+
+def is_vision(source: ModelSource) -> bool:
+    """Whether the source is a vision-language model (its config.json has a vision_config)."""
+    return isinstance((source.hf_config or {}).get("vision_config"), dict)
 
 
 def _special(tok: Tokenizer) -> dict[str, int | None]:
@@ -281,6 +314,9 @@ def hf_config_json(source: ModelSource, tok: Tokenizer, vocab_size: int) -> dict
     data["dtype"] = "float32"
     data.pop("torch_dtype", None)
     data.pop("quantization_config", None)
+    for sub in ("text_config", "vision_config"):  # a VLM's parts carry their own dtype
+        if isinstance(data.get(sub), dict):
+            data[sub] = {k: v for k, v in data[sub].items() if k != "torch_dtype"} | {"dtype": "float32"}
     return data
 
 
@@ -311,7 +347,22 @@ def publication_files(source: ModelSource, tok: Tokenizer, vocab_size: int) -> d
         "config.json": dump(hf_config_json(source, tok, vocab_size)),
         "generation_config.json": dump(generation_config_json(source, tok)),
         **tokenizer_files(tok),
+        **processor_files(source),
     }
+
+
+def processor_files(source: ModelSource) -> dict[str, bytes]:
+    """A VLM's image processor files, as the directory has them (preprocessor_config.json written from its
+    VisionSpec when the directory lacks one); nothing for a text model."""
+    if not is_vision(source) or source.directory is None:
+        return {}
+    from engines.models.vision import VisionSpec
+
+    out = {n: (source.directory / n).read_bytes() for n in PROCESSOR_FILES if (source.directory / n).is_file()}
+    if "preprocessor_config.json" not in out:
+        spec = VisionSpec.from_directory(source.directory)
+        out["preprocessor_config.json"] = json.dumps(spec.preprocessor_config(), indent=1).encode()
+    return out
 
 
 @dataclass

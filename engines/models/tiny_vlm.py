@@ -28,10 +28,13 @@ VOCAB = SPECIAL + CHARS + VISION_TOKENS
 TOKEN_ID = {t: i for i, t in enumerate(VOCAB)}
 
 # Content may be a string (the character tokenizer's template) or OpenAI-style parts: images, then text.
+# An assistant turn ends with <eos> (the token it samples last), so multi-turn continuations render as they do
+# for the character tokenizer: the following messages' text, then `=`.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}"
     "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}{% endfor %}"
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}={% endif %}"
 )
 
@@ -106,6 +109,7 @@ def save_tokenizer(directory: Path) -> None:
         "unk_token": "<unk>",
         "chat_template": CHAT_TEMPLATE,
         "model_max_length": 4096,
+        "rollflow_prompt_style": "tag",  # environments write short tag prompts for a character vocabulary
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
 

@@ -81,6 +81,11 @@ def render_conversation(tok: Tokenizer, messages: list[dict]) -> tuple[list[int]
     return ids, mask
 
 
+def image_message(prompt: str, images: int) -> dict:
+    """The user message of a task with images: the images first, then the prompt text (OpenAI-style parts)."""
+    return {"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": prompt}]}
+
+
 def _compiled(template: str) -> Any:
     import jinja2
 
@@ -144,7 +149,11 @@ class CharTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer directory; prompts go through its chat template."""
+    """A Hugging Face tokenizer directory; prompts go through its chat template, whose user messages may carry
+    OpenAI-style content parts (`[{"type": "image"}, ..., {"type": "text", "text": ...}]`): a vision-language
+    model's template writes its image placeholder for each image part (engines/models/vision.py expands it).
+    The prompt style is "instruct" unless tokenizer_config.json says `"rollflow_prompt_style": "tag"` (the tiny
+    character-vocabulary VLM, engines/models/tiny_vlm.py)."""
 
     prompt_style = "instruct"
 
@@ -163,6 +172,8 @@ class HFTokenizer:
         self.eos_id: int = self.hf.eos_token_id
         self.bos_id: int | None = self.hf.bos_token_id
         self.pad_id: int = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_id
+        if self.hf.init_kwargs.get("rollflow_prompt_style") in ("tag", "instruct"):
+            self.prompt_style = self.hf.init_kwargs["rollflow_prompt_style"]
 
     @property
     def vocab_size(self) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from config.model import ModelConfig
 from engines.models.hf import HFCache, HFCausalLM
@@ -44,6 +45,24 @@ class HFVisionLM(HFCausalLM):
     def __init__(self, hf_model: Any, cfg: ModelConfig, spec: VisionSpec):
         super().__init__(hf_model, cfg, vocab_size=int(hf_model.config.get_text_config().vocab_size))
         self.vision_spec = spec
+        if cfg.vision.freeze_vision_encoder:  # no gradients, so the optimizers (requires_grad only) never see it
+            self.vision_encoder().requires_grad_(False)
+
+    def _part(self, attr: str, key: str) -> nn.Module:
+        module: Any = self.hf
+        for name in attr.split("."):
+            module = getattr(module, name, None)
+            if module is None:
+                children = ", ".join(n for n, _ in self.hf.named_children())
+                raise ValueError(f"model.vlm.{key}={attr!r}: the model has no {name!r} there (top level: {children})")
+        assert isinstance(module, nn.Module)
+        return module
+
+    def vision_encoder(self) -> nn.Module:
+        return self._part(self.cfg.vision.vision_encoder_attr, "vision_encoder_attr")
+
+    def language_model(self) -> nn.Module:
+        return self._part(self.cfg.vision.language_model_attr, "language_model_attr")
 
     def forward(
         self,
@@ -69,8 +88,8 @@ class HFVisionLM(HFCausalLM):
             attention_mask=mask,
             past_key_values=cache.inner if cache is not None else None,
             use_cache=cache is not None,
-            pixel_values=None if vision is None else vision.pixel_values.to(self._dtype()),
-            image_grid_thw=None if vision is None else vision.grid_thw,
+            pixel_values=None if vision is None else vision.pixel_values.to(input_ids.device, self._dtype()),
+            image_grid_thw=None if vision is None else vision.grid_thw.to(input_ids.device),
         )
         if cache is not None:
             cache.length += input_ids.shape[1]

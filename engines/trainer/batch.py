@@ -10,20 +10,32 @@ sample in the batch carries them (or trainer.keep_sampling_mask is off).
 Per-token advantages (`token_advantages`, on-policy distillation) make `advantages` [B, T-1] aligned with
 `targets`, a sample without them carrying its scalar `advantage` on each completion token; without any, it
 stays [B].
+Rows with images (a vision-language policy: `make_batch(..., spec)`) carry their vision encoder inputs per row
+(`pixels`, engines/trainer/vision_batch.py) and their image counts; `Batch.vision()` joins a micro-batch's.
+Packing leaves such batches as they are (`packable`): a packed row would need per-span multimodal positions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
 import torch
 
+if TYPE_CHECKING:
+    from engines.models.vision import VisionInputs, VisionSpec
+
 
 def _rows_of(fields: dict[str, Any], idx: torch.Tensor | slice) -> dict[str, Any]:
-    """The given rows of every tensor field; absent optional fields (None) stay None."""
-    return {k: None if v is None else v[idx] for k, v in fields.items()}
+    """The given rows of every tensor (or per-row list) field; absent optional fields (None) stay None."""
+
+    def rows(v: Any) -> Any:
+        if isinstance(v, list) and isinstance(idx, torch.Tensor):
+            return [v[i] for i in idx.tolist()]
+        return v[idx]
+
+    return {k: None if v is None else rows(v) for k, v in fields.items()}
 
 
 @dataclass
@@ -38,12 +50,27 @@ class Batch:
     versions_end: torch.Tensor  # [B] policy_version_end
     routes: torch.Tensor | None = None  # [B, T, layers, k] sampler's expert ids, -1 where none
     kept: torch.Tensor | None = None  # [B, T-1] int64 sampler's kept support size per target, 0 = full vocabulary
+    pixels: list[VisionInputs | None] | None = None  # per row: its images' encoder inputs (None: no image)
+    image_counts: torch.Tensor | None = None  # [B] images per row (a vision-language policy's batch)
+    images_dropped: torch.Tensor | None = None  # [B] bool: rows whose images failed their checks (train nothing)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def select(self, idx: torch.Tensor | slice) -> Batch:
         return Batch(**_rows_of(self.__dict__, idx))
+
+    def vision(self) -> VisionInputs | None:
+        """The encoder inputs of every image of these rows, in row order; None without images."""
+        from engines.trainer.vision_batch import concat
+
+        return None if self.pixels is None else concat(self.pixels)
+
+    @property
+    def packable(self) -> bool:
+        """Whether `pack_batch` may repack it: not a vision-language policy's batch (packing is bypassed: its
+        rows stay padded, one sample each, whatever trainer.packing / sft.packing say)."""
+        return self.pixels is None
 
 
 def right_pad(seqs: list[list[int]], pad_id: int) -> torch.Tensor:
@@ -93,9 +120,10 @@ def advantages_tensor(table: pa.Table, shape: tuple[int, int]) -> torch.Tensor:
     return out
 
 
-def make_batch(table: pa.Table, pad_id: int, keep_sampling_mask: bool = True) -> Batch:
+def make_batch(table: pa.Table, pad_id: int, keep_sampling_mask: bool = True, spec: VisionSpec | None = None) -> Batch:
     """The step's samples as right-padded tensors; `keep_sampling_mask` false drops the kept support sizes
-    (every target scored on the full vocabulary)."""
+    (every target scored on the full vocabulary). With a vision-language policy's `spec`, each row's images
+    (checked; a failing row is dropped: engines/trainer/vision_batch.py)."""
     cols = table.select(
         ["prompt_ids", "completion_ids", "completion_logprobs", "advantage", "temperature"]
         + ["policy_version", "policy_version_end"]
@@ -111,7 +139,7 @@ def make_batch(table: pa.Table, pad_id: int, keep_sampling_mask: bool = True) ->
         m = turn_masks[i] if turn_masks is not None else None
         mask[i, start : start + len(lps)] = 1.0 if m is None else torch.tensor(m, dtype=torch.float32)
         sampler[i, start : start + len(lps)] = torch.tensor(lps)
-    return Batch(
+    batch = Batch(
         input_ids=ids,
         targets=ids[:, 1:],
         loss_mask=mask,
@@ -125,6 +153,23 @@ def make_batch(table: pa.Table, pad_id: int, keep_sampling_mask: bool = True) ->
         else None,
         kept=kept_tensor(table, (mask.shape[0], mask.shape[1])) if keep_sampling_mask else None,
     )
+    return batch if spec is None else with_images(batch, table, spec, pad_id)
+
+
+def with_images(batch: Batch, table: pa.Table, spec: VisionSpec, pad_id: int) -> Batch:
+    """The batch with its rows' images (engines/trainer/vision_batch.py); a dropped row's image tokens blanked
+    and its loss mask zeroed."""
+    from engines.trainer import vision_batch
+
+    rows = vision_batch.row_images(table, spec)
+    dropped = torch.tensor([r.dropped is not None for r in rows], dtype=torch.bool)
+    if bool(dropped.any()):
+        batch.input_ids[dropped] = vision_batch.blank(batch.input_ids[dropped], spec, pad_id)
+        batch.loss_mask[dropped] = 0.0
+    batch.pixels = vision_batch.pixels_of(rows, spec)
+    batch.image_counts = torch.tensor([len(r.images) for r in rows], dtype=torch.long)
+    batch.images_dropped = dropped
+    return batch
 
 
 @dataclass
@@ -192,6 +237,8 @@ def sample_lengths(batch: Batch) -> list[int]:
 
 def pack_batch(batch: Batch, pad_id: int, capacity: int | None = None) -> PackedBatch:
     """Pack a right-padded `Batch` into rows of `capacity` tokens (default: its longest sample)."""
+    if not batch.packable:
+        raise ValueError("a vision-language policy's batch is not packed (Batch.packable); train it padded")
     lengths = sample_lengths(batch)
     capacity = capacity or max(lengths)
     rows = pack_rows(lengths, capacity)

@@ -21,9 +21,21 @@ def seed_everything(seed: int, num_threads: int) -> None:
     random.seed(seed)
 
 
+def padded_logits(model: CausalLM, batch: Batch, routing: Routing | None = None) -> torch.Tensor:
+    """[B, T, V] logits of right-padded rows. With images, the vision-language model's multimodal positions of
+    the rows (every token counted valid: the padding follows a row's tokens, so it moves none of their
+    positions, and the causal mask keeps it out of their attention) and the micro-batch's images."""
+    images = batch.vision()
+    if images is None:
+        return model(batch.input_ids, routing=routing)
+    valid = torch.ones_like(batch.input_ids, dtype=torch.bool)
+    positions = model.mrope_positions(batch.input_ids, valid, images)  # type: ignore[operator]
+    return model(batch.input_ids, positions, routing=routing, vision=images)
+
+
 def batch_logprobs(model: CausalLM, batch: Batch, routing: Routing | None = None) -> torch.Tensor:
     """Trainer logprobs of every target token under the per-sample sampling temperature, [B, T-1]."""
-    logits = model(batch.input_ids, routing=routing)[:, :-1]
+    logits = padded_logits(model, batch, routing)[:, :-1]
     return token_logprobs(logits, batch.targets, batch.temperatures)
 
 
@@ -109,7 +121,7 @@ def scored_tokens(
         logits = model(batch.input_ids, batch.positions, batch.attention_mask(), routing=routing)
         scaled = logits.float() / batch.temperatures[..., None]
     else:
-        logits = model(batch.input_ids, routing=routing)[:, :-1]
+        logits = padded_logits(model, batch, routing)[:, :-1]
         scaled = logits.float() / batch.temperatures.view(-1, 1, 1)
     zeros = torch.zeros_like(batch.targets)
     return restricted_logprobs(scaled, batch.targets, kept if restrict and kept is not None else zeros, entropy)

@@ -109,6 +109,8 @@ def shard(mb: Batch | PackedBatch, d: Dist) -> Batch | PackedBatch:
 
     if mb.routes is not None:
         raise SystemExit("trainer.parallel.cp > 1 with MoE routing records is not supported; set cp = 1")
+    if isinstance(mb, Batch) and mb.pixels is not None:  # an image's tokens must stay on one rank with its pixels
+        raise SystemExit("trainer.parallel.cp > 1 with a vision-language model is not supported; set cp = 1")
     full = _padded(to_packed_layout(mb), 2 * d.cp)
     rows, length = full.input_ids.shape
     mesh = d.dims.get_mesh("cp")

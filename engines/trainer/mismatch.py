@@ -12,6 +12,10 @@ experts (as the loss does), so the KL then measures everything but the routing d
 
 With top-k / top-p sampling the trainer's logprobs are taken on the support the sampler kept (`batch.kept`,
 trainer.keep_sampling_mask), as the loss takes them, so the metric measures what the loss sees.
+
+A vision-language policy's batch also gets the KL per number of images in the sample (`by_images`, reported
+as `mismatch_kl/images=K` for each K present, 0 for text samples): the seed expects a higher mismatch with
+several images (the sampler's and trainer's image processing differ slightly); this measures it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class Mismatch(NamedTuple):
     kl: float | None  # token-mean k3 KL(sampler || same-policy trainer); None when no sample qualifies
     tokens: int
     expert_mismatch: float | None  # fraction of scored MoE tokens routed to another top-k set; None if dense
+    by_images: dict[int, float] | None = None  # images per sample -> its samples' KL (vision-language batches)
 
 
 class PolicyHistory:
@@ -63,6 +68,7 @@ class PolicyHistory:
         a fraction of the padded forward's work when lengths vary. `replay`: router replay, as the loss.
         """
         sums = [0.0, 0.0, 0.0, 0.0]  # kl, kl tokens, tokens with other experts, routed tokens
+        per_images: dict[int, list[float]] = {}  # images per sample -> [kl, kl tokens]
         for version, state in self.states.items():
             rows = torch.nonzero((batch.versions == version) & (batch.versions_end == version)).flatten()
             if len(rows) == 0:
@@ -71,13 +77,28 @@ class PolicyHistory:
             selected = batch.select(rows)
             mbs: list[Batch] | list[PackedBatch] = (
                 micro_batches(pack_batch(selected, pack_pad_id), micro_batch_size)
-                if pack_pad_id is not None
+                if pack_pad_id is not None and selected.packable
                 else micro_batches(selected, micro_batch_size)
             )
             for mb in mbs:
                 routing = routing_for(mb, replay)
-                kl = k3_kl(train_logprobs(self.scratch, mb, routing), mb.sampler_logprobs, mb.loss_mask)
+                logprobs = train_logprobs(self.scratch, mb, routing)
+                kl = k3_kl(logprobs, mb.sampler_logprobs, mb.loss_mask)
                 for i, v in enumerate((*kl, *expert_disagreement(routing, mb))):
                     sums[i] += v
+                if isinstance(mb, Batch) and mb.image_counts is not None:
+                    _add_by_images(per_images, mb, logprobs)
         kl_mean = sums[0] / sums[1] if sums[1] else None
-        return Mismatch(kl_mean, int(sums[1]), sums[2] / sums[3] if sums[3] else None)
+        by_images = {k: s / n for k, (s, n) in sorted(per_images.items()) if n} if per_images else None
+        return Mismatch(kl_mean, int(sums[1]), sums[2] / sums[3] if sums[3] else None, by_images)
+
+
+def _add_by_images(into: dict[int, list[float]], mb: Batch, logprobs: torch.Tensor) -> None:
+    """Add the micro-batch's KL sums and token counts to `into`, grouped by the samples' image counts."""
+    assert mb.image_counts is not None
+    for k in mb.image_counts.unique().tolist():
+        rows = mb.image_counts == k
+        total, tokens = k3_kl(logprobs[rows], mb.sampler_logprobs[rows], mb.loss_mask[rows])
+        acc = into.setdefault(int(k), [0.0, 0.0])
+        acc[0] += total
+        acc[1] += tokens

@@ -20,6 +20,7 @@ from config.tracking import resolve_tracking_uri
 from engines.heartbeat import heartbeat
 from engines.models import lora, modeldir
 from engines.models.decoder import CausalLM
+from engines.models.vlm import is_vision
 from engines.trainer import checkpoint, context_parallel, distributed, parallel
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
 from engines.trainer.common import Scored, log, routing_for, scored_tokens, seed_everything
@@ -79,6 +80,7 @@ class RLTrainer:
         self.publisher = weights.Publisher(self.fs, self.root)
         loaded = modeldir.load(cfg.model, pretrained=False)  # version 0 or a checkpoint is loaded next
         self.tok, self.model = loaded.tokenizer, loaded.model
+        self.vision_spec = self.model.vision_spec if is_vision(self.model) else None  # rows carry images
         self.lora = cfg.model.lora
         if lora.attach_to(self.model, self.lora, train=True):
             trainable, total = lora.trainable_fraction(self.model)
@@ -172,7 +174,7 @@ class RLTrainer:
 
     def train_micro_batches(self, batch: Batch) -> list[Batch] | list[PackedBatch]:
         """`micro_batch_size` rows each; with `trainer.packing` a row holds several samples."""
-        if self.tcfg.packing:
+        if self.tcfg.packing and batch.packable:  # rows with images stay padded (Batch.packable)
             return micro_batches(pack_batch(batch, self.tok.pad_id), self.tcfg.micro_batch_size)
         return micro_batches(batch, self.tcfg.micro_batch_size)
 
@@ -278,8 +280,8 @@ class RLTrainer:
         table, manifest = self.wait_for_rollouts(step)
         t1 = time.perf_counter()
         heartbeat().advance(f"training step {step}")
-        batch = make_batch(table, self.tok.pad_id, self.tcfg.keep_sampling_mask)
-        pack_pad = self.tok.pad_id if self.tcfg.packing else None
+        batch = make_batch(table, self.tok.pad_id, self.tcfg.keep_sampling_mask, self.vision_spec)
+        pack_pad = self.tok.pad_id if self.tcfg.packing and batch.packable else None
         mismatch = (
             self.history.mismatch_kl(batch, self.tcfg.micro_batch_size, pack_pad, self.tcfg.enable_router_replay)
             if self.history
@@ -314,6 +316,7 @@ class RLTrainer:
             "time": time.time(),
             "reward_mean": sum(rewards) / len(rewards),
             "mismatch_kl": mismatch.kl,
+            **{f"mismatch_kl/images={k}": kl for k, kl in (mismatch.by_images or {}).items()},
             "mismatch_tokens": mismatch.tokens,
             "expert_mismatch": mismatch.expert_mismatch,
             **stats,
@@ -322,6 +325,7 @@ class RLTrainer:
             "staleness_max": max(stale),
             "completion_len_mean": completion_tokens / len(rewards),
             "zero_advantage_fraction": float(zero.float().mean()),
+            **({} if batch.images_dropped is None else {"images_dropped": int(batch.images_dropped.sum())}),
             "wait_s": t1 - t0,
             "train_s": t2 - t1,
             "publish_s": t3 - t2,

@@ -26,8 +26,10 @@ from config.tracking import resolve_tracking_uri
 from engines.environments.base import EnvMix
 from engines.environments.episodes import demonstration_ids, is_multi_turn
 from engines.heartbeat import heartbeat
-from engines.models import lora, modeldir
-from engines.models.tokenizer import Tokenizer
+from engines.models import lora, modeldir, vision
+from engines.models.tokenizer import Tokenizer, image_message
+from engines.models.vision import VisionSpec, pixel_inputs
+from engines.models.vlm import is_vision
 from engines.trainer import checkpoint, distributed, expert_parallel, parallel
 from engines.trainer.batch import Batch, PackedBatch, micro_batches, pack_batch, right_pad
 from engines.trainer.common import log, seed_everything, train_logprobs
@@ -40,15 +42,16 @@ from storage.metrics import SFT_DATA_FILE
 
 class EnvDemos:
     """The environments' reference answers as an endless stream: the n-th batch of `size` draws the tasks
-    `sft/{n}/{j}` (n from 1), so a batch depends on its position only."""
+    `sft/{n}/{j}` (n from 1), so a batch depends on its position only. `spec`: a vision-language policy's image
+    token layout, for tasks with images."""
 
-    def __init__(self, mix: EnvMix, tok: Tokenizer):
-        self.mix, self.tok, self.cursor = mix, tok, 0
+    def __init__(self, mix: EnvMix, tok: Tokenizer, spec: VisionSpec | None = None):
+        self.mix, self.tok, self.spec, self.cursor = mix, tok, spec, 0
 
     def take(self, size: int) -> list[Sample]:
         step = self.cursor // size + 1
         self.cursor += size
-        return [demonstration(self.mix, self.tok, f"sft/{step}/{j}") for j in range(size)]
+        return [demonstration(self.mix, self.tok, f"sft/{step}/{j}", self.spec) for j in range(size)]
 
     def state_dict(self) -> dict:
         return {"cursor": self.cursor}
@@ -57,26 +60,47 @@ class EnvDemos:
         self.cursor = int(state["cursor"])
 
 
-def demonstration(mix: EnvMix, tok: Tokenizer, key: str) -> Sample:
+def demonstration(mix: EnvMix, tok: Tokenizer, key: str, spec: VisionSpec | None = None) -> Sample:
     """A task's reference answer and end-of-sequence after its rendered prompt (in a multi-turn environment's
-    reference episode: every reply's tokens, never the environment's)."""
+    reference episode: every reply's tokens, never the environment's). A task with images (a vision-language
+    policy: `spec`) renders them before its text, each placeholder widened to its image's tokens."""
     task = mix.task(key)
     env = mix.envs[task.env]
     if is_multi_turn(env):
         return Sample(*demonstration_ids(env, task, tok))  # type: ignore[arg-type]
-    prompt = tok.render_prompt(task.prompt)
+    images = tuple(getattr(task, "images", ()) or ())
+    if images and spec is None:
+        raise SystemExit(f"environment {task.env!r} gives tasks with images; the policy is not a vision-language model")
+    prompt = render_image_prompt(tok, task.prompt, images, spec) if images and spec else tok.render_prompt(task.prompt)
     seq = prompt + tok.encode(task.answer, bos=False) + [tok.eos_id]
-    return Sample(seq, [0] * len(prompt) + [1] * (len(seq) - len(prompt)))
+    return Sample(seq, [0] * len(prompt) + [1] * (len(seq) - len(prompt)), images)
 
 
-def to_batch(samples: list[Sample], pad_id: int) -> Batch:
-    """Right-padded ids with the loss mask over targets (target t is token t + 1), as the RL trainer's batch."""
+def render_image_prompt(tok: Tokenizer, prompt: str, images: tuple[bytes, ...], spec: VisionSpec) -> list[int]:
+    """A task's prompt ids with its images, as the orchestrator renders them: the message through the chat
+    template (one placeholder per image), each placeholder widened to its image's token count (`vision.expand`)."""
+    ids = tok.render_messages([image_message(prompt, len(images))])
+    return vision.expand(ids, [vision.image_size(data, f"image {i}") for i, data in enumerate(images)], spec)
+
+
+def to_batch(samples: list[Sample], pad_id: int, spec: VisionSpec | None = None) -> Batch:
+    """Right-padded ids with the loss mask over targets (target t is token t + 1), as the RL trainer's batch;
+    with a vision-language policy's `spec`, each sample's images as encoder inputs."""
     ids = right_pad([s.ids for s in samples], pad_id)
     mask = torch.zeros((len(samples), ids.shape[1] - 1))
     for i, s in enumerate(samples):
         mask[i, : len(s.ids) - 1] = torch.tensor(s.mask[1:], dtype=torch.float32)
     ones, zeros = torch.ones(len(samples)), torch.zeros(len(samples), dtype=torch.long)
-    return Batch(ids, ids[:, 1:], mask, torch.zeros_like(mask), ones, ones.clone(), zeros, zeros.clone())
+    batch = Batch(ids, ids[:, 1:], mask, torch.zeros_like(mask), ones, ones.clone(), zeros, zeros.clone())
+    if spec is not None:
+        batch.pixels = [pixel_inputs(s.images, spec) for s in samples]
+        batch.image_counts = torch.tensor([len(s.images) for s in samples], dtype=torch.long)
+    return batch
+
+
+def vision_spec(model: object) -> VisionSpec | None:
+    """A vision-language policy's image token layout; None for a text model."""
+    return model.vision_spec if is_vision(model) else None  # type: ignore[attr-defined]
 
 
 def sft_batch(mix: EnvMix, tok: Tokenizer, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +117,7 @@ def train_step(model, opt, batch: Batch, cfg: SFTProcessConfig, dist, pad_id: in
     tokens = batch.loss_mask.sum().clamp(min=1)
     share, weight = distributed.local_share(batch, dist)
     size = cfg.sft.micro_batch_size or len(share)  # rows per forward; packing makes fewer, fuller rows
-    if cfg.sft.packing:
+    if cfg.sft.packing and share.packable:  # a vision-language policy's rows stay padded (Batch.packable)
         mbs: list[Batch] | list[PackedBatch] = micro_batches(pack_batch(share, pad_id, cfg.model.max_seq_len), size)
     else:
         mbs = micro_batches(share, size)
@@ -135,7 +159,11 @@ def run_sft(cfg: SFTProcessConfig) -> None:
         trainable, total = lora.trainable_fraction(model)
         log.info(f"LoRA: {trainable} of {total} parameters train ({trainable / total:.2%})")
     dataset = open_data(cfg, tok, storage)
-    source = Stream(dataset, cfg.seed) if dataset else EnvDemos(EnvMix(cfg.envs, cfg.seed, tok.prompt_style), tok)
+    source: Stream | EnvDemos
+    if dataset:
+        source = Stream(dataset, cfg.seed)
+    else:
+        source = EnvDemos(EnvMix(cfg.envs, cfg.seed, tok.prompt_style), tok, vision_spec(model))
     job = SFTJob(cfg, dist, fs, root, loaded, adapters, source)
     if cfg.sft_run is not None and cfg.sft_run.resume_step is not None:
         checkpoint.restore_weights(fs, root, cfg.sft_run.resume_step, model)  # before the model is sharded
@@ -157,6 +185,7 @@ class SFTJob:
         self.loaded, self.model, self.adapters, self.source = loaded, loaded.model, adapters, source
         self.files = loaded.publication_files()  # config.json, tokenizer: the same every publication
         self.opt: torch.optim.Optimizer | None = None
+        self.spec = vision_spec(loaded.model)
 
     def steps(self) -> int:
         s = self.cfg.sft
@@ -167,7 +196,7 @@ class SFTJob:
     def step(self) -> tuple[float, int, int]:
         """(loss, trained tokens, rows this rank ran) of the next batch."""
         assert self.opt is not None
-        batch = to_batch(self.source.take(self.cfg.sft.batch_size), self.loaded.tokenizer.pad_id)
+        batch = to_batch(self.source.take(self.cfg.sft.batch_size), self.loaded.tokenizer.pad_id, self.spec)
         loss, rows = train_step(self.model, self.opt, batch, self.cfg, self.dist, self.loaded.tokenizer.pad_id)
         heartbeat().advance("training")
         return loss, int(batch.loss_mask.sum()), rows

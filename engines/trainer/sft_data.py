@@ -34,6 +34,7 @@ log = logging.getLogger("rollflow.trainer")
 class Sample:
     ids: list[int]
     mask: list[int]  # over ids: 1 where the token is trained
+    images: tuple[bytes, ...] = ()  # the images its ids' image tokens stand for, in order (vision-language)
 
 
 @dataclass
@@ -46,6 +47,8 @@ class Dataset:
         h = hashlib.sha256()
         for s in self.samples:
             h.update(repr((s.ids, s.mask)).encode())
+            for image in s.images:
+                h.update(hashlib.sha256(image).digest())
         return h.hexdigest()[:16]
 
 
@@ -145,7 +148,10 @@ def load_lake(spec: LakeData, tok: Tokenizer, max_len: int, storage: Any) -> Dat
 
 def lake_sample(tok: Tokenizer, row: dict, tokens: str) -> Sample:
     """A rollout as stored (`ids`: its completion's model tokens trained) or re-rendered from its text."""
+    images = tuple(row.get("images") or ())
     if tokens == "text":
+        if images:
+            raise BadRow("images", "a sample with images is trained on its stored ids; use tokens = 'ids'")
         if row.get("completion_mask") is not None:
             raise BadRow("multi_turn", "a multi-turn episode has no single completion text; use tokens = 'ids'")
         user, reply = row["prompt_text"], row["completion_text"]
@@ -154,7 +160,7 @@ def lake_sample(tok: Tokenizer, row: dict, tokens: str) -> Sample:
     turn_mask = row.get("completion_mask") or [1] * len(completion)
     if not any(turn_mask):
         raise BadRow("no_assistant_turn", "no completion token to train on")
-    return Sample(prompt + completion, [0] * len(prompt) + list(turn_mask))
+    return Sample(prompt + completion, [0] * len(prompt) + list(turn_mask), images)
 
 
 class Stream:

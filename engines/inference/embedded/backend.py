@@ -19,6 +19,7 @@ from contextlib import aclosing
 from engines import protocol as api
 from engines.inference.backend import Backend, BackendError, Body, Generation, served_name
 from engines.inference.embedded.serving import Serving
+from engines.models.vlm import is_vision
 
 log = logging.getLogger("rollflow.inference")
 
@@ -28,6 +29,7 @@ class EmbeddedBackend(Backend):
         self.engine, self.fs, self.root, self.receiver, self.fixed = engine, fs, root, receiver, fixed
         self.serving = Serving(engine, tokenizer, model_name)
         self.model_name, self.max_model_len = model_name, self.serving.max_model_len
+        self.vision_spec = engine.model.vision_spec if is_vision(engine.model) else None  # None: refuse images
         self.loaded: dict[str, dict] = {}  # the last publications loaded: a delta's base is not rebuilt each update
 
     async def generate(self, gen: Generation) -> Body:

