@@ -18,7 +18,7 @@ from typing import Any
 
 from config.envs import EnvFacts, EnvSpec
 from engines.environments import multimodal, plugins
-from engines.environments.base import EnvironmentRefused, Task
+from engines.environments.base import EnvironmentRefused
 from engines.environments.episodes import is_multi_turn
 from engines.models.tokenizer import Tokenizer
 from engines.models.vision import ImageError
@@ -27,7 +27,7 @@ from engines.registry import PluginError
 PROMPT_SAMPLE = 16  # first-turn prompts measured per environment: bounded, whatever the taskset's size
 
 
-def first_prompts(env: Any, count: int) -> tuple[list[list[dict]] | list[Task], str]:
+def first_prompts(env: Any, count: int) -> tuple[list[Any], str]:
     """`count` first-turn conversations of `env` (or the tasks they come from) and what its run draws tasks from."""
     preview = getattr(env, "preview", None)
     if callable(preview):
@@ -46,7 +46,7 @@ def prompt_lengths(env: Any, tok: Tokenizer, count: int = PROMPT_SAMPLE) -> tupl
     spec = multimodal.vision_spec(tok)
     try:
         return [
-            len(multimodal.prompt_ids(tok, p, spec) if isinstance(p, Task) else tok.render_messages(p))
+            len(tok.render_messages(p) if isinstance(p, list) else multimodal.prompt_ids(tok, p, spec))
             for p in drawn_from
         ], drawn
     except (EnvironmentRefused, ImageError) as exc:

@@ -28,26 +28,33 @@ def vision_spec(tok: Tokenizer) -> VisionSpec | None:
     return VisionSpec.from_directory(directory) if isinstance(config, dict) and "vision_config" in config else None
 
 
+def images_of(task: Task) -> tuple[bytes, ...]:
+    """A task's images; () for a text task, also one of a plugin's own task type without the field."""
+    return tuple(getattr(task, "images", ()) or ())
+
+
 def user_message(task: Task) -> dict:
     """The task as one user message: its images first, then its text (OpenAI-style content parts); a text-only
     task's message is its prompt, as the text environments have always been rendered."""
-    if not task.images:
+    images = images_of(task)
+    if not images:
         return {"role": "user", "content": task.prompt}
-    return {"role": "user", "content": [{"type": "image"}] * len(task.images) + [{"type": "text", "text": task.prompt}]}
+    return {"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": task.prompt}]}
 
 
 def image_sizes(task: Task) -> list[tuple[int, int]]:
     """(width, height) of each image, or ImageError for one over vision.py's bounds (or too many)."""
-    if len(task.images) > vision.MAX_IMAGES:
-        raise ImageError(f"{len(task.images)} images in one prompt, over the limit of {vision.MAX_IMAGES}")
-    return [vision.image_size(b, f"{task.env} image {i}") for i, b in enumerate(task.images)]
+    images = images_of(task)
+    if len(images) > vision.MAX_IMAGES:
+        raise ImageError(f"{len(images)} images in one prompt, over the limit of {vision.MAX_IMAGES}")
+    return [vision.image_size(b, f"{task.env} image {i}") for i, b in enumerate(images)]
 
 
 def prompt_ids(tok: Tokenizer, task: Task, spec: VisionSpec | None) -> list[int]:
     """The task's first prompt ids with every image placeholder expanded. EnvironmentRefused where no task with
     images can ever be rendered (a text-only model, a chat template without one placeholder per image part);
     ImageError for this task's images alone."""
-    if not task.images:
+    if not images_of(task):
         return tok.render_prompt(task.prompt)
     if spec is None:
         where = getattr(tok, "directory", None) or "the built-in model"

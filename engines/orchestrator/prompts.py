@@ -55,7 +55,8 @@ class Prompts:
 
     def render(self, task: Task, samples: int = 1) -> Prompt | None:
         """The prompt of `task`, or None: dropped, its `samples` counted (see the module docstring)."""
-        if not task.images:
+        images = multimodal.images_of(task)
+        if not images:
             return Prompt(self.tok.render_prompt(task.prompt))
         try:
             ids = multimodal.prompt_ids(self.tok, task, self.spec)
@@ -68,7 +69,7 @@ class Prompts:
             self._drop("overflow_dropped", samples, why)
             return None
         self.streak = 0
-        return Prompt(ids, task.images)
+        return Prompt(ids, images)
 
     def _drop(self, count: str, samples: int, why: str) -> None:
         self.counts[count] += samples

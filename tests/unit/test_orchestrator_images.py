@@ -23,13 +23,14 @@ from engines.orchestrator.pool import GroupPool
 from engines.orchestrator.prompts import MAX_DROP_STREAK, Prompts
 from engines.protocol import CompletionRequest
 from storage.fs import Storage
+from tests.vlm_fixture import tiny_vlm_dir  # noqa: F401 (a fixture)
 
 CLOSED = "http://127.0.0.1:9"  # nothing listens: a request that is sent fails with a ConnectError
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    return tiny_vlm.write(tmp_path_factory.mktemp("tiny-vlm"))
+@pytest.fixture
+def vlm_dir(tiny_vlm_dir):  # noqa: F811
+    return tiny_vlm_dir
 
 
 def test_image_prompt_is_rendered_expanded_and_carries_its_images(vlm_dir):

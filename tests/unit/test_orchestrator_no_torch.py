@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from engines.models import tiny_vlm
-
 ROOT = Path(__file__).resolve().parents[2]
 
 RUN_PATH = r"""
@@ -104,6 +102,8 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     base = tmp_path_factory.mktemp("models")
     moe = {"num_experts": 4, "num_experts_per_tok": 2, "qk_norm": True, "hidden_size": 32, "num_layers": 1}
     dirs = {"dense": _publish(base / "dense", hidden_size=32, num_layers=1), "moe": _publish(base / "moe", **moe)}
+    from engines.models import tiny_vlm
+
     dirs["vlm"] = str(tiny_vlm.write(base / "vlm"))
     # another chat template makes the MoE directory's tokenizer a Hugging Face one (the dense one stays the
     # built-in character tokenizer, as for any publication of the built-in model): both paths run without torch
