@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 THUMB = 64  # pixels of a thumbnail's longer side
+MIN_CELL = 112  # pixels of a cell's width: room for a sample id in the default font
 CELL_TEXT_LINES = 3
 LINE_PX = 12
 MAX_TEXT_CHARS = 22  # of the completion shown under a sample
@@ -98,7 +99,7 @@ def contact_sheet(samples: Iterable[dict[str, Any]], columns: int = 4) -> Any | 
     cells = [(s, _thumbs(s.get("images") or [])) for s in samples]
     if not cells:
         return None
-    width = max(THUMB, *(sum(t.width + 2 for t in thumbs) for _, thumbs in cells)) + 8
+    width = max(MIN_CELL, *(sum(t.width + 2 for t in thumbs) for _, thumbs in cells)) + 8
     height = THUMB + CELL_TEXT_LINES * LINE_PX + 10
     rows = (len(cells) + columns - 1) // columns
     sheet = Image.new("RGB", (columns * width, rows * height), (255, 255, 255))
@@ -123,9 +124,17 @@ def png_bytes(image: Any) -> bytes:
 
 
 def with_images(table: Any, limit: int) -> list[dict[str, Any]]:
-    """Up to `limit` rows of an Arrow table that carry images, in table order (columns the sheet shows only)."""
+    """Up to `limit` rows of an Arrow table that carry images (the columns the sheet shows), the first sample of
+    each group first: a group's samples share their prompt's images, so the sheet shows `limit` prompts when the
+    table has them, then more samples of the same groups."""
     if "images" not in table.column_names or limit <= 0:
         return []
-    columns = ["sample_id", "reward", "completion_text", "images"]
-    rows = table.select(columns).to_pylist()
-    return [r for r in rows if r["images"]][:limit]
+    columns = [c for c in ("sample_id", "group_id", "reward", "completion_text", "images") if c in table.column_names]
+    rows = [r for r in table.select(columns).to_pylist() if r["images"]]
+    firsts: list[dict[str, Any]] = []
+    others: list[dict[str, Any]] = []
+    seen: set[Any] = set()
+    for r in rows:
+        (others if r.get("group_id") in seen else firsts).append(r)
+        seen.add(r.get("group_id"))
+    return (firsts + others)[:limit]
