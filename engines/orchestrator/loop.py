@@ -40,6 +40,7 @@ import httpx
 
 from config.process import EXIT_REFUSED, OrchestratorProcessConfig
 from engines.entry import read_process_config
+from engines.environments import multimodal
 from engines.environments.base import EnvironmentRefused, EnvMix, Task
 from engines.environments.episodes import GroupEnvironment, MultiTurnEnvironment, is_multi_turn
 from engines.heartbeat import heartbeat
@@ -212,6 +213,8 @@ class Orchestrator:
     async def scored_group(self, step: int, group: int) -> list[RolloutRow]:
         task = self.mix.task(f"step={step}/group={group}")
         env = self.mix.envs[task.env]
+        if (isinstance(env, GroupEnvironment) or is_multi_turn(env)) and multimodal.images_of(task):
+            raise EnvironmentRefused(f"environment {task.env!r}: images in multi-turn episodes are not supported")
         if isinstance(env, GroupEnvironment):  # it runs its own episodes (engines/environments/verifiers_env.py)
             return await env.run_group(self.episodes, task, self.cfg.run.run_id, step, group)
         if is_multi_turn(env):
