@@ -50,7 +50,8 @@ def test_image_prompt_is_rendered_expanded_and_carries_its_images(vlm_dir):
     assert Prompts(tok, 512, 12).render(text).ids == tok.render_prompt("count")  # text prompts as before
 
 
-def _orchestrator(vlm_dir, tmp_path, max_seq_len: int) -> Orchestrator:
+def _orchestrator(vlm_dir, tmp_path, max_seq_len: int, url: str = CLOSED) -> Orchestrator:
+    """The orchestrator of a tiny-cpu run on `vlm_dir` drawing count-shapes with 2 images, its server at `url`."""
     overrides = [
         ("output-dir", str(tmp_path / f"run{max_seq_len}")),
         ("model.path", str(vlm_dir)),
@@ -58,9 +59,9 @@ def _orchestrator(vlm_dir, tmp_path, max_seq_len: int) -> Orchestrator:
         ("model.max_seq_len", str(max_seq_len)),
         ("envs", '[{id = "count-shapes", args = {images = 2}}]'),
     ]
-    ocfg = component_configs(load_run_config(["profiles/tiny-cpu.toml"], overrides), "run-1", CLOSED)["orchestrator"]
+    ocfg = component_configs(load_run_config(["profiles/tiny-cpu.toml"], overrides), "run-1", url)["orchestrator"]
     fs, root = Storage(ocfg.run.storage).open(ocfg.run.output_dir)
-    return Orchestrator(ocfg, httpx.AsyncClient(base_url=CLOSED), WeightSync(None, fs, root, "", 1.0))
+    return Orchestrator(ocfg, httpx.AsyncClient(base_url=url, timeout=60), WeightSync(None, fs, root, "", 1.0))
 
 
 def test_an_overflowing_multi_image_group_is_dropped_before_any_request_and_counted(vlm_dir, tmp_path):
