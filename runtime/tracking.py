@@ -39,13 +39,22 @@ def initialize_store(tracking_uri: str) -> None:
     fsync_dir(path.parent)
 
 
+def artifact_location(tracking_uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts (the trainer's sample images): beside a local sqlite store
+    (`mlartifacts/` next to the database, in the run directory by default), not in the `mlruns/` of whatever
+    directory the trainer runs in; None (the server's choice) for any other store."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    return (Path(tracking_uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri()
+
+
 def start_mlflow_run(tracking_uri: str, experiment: str, run_name: str, params: dict, tags: dict) -> str:
     from mlflow.tracking import MlflowClient
 
     initialize_store(tracking_uri)
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(experiment, artifact_location(tracking_uri))
     run = client.create_run(exp_id, run_name=run_name, tags=tags)
     items = list(_flatten(params).items())
     from mlflow.entities import Param

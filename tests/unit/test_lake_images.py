@@ -151,23 +151,24 @@ def test_a_few_samples_images_are_logged_to_mlflow_every_few_steps(tmp_path):
 
     from config.tracking import TrackingConfig
     from engines.trainer.tracking import Tracker
-    from runtime.tracking import initialize_store
+    from runtime.tracking import start_mlflow_run
 
     out, _ = _lake(tmp_path, steps=1)
     fs, root = get_fs(out)
     table, _ = read_step(fs, root, 1)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    initialize_store(uri)
+    run_id = start_mlflow_run(uri, "e", "run-img", {}, {})
     client = MlflowClient(uri)
-    run = client.create_run(client.create_experiment("e", artifact_location=str(tmp_path / "artifacts")))
-    tracker = Tracker(fs, root, uri, run.info.run_id)
+    tracker = Tracker(fs, root, uri, run_id)
     cfg = TrackingConfig(image_samples=2, image_every=5)
     assert tracker.log_samples(5, table, cfg) == "samples/step=000005.png"
     assert tracker.log_samples(6, table, cfg) is None  # not a logging step
     assert tracker.log_samples(10, table.filter(pa.array([True, False, False, False])), cfg) is None  # no images
     assert tracker.log_samples(10, table, TrackingConfig(image_samples=0)) is None
-    logged = [a.path for a in client.list_artifacts(run.info.run_id, "samples")]
+    logged = [a.path for a in client.list_artifacts(run_id, "samples")]
     assert logged == ["samples/step=000005.png"]
-    with Image.open(client.download_artifacts(run.info.run_id, logged[0], str(tmp_path / "dl"))) as sheet:
+    # beside the store (the run directory by default), not in the working directory's mlruns/
+    assert [p.name for p in (tmp_path / "mlartifacts").rglob("*.png")] == ["step=000005.png"]
+    with Image.open(client.download_artifacts(run_id, logged[0], str(tmp_path / "dl"))) as sheet:
         assert sheet.width >= 2 * 64 and sheet.height > 64  # two samples' cells, thumbnails above their text
     assert Tracker(fs, root, None, None).log_samples(5, table, cfg) is None  # MLflow off
