@@ -29,7 +29,7 @@ from engines.trainer.common import batch_logprobs
 from engines.trainer.mismatch import PolicyHistory
 from engines.trainer.sft import EnvDemos, render_image_prompt, to_batch, train_step
 from engines.trainer.sft_data import Sample
-from tests.vlm_fixture import png, tiny_vlm_dir  # noqa: F401 (a fixture)
+from tests.vlm_fixture import png, tiny_vlm_dir, tiny_vlm_moe_dir  # noqa: F401 (fixtures)
 
 # Measured on this machine (fp32, CPU): image rows 0, a text row padded beside them 4.8e-7, the cached decode
 # 1.8e-7, between the trainer's or engine's path and transformers' own. The bound is the issue's 1e-5: far
@@ -37,9 +37,11 @@ from tests.vlm_fixture import png, tiny_vlm_dir  # noqa: F401 (a fixture)
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_vlm_dir):  # noqa: F811
-    out = modeldir.load(ModelConfig(path=str(tiny_vlm_dir)), pretrained=True)
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])
+def loaded(request):
+    """The tiny model of each vision-language family, loaded as a run loads it; `.directory` is its directory."""
+    directory = request.getfixturevalue("tiny_vlm_dir" if request.param == "qwen3_vl" else "tiny_vlm_moe_dir")
+    out = modeldir.load(ModelConfig(path=str(directory)), pretrained=True)
     out.model.eval()
     return out
 
@@ -71,7 +73,7 @@ def _table(rows, image_sets, digests=None) -> pa.Table:
     )
 
 
-def _reference_logprobs(tiny_vlm_dir, hf, ids: list[int], images: list[bytes]) -> torch.Tensor:  # noqa: F811
+def _reference_logprobs(directory, hf, ids: list[int], images: list[bytes]) -> torch.Tensor:
     """transformers alone: its image processor from the directory, its own rope index, its own forward."""
     from PIL import Image
     from transformers import AutoImageProcessor
@@ -82,7 +84,7 @@ def _reference_logprobs(tiny_vlm_dir, hf, ids: list[int], images: list[bytes]) -
     if images:
         import io
 
-        proc = AutoImageProcessor.from_pretrained(str(tiny_vlm_dir))
+        proc = AutoImageProcessor.from_pretrained(str(directory))
         out = proc(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt")
         kwargs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
         per_image = (out["image_grid_thw"].prod(-1) // proc.merge_size**2).tolist()
@@ -97,14 +99,16 @@ def loaded_spec(hf) -> vision.VisionSpec:
     return vision.VisionSpec(c.image_token_id, c.vision_start_token_id, c.vision_end_token_id)
 
 
-def test_it_loads_as_a_vision_language_model_and_custom_code_is_refused(loaded, tiny_vlm_dir):  # noqa: F811
-    assert is_vision(loaded.model) and loaded.source.impl == "hf" and loaded.source.cfg.family_name == "qwen3_vl"
-    assert loaded.model.vision_spec == vision.VisionSpec.from_directory(tiny_vlm_dir)
+def test_it_loads_as_a_vision_language_model_and_custom_code_is_refused(loaded):
+    directory = loaded.source.directory
+    family = loaded.source.hf_config["model_type"]
+    assert is_vision(loaded.model) and loaded.source.impl == "hf" and loaded.source.cfg.family_name == family
+    assert loaded.model.vision_spec == vision.VisionSpec.from_directory(directory)
     with pytest.raises(modeldir.ModelDirError, match="no vision encoder"):
-        modeldir.resolve(ModelConfig(path=str(tiny_vlm_dir), impl="custom"))
+        modeldir.resolve(ModelConfig(path=str(directory), impl="custom"))
 
 
-def test_trainer_logprobs_of_image_rows_equal_transformers_own_forward(loaded, tiny_vlm_dir):  # noqa: F811
+def test_trainer_logprobs_of_image_rows_equal_transformers_own_forward(loaded):
     image_sets = [[png(1)], [], [png(2), png(3, 96, 64)]]  # 1, 0 and 2 images, right-padded together
     rows = _rows(loaded, image_sets)
     batch = make_batch(_table(rows, image_sets), loaded.tokenizer.pad_id, spec=loaded.model.vision_spec)
@@ -112,7 +116,7 @@ def test_trainer_logprobs_of_image_rows_equal_transformers_own_forward(loaded, t
     with torch.no_grad():
         ours = batch_logprobs(loaded.model, batch)
         for i, ((p, c), images) in enumerate(zip(rows, image_sets, strict=True)):
-            ref = _reference_logprobs(tiny_vlm_dir, loaded.model.hf, p + c, images)
+            ref = _reference_logprobs(loaded.source.directory, loaded.model.hf, p + c, images)
             assert (ours[i, : len(ref)] - ref).abs().max() < TOL
 
 
