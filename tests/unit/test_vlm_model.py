@@ -28,7 +28,8 @@ from engines.trainer.batch import make_batch
 from engines.trainer.common import batch_logprobs
 from engines.trainer.mismatch import PolicyHistory
 from engines.trainer.sft import EnvDemos, render_image_prompt, to_batch, train_step
-from engines.trainer.sft_data import Sample
+from engines.trainer.sft_data import Sample, lake_sample
+from engines.trainer.sft_files import BadRow
 from tests.vlm_fixture import png, tiny_vlm_dir, tiny_vlm_moe_dir  # noqa: F401 (fixtures)
 
 # Measured on this machine (fp32, CPU): image rows 0, a text row padded beside them 4.8e-7, the cached decode
@@ -270,3 +271,13 @@ def test_a_warm_up_on_a_visual_environment_trains_its_images(tiny_vlm_dir):  # n
     dist = distributed.init(TrainerParallelConfig())
     losses = [train_step(model, opt, batch, cfg, dist, tok.pad_id)[0] for _ in range(8)]
     assert losses[-1] < 0.6 * losses[0]  # it fits the answers (measured: 3.91 -> 1.72 in 8 steps)
+
+
+def test_sft_from_the_lake_keeps_a_rollouts_images_and_refuses_a_digest_mismatch():
+    images = [png(15), png(16)]
+    row = {"prompt_ids": [1, 2], "completion_ids": [3, 2], "images": images}
+    row["image_sha256"] = [vision.digest(b) for b in images]
+    assert lake_sample(None, row, "ids").images == tuple(images)  # type: ignore[arg-type]
+    row["image_sha256"] = row["image_sha256"][::-1]
+    with pytest.raises(BadRow, match="image_sha256"):
+        lake_sample(None, row, "ids")  # type: ignore[arg-type]
