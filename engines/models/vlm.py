@@ -28,6 +28,12 @@ from engines.models.hf import HFCache, HFCausalLM
 from engines.models.moe import Routing
 from engines.models.vision import VisionInputs, VisionSpec
 
+# The logit the trainer gives a vision-language model's image token: the engine never samples it (its logit is -inf
+# there, engines/inference/embedded/generate.py), so the trainer scores the same distribution. Finite, so a masked
+# target at an image position gives a finite logprob (times a zero loss mask: 0, not NaN); exp() of it is exactly 0
+# next to any real logit, so every other token's logprob is the -inf distribution's, bit for bit.
+NEVER_SAMPLED = -1e9
+
 
 def is_vision(model: Any) -> bool:
     """Whether the policy model takes images (`forward(..., vision=...)`)."""
@@ -89,6 +95,12 @@ class HFVisionLM(HFCausalLM):
         if cache is not None:
             cache.length += input_ids.shape[1]
         return out.logits
+
+    def sampled_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` of the distribution the engine samples from: the image token never (NEVER_SAMPLED)."""
+        return logits.index_fill(
+            -1, torch.tensor([self.vision_spec.image_token_id], device=logits.device), NEVER_SAMPLED
+        )
 
     def _dtype(self) -> torch.dtype:
         return next(self.hf.parameters()).dtype
