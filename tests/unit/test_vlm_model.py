@@ -288,3 +288,11 @@ def test_sft_from_the_lake_keeps_a_rollouts_images_and_refuses_a_digest_mismatch
     row["image_sha256"] = row["image_sha256"][::-1]
     with pytest.raises(BadRow, match="image_sha256"):
         lake_sample(None, row, "ids")  # type: ignore[arg-type]
+
+
+def test_the_character_tokenizer_refuses_image_parts_instead_of_rendering_them_as_text():
+    from engines.models.tokenizer import CharTokenizer
+
+    parts = [{"type": "image"}, {"type": "text", "text": "a"}]
+    with pytest.raises(ValueError, match="needs a vision-language model"):
+        CharTokenizer().render_messages([{"role": "user", "content": parts}])
