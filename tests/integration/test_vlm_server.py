@@ -6,6 +6,7 @@ and a bad image, too many, a prompt whose image tokens do not match its images o
 from __future__ import annotations
 
 import base64
+import json
 import socket
 import threading
 import time
@@ -142,6 +143,22 @@ def test_chat_content_parts_with_images_render_as_the_completions_prompt(vlm):
     ref = reference_logprobs(model, out["prompt_token_ids"], [red, green], tokens)
     got = [lp["logprob"] for lp in out["choices"][0]["logprobs"]["content"]]
     assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) < 1e-5
+
+
+def test_a_streamed_image_request_draws_what_the_unstreamed_one_draws(vlm):
+    client, _ = vlm
+    images = [png(4), png(5, 64, 96)]
+    body = {"prompt": prompt("s", images), "images": list(map(b64, images)), "max_tokens": 8, "seed": 7,
+            "return_token_ids": True}  # fmt: skip
+    whole = client.post("/v1/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    streamed = []
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line.removeprefix("data: "))["choices"][0]["token_ids"]
+    assert streamed == whole.json()["choices"][0]["token_ids"]
 
 
 def test_a_text_only_model_refuses_images():
