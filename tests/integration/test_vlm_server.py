@@ -23,7 +23,7 @@ from engines.inference.embedded.engine import Engine
 from engines.inference.frontend import Settings, build_app
 from engines.models.decoder import CausalLM
 from engines.models.tokenizer import CharTokenizer, HFTokenizer
-from engines.protocol import MAX_IMAGES
+from engines.protocol import MAX_IMAGE_BASE64, MAX_IMAGES
 from tests.vlm_fixture import load, png, prompt, reference_logprobs, tiny_vlm_dir, token  # noqa: F401 (a fixture)
 
 LONG = 480  # tokens of the good request: it runs while the bad ones are answered
@@ -92,6 +92,7 @@ def test_bad_images_are_400s_for_that_request_alone(vlm):
         "over the limit of": {"images": [b64(big)], "prompt": prompt("ok", [red])},  # the pixel bound
         "do not match its images": {"prompt": prompt("ok", [red, red])},  # two image runs, one image
         "at most 8 items": {"images": [b64(red)] * (MAX_IMAGES + 1)},
+        f"at most {MAX_IMAGE_BASE64} characters": {"images": ["A" * (MAX_IMAGE_BASE64 + 4)]},  # before decoding
         "token-id prompt": {"prompt": "text with an image"},
     }
     t0 = time.monotonic()
