@@ -24,7 +24,7 @@ from engines.inference.frontend import Settings, build_app
 from engines.models.decoder import CausalLM
 from engines.models.tokenizer import CharTokenizer, HFTokenizer
 from engines.protocol import MAX_IMAGE_BASE64, MAX_IMAGES
-from tests.vlm_fixture import load, png, prompt, reference_logprobs, tiny_vlm_dir, token  # noqa: F401 (a fixture)
+from tests.vlm_fixture import MAX_SEQ_LEN, load, png, prompt, reference_logprobs, tiny_vlm_dir, token  # noqa: F401 (a fixture)
 
 LONG = 480  # tokens of the good request: it runs while the bad ones are answered
 
@@ -160,6 +160,30 @@ def test_a_streamed_image_request_draws_what_the_unstreamed_one_draws(vlm):
             if line.startswith("data: {"):
                 streamed += json.loads(line.removeprefix("data: "))["choices"][0]["token_ids"]
     assert streamed == whole.json()["choices"][0]["token_ids"]
+
+
+def test_the_inference_process_serves_a_vlm_publication(tiny_vlm_dir, tmp_path):  # noqa: F811 (the fixture)
+    """`python -m engines.inference` on a committed publication of the tiny VLM (as the trainer publishes it):
+    an image request is sampled with the published weights and its images."""
+    from engines.models import modeldir
+    from storage import weights
+    from storage.fs import get_fs
+    from tests.inference_fixture import serving as process
+
+    mc = ModelConfig(path=str(tiny_vlm_dir), impl="hf", max_seq_len=MAX_SEQ_LEN)
+    torch.manual_seed(3)
+    loaded = modeldir.load(mc, pretrained=False)  # fresh weights: not the directory's
+    fs, root = get_fs(str(tmp_path))
+    weights.publish(fs, root, 0, loaded.model.publishable_state_dict(), loaded.publication_files())
+    images = [png(6)]
+    body = {"prompt": prompt("p", images), "images": list(map(b64, images)), "max_tokens": 8, "logprobs": 0,
+            "return_token_ids": True}  # fmt: skip
+    with process(str(tmp_path), mc) as client:
+        r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    ref = reference_logprobs(loaded.model.eval(), body["prompt"], images, choice["token_ids"])
+    assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], ref, strict=True)) < 1e-5
 
 
 def test_a_text_only_model_refuses_images():
