@@ -34,11 +34,6 @@ def is_vision(model: Any) -> bool:
     return isinstance(model, HFVisionLM)
 
 
-def is_vision_config(hf: dict | None) -> bool:
-    """Whether a Hugging Face config.json describes a vision-language model (it has a vision_config)."""
-    return bool(hf) and isinstance(hf, dict) and isinstance(hf.get("vision_config"), dict)
-
-
 class HFVisionLM(HFCausalLM):
     vision_spec: VisionSpec
 
@@ -99,9 +94,13 @@ class HFVisionLM(HFCausalLM):
         return next(self.hf.parameters()).dtype
 
     def _check_images(self, ids: torch.Tensor, vision: VisionInputs | None) -> None:
-        """Image tokens and image tensors must agree (transformers' own check raises a bare message later)."""
+        """Image tokens and the images given must agree (transformers' own check raises a bare message later).
+        Without images an image token is an embedding like any other (a decode step that sampled one), as in
+        transformers; the trainer drops a sample whose completion holds one (engines/trainer/vision_batch.py)."""
+        if vision is None:
+            return
         tokens = int((ids == self.vision_spec.image_token_id).sum())
-        want = 0 if vision is None else sum(vision.tokens_per_image(self.vision_spec.merge_size))
+        want = sum(vision.tokens_per_image(self.vision_spec.merge_size))
         if tokens != want:
             raise ValueError(f"the batch has {tokens} image tokens but its images make {want}")
 

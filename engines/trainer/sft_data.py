@@ -5,7 +5,8 @@ A sample is token ids with a mask over them (1: a token the model learns to prod
 - `files`: conversations (engines/trainer/sft_files.py reads them) rendered with `render_conversation`:
   every assistant turn trained, everything else masked;
 - `lake`: a run's rollouts selected by storage/lake.py's filters, as their stored token ids (the completion's
-  model tokens trained) or re-rendered from their text.
+  model tokens trained) or re-rendered from their text; a rollout's images (checked against their digests)
+  stay with its sample.
 Every row is checked when the dataset loads; a bad one (no messages column, not a conversation, an unknown
 role, no assistant turn, longer than model.max_seq_len, a token outside the vocabulary) refuses the dataset
 naming the file and row, or with `on_bad_row = "skip"` is dropped and counted by reason (`Dataset.report`).
@@ -149,6 +150,9 @@ def load_lake(spec: LakeData, tok: Tokenizer, max_len: int, storage: Any) -> Dat
 def lake_sample(tok: Tokenizer, row: dict, tokens: str) -> Sample:
     """A rollout as stored (`ids`: its completion's model tokens trained) or re-rendered from its text."""
     images = tuple(row.get("images") or ())
+    digests = row.get("image_sha256")
+    if digests is not None and [hashlib.sha256(b).hexdigest() for b in images] != list(digests):
+        raise BadRow("image_digest", "its images do not match their image_sha256 digests")
     if tokens == "text":
         if images:
             raise BadRow("images", "a sample with images is trained on its stored ids; use tokens = 'ids'")

@@ -7,6 +7,9 @@ images fail their checks are dropped with a count; mismatch_kl is reported per n
 from __future__ import annotations
 
 import json
+import random
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pytest
@@ -14,13 +17,17 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
+from config.envs import EnvSpec
 from config.model import ModelConfig
+from config.trainer_parallel import TrainerParallelConfig
+from engines.environments.base import EnvMix, Task
 from engines.models import modeldir, vision
 from engines.models.vlm import HFVisionLM, is_vision
+from engines.trainer import distributed
 from engines.trainer.batch import make_batch
 from engines.trainer.common import batch_logprobs
 from engines.trainer.mismatch import PolicyHistory
-from engines.trainer.sft import render_image_prompt, to_batch
+from engines.trainer.sft import EnvDemos, render_image_prompt, to_batch, train_step
 from engines.trainer.sft_data import Sample
 from tests.vlm_fixture import png, tiny_vlm_dir  # noqa: F401 (a fixture)
 
@@ -223,3 +230,39 @@ def test_mismatch_kl_is_reported_per_number_of_images(loaded):
     k3 = {k: torch.expm1(torch.tensor(-s)).item() + s for k, s in {0: 0.0, 1: 0.1, 2: 0.2}.items()}
     for k, want in k3.items():
         assert abs(got.by_images[k] - want) < 1e-5
+
+
+@dataclass(frozen=True)
+class ImageTask(Task):
+    images: tuple[bytes, ...] = ()  # (Task's own field once the environments carry images)
+
+
+class Pictures:
+    """A toy visual environment: 1 or 2 pictures, the answer is how many."""
+
+    def sample(self, rng: random.Random) -> ImageTask:
+        n = rng.randint(1, 2)
+        return ImageTask("pictures", "how many", str(n), tuple(png(rng.randrange(99)) for _ in range(n)))
+
+    def reward(self, task: Task, completion: str) -> float:
+        return float(completion.strip() == task.answer)
+
+
+def pictures() -> Pictures:
+    return Pictures()
+
+
+def test_a_warm_up_on_a_visual_environment_trains_its_images(tiny_vlm_dir):  # noqa: F811
+    loaded = modeldir.load(ModelConfig(path=str(tiny_vlm_dir)), pretrained=True)
+    model, tok, spec = loaded.model, loaded.tokenizer, loaded.model.vision_spec
+    mix = EnvMix([EnvSpec(id="tests.unit.test_vlm_model:pictures")], seed=0, default_style=tok.prompt_style)
+    samples = EnvDemos(mix, tok, spec).take(4)
+    batch = to_batch(samples, tok.pad_id, spec)
+    counts = [len(s.images) for s in samples]
+    assert batch.image_counts.tolist() == counts and set(counts) == {1, 2}
+    assert all(sum(n for _, n in vision.image_runs(s.ids, spec)) == 4 * len(s.images) for s in samples)
+    cfg = SimpleNamespace(sft=SimpleNamespace(micro_batch_size=None, packing=True))  # packing: bypassed
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    dist = distributed.init(TrainerParallelConfig())
+    losses = [train_step(model, opt, batch, cfg, dist, tok.pad_id)[0] for _ in range(8)]
+    assert losses[-1] < 0.6 * losses[0]  # it fits the answers (measured: 3.91 -> 1.72 in 8 steps)
