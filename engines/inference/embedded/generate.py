@@ -21,7 +21,8 @@ A vision-language model's prompts carry their images (`add(..., images)`): each 
 ids and its images' digests, is prefilled once with its images' encoder inputs and multimodal RoPE positions
 (engines/models/vlm.py); decode is as for text. Its image token is never sampled (its logit is -inf, and the
 logprobs are those of that distribution): fed back, it would stand for an image the row does not have, and the
-trainer could not score it (an image token without pixels). The trainer masks it the same way.
+trainer could not score it (an image token without pixels). For exact sampler/trainer parity the trainer's
+logprobs need the same mask (without it, its full-vocabulary logprobs are lower by -log(1 - p(image token))).
 
 A row whose `Sampling.prompt_logprobs` is set also gets its prompt scored from the same prefill: each prompt
 token's logprob given the tokens before it (temperature 1), its rank, and the k most likely alternatives.
