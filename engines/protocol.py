@@ -9,7 +9,7 @@ import hashlib
 import hmac
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from config.vllm import SESSION_HEADER as SESSION_HEADER  # re-exported for the engines
 
@@ -24,6 +24,15 @@ MAX_MESSAGES = 1024  # chat messages per request
 MAX_PROMPT_IDS = 2**20  # token ids in a prompt (the server then refuses what exceeds max_model_len)
 # Temperatures under this sample greedily (as vLLM does): dividing by them overflows the logits to inf
 GREEDY_BELOW = 1e-5
+# Images in a prompt (engines/models/vision.py, which takes these bounds from here): at most MAX_IMAGES, each at
+# most MAX_IMAGE_BYTES encoded, so at most MAX_IMAGE_BASE64 characters of base64 (checked before decoding)
+MAX_IMAGES = 8
+MAX_IMAGE_BYTES = 4 * 2**20
+MAX_IMAGE_BASE64 = 4 * -(-MAX_IMAGE_BYTES // 3)
+MAX_CONTENT_PARTS = 64  # OpenAI content parts per chat message
+# an image part's URL: a data URL (the server fetches nothing) of base64 bytes
+DATA_URL_PREFIXES = ("data:image/png;base64,", "data:image/jpeg;base64,")
+MAX_IMAGE_URL = max(map(len, DATA_URL_PREFIXES)) + MAX_IMAGE_BASE64
 # The admin routes' bearer token: the flow draws one per attempt and gives it to the inference process and
 # the orchestrator through this environment variable (a process without it draws a random one).
 ADMIN_TOKEN_ENV = "ROLLFLOW_ADMIN_TOKEN"
@@ -109,6 +118,11 @@ class CompletionRequest(SamplingFields):
     echo: bool = False  # only false
     best_of: int | None = None  # only n (or unset)
     suffix: str | None = None  # only unset
+    # rollflow extension (vision-language models): base64 of each image's PNG or JPEG bytes, in prompt order; the
+    # prompt is token ids whose image token runs are already expanded, one per image (the server checks them)
+    images: Annotated[list[Annotated[str, Field(max_length=MAX_IMAGE_BASE64)]], Field(max_length=MAX_IMAGES)] | None = (
+        None
+    )
 
     @model_validator(mode="after")
     def _completion_only(self) -> CompletionRequest:
@@ -120,13 +134,56 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix is not supported by the embedded engine")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is returned only without streaming (stream=false)")
+        if self.images and isinstance(self.prompt, str):
+            raise ValueError("images need a token-id prompt whose image placeholders are expanded (vision.py `expand`)")
         return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(max_length=MAX_IMAGE_URL)  # data:image/png;base64,... or data:image/jpeg;base64,...
+    detail: Literal["auto"] | None = None  # OpenAI's field: only its default
+
+    @field_validator("url")
+    @classmethod
+    def _data_url(cls, url: str) -> str:
+        if not url.startswith(DATA_URL_PREFIXES):
+            raise ValueError(f"an image URL must be a data URL starting with one of {', '.join(DATA_URL_PREFIXES)}")
+        return url
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant"]
-    content: str
+    # text, or OpenAI's content parts (text and images, a vision-language model's prompt); answers are text
+    content: str | Annotated[list[ContentPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS)]
+
+    def text(self) -> str:
+        """The message's text: its content, or its text parts joined."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def images(self) -> list[str]:
+        """The base64 of each image part, in order."""
+        if isinstance(self.content, str):
+            return []
+        return [p.image_url.url.split(",", 1)[1] for p in self.content if isinstance(p, ImagePart)]
 
 
 class ChatRequest(SamplingFields):
@@ -139,7 +196,13 @@ class ChatRequest(SamplingFields):
     def _top_needs_logprobs(self) -> ChatRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if len(self.images()) > MAX_IMAGES:
+            raise ValueError(f"at most {MAX_IMAGES} images in one request")
         return self
+
+    def images(self) -> list[str]:
+        """The base64 of every image part, in message order."""
+        return [image for m in self.messages for image in m.images()]
 
 
 class UpdateWeightsRequest(BaseModel):

@@ -36,10 +36,12 @@ if TYPE_CHECKING:
     from config.process import InferenceProcessConfig
     from config.trainer import TrainerConfig
     from config.transport import WeightBroadcastConfig
+    from engines.models.vision import VisionSpec
 
 # The `[inference]` keys that shape a deployment of servers (config/vllm.py's SHAPE_KEYS; replicas are their
 # own capability); a backend runs those it lists in `Capabilities.deployment_keys`, any other one set is refused.
 DEPLOYMENT_KEYS = tuple(key for key in SHAPE_KEYS if key != "num_infer_replicas")
+VISION_NEED = "a vision-language model (its config.json has vision_config) needs a backend that serves images"
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,10 @@ class Capabilities:
     # returns `kept_sizes` (return_kept_sizes): the support its top-k / top-p truncation kept per token, which
     # the trainer scores on (trainer.keep_sampling_mask, docs/algorithm.md "Keep sampling mask")
     kept_support: bool = False
+    # serves vision-language models: prompts with images (`images` on /v1/completions, engines/models/vision.py)
+    vision: bool = False
+    # why it does not, when it does not: the load-time check's message for a vision-language model
+    no_vision_reason: str = ""
     # `module:attribute` of (RunConfig) -> {file name: text}: what `--dry-run` and every attempt write to
     # OUTPUT_DIR/config/ besides the component configs (e.g. the vLLM commands); None: nothing
     launch_plan: str | None = None
@@ -86,6 +92,8 @@ class Generation:
     request_id: str | None = None  # the client's X-Request-Id, else <session>-<hex> for a session
     headers: dict[str, str] = field(default_factory=dict)  # the client's other x- headers, lower-cased
     id: str = field(default_factory=lambda: uuid.uuid4().hex)  # the response's id (cmpl-<id>, chatcmpl-<id>)
+    # the request's images (bytes, in prompt order), decoded and checked against the model by the front end
+    images: tuple[bytes, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -104,6 +112,9 @@ class Backend(abc.ABC):
 
     model_name: str  # the served name (GET /v1/models); a request naming another is a 404
     max_model_len: int  # prompt + completion tokens
+    # the served model's image token layout when it is a vision-language model; None: text only (the front end
+    # refuses a request with images)
+    vision_spec: VisionSpec | None = None
 
     @abc.abstractmethod
     async def generate(self, gen: Generation) -> Body:
@@ -155,9 +166,13 @@ def needs(
     broadcast: WeightBroadcastConfig,
     orchestrator: OrchestratorConfig | None = None,
     trainer: TrainerConfig | None = None,
+    vision: bool = False,
 ) -> list[tuple[str, Callable[[Capabilities], bool]]]:
-    """Each capability the run's settings need: what needs it (naming the key), and whether a backend has it."""
+    """Each capability the run's settings need: what needs it (naming the key), and whether a backend has it.
+    `vision`: the model is a vision-language model (its config.json has vision_config)."""
     found: list[tuple[str, Callable[[Capabilities], bool]]] = []
+    if vision:
+        found.append((VISION_NEED, lambda c: c.vision))
     truncates = orchestrator is not None and (orchestrator.top_p < 1 or orchestrator.top_k > 0)
     if truncates and orchestrator is not None and (trainer is None or trainer.keep_sampling_mask):
         what = (
@@ -184,6 +199,10 @@ def needs(
     return found
 
 
+def _why_not(caps: Capabilities, what: str) -> str:
+    return f" ({caps.no_vision_reason})" if what == VISION_NEED and caps.no_vision_reason else ""
+
+
 def _runs(key: str) -> Callable[[Capabilities], bool]:
     return lambda c: key in c.deployment_keys
 
@@ -205,19 +224,22 @@ def check(
     broadcast: WeightBroadcastConfig,
     orchestrator: OrchestratorConfig | None = None,
     trainer: TrainerConfig | None = None,
+    vision: bool = False,
 ) -> None:
     """Load the run's backend declaration and refuse (PluginError, one line per setting) what it cannot run,
     naming the registered backends that can. The orchestrator's sampling and the trainer's settings are checked
-    when given (the CLI gives them; the inference process has neither)."""
+    when given (the CLI gives them; the inference process has neither); `vision`: the model is a VLM."""
     name = inference.backend
     caps = spec(name).capabilities
-    missing = [(what, has) for what, has in needs(inference, broadcast, orchestrator, trainer) if not has(caps)]
+    wanted = needs(inference, broadcast, orchestrator, trainer, vision)
+    missing = [(what, has) for what, has in wanted if not has(caps)]
     if not missing:
         return
     others = _others(name)
     lines = [
-        f"{what}: inference.backend = {name!r} does not run it "
-        f"(registered backends that do: {', '.join(n for n, c in others.items() if has(c)) or 'none'})"
+        f"{what}: inference.backend = {name!r} does not run it"
+        f"{_why_not(caps, what)} (registered backends that do: "
+        f"{', '.join(n for n, c in others.items() if has(c)) or 'none'})"
         for what, has in missing
     ]
     raise PluginError("the inference backend cannot run these settings:\n  " + "\n  ".join(lines))

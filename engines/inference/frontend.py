@@ -10,7 +10,9 @@ unknown field, an unsupported value or one over a limit is a 400 naming it; the 
 errors and a count), checked against the model's length (a text prompt before it is tokenised), admitted (at
 most `max_queued_requests` requests and `max_queued_tokens` tokens of work held at once, else a 429 with
 Retry-After), and turned into a `Generation` (the configured session header's value, the
-request id, the client's other x- headers); the backend answers it. Every error, the backend's included, has
+request id, the client's other x- headers, and the images: `images` (base64) decoded within the bounds of
+engines/models/vision.py and checked against the prompt's image token runs and the model's `VisionSpec`; a
+text-only model refuses them); the backend answers it. Every error, the backend's included, has
 OpenAI's shape (`{"error": {message, type, param, code}, "detail"}`), and OpenAPI lists each route's errors.
 A client that goes away (checked every DISCONNECT_POLL_S while it waits, since a closed connection is not
 always noticed on write) cancels its generation, which stops the backend's work on it.
@@ -19,6 +21,7 @@ always noticed on write) cancels its generation, which stops the backend's work 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import secrets
 import time
@@ -33,6 +36,8 @@ from pydantic import BaseModel
 from engines import protocol as api
 from engines.heartbeat import Heartbeat, heartbeat
 from engines.inference.backend import Backend, BackendError, Generation
+from engines.models import vision
+from engines.models.vision import VisionSpec
 
 DISCONNECT_POLL_S = 0.25
 MAX_BODY_BYTES = 8 * 2**20  # far above any prompt of max_model_len tokens; a larger body is a 413
@@ -47,7 +52,8 @@ REQUEST_ID_HEADER = "x-request-id"
 ERRORS = {
     400: "invalid request: a malformed body, an unknown or unsupported field, a value over a limit, or a request "
     "that cannot run (empty prompt, token ids outside the vocabulary, prompt + max_tokens over max_model_len, "
-    "n over the batch, more tokens of work than the server's whole budget)",
+    "n over the batch, more tokens of work than the server's whole budget, images to a text-only model, an image that "
+    "does not decode or breaks a bound, image token runs that do not match the images)",
     401: "admin route without the right bearer token",
     404: "unknown model name, or no committed publication at that version or path",
     409: "a publication older than the served version",
@@ -338,7 +344,7 @@ class Admission:
 def prompt_texts(body: api.CompletionRequest | api.ChatRequest) -> list[str] | None:
     """The prompt's text (a chat's contents), or None for token ids."""
     if isinstance(body, api.ChatRequest):
-        return [m.content for m in body.messages]
+        return [m.text() for m in body.messages]
     return [body.prompt] if isinstance(body.prompt, str) else None
 
 
@@ -386,6 +392,8 @@ def _generation_route(backend: Backend, settings: Settings, admission: Admission
         release_here = True
         try:
             gen = generation(body, http.headers, settings.session_header)
+            spec = backend.vision_spec  # decoding images is CPU work: off the event loop (a text model's check is not)
+            gen.images = await asyncio.to_thread(request_images, body, spec) if spec else request_images(body, None)
             if body.stream:
                 response = await _stream(backend, gen, http, lambda: admission.leave(work))
                 release_here = False  # the stream holds its place until it ends
@@ -399,6 +407,33 @@ def _generation_route(backend: Backend, settings: Settings, admission: Admission
                 admission.leave(work)
 
     return answer
+
+
+def request_images(body: api.CompletionRequest | api.ChatRequest, spec: VisionSpec | None) -> tuple[bytes, ...]:
+    """The request's images (bytes, in prompt order: `images`, or a chat's image parts), each decoded within
+    vision.py's bounds, and a token-id prompt's image token runs checked against them (also without images: a
+    vision model's prompt may hold no image tokens then). A problem is a 400 naming it, for this request alone."""
+    images = body.images() if isinstance(body, api.ChatRequest) else body.images or []
+    if images and spec is None:
+        raise BackendError(400, "this server's model is text-only: it takes no images", "images")
+    ids = None if isinstance(body, api.ChatRequest) or isinstance(body.prompt, str) else body.prompt
+    if spec is None or (ids is None and not images):
+        return ()
+    found, sizes = [], []
+    try:
+        for i, text in enumerate(images):
+            try:
+                data = base64.b64decode(text, validate=True)
+            except ValueError:  # binascii.Error
+                raise vision.ImageError(f"images[{i}]: not valid base64") from None
+            img = vision.decode(data, f"images[{i}]")
+            found.append(data)
+            sizes.append((img.width, img.height))
+        if ids is not None:  # a chat's ids are rendered by the backend, which checks them
+            vision.check_prompt(ids, sizes, spec)
+    except vision.ImageError as exc:
+        raise BackendError(400, str(exc), "images") from None
+    return tuple(found)
 
 
 def without_routes(body: Any) -> Any:

@@ -25,14 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# Images per prompt and the encoded size of one image: the wire's bounds (engines/protocol.py), checked the same
+# by the orchestrator, the server and the trainer
+from engines.protocol import MAX_IMAGE_BYTES as MAX_IMAGE_BYTES
+from engines.protocol import MAX_IMAGES as MAX_IMAGES
+
 if TYPE_CHECKING:
     import torch
     from PIL import Image
 
 # Bounds on what a request or an environment may carry (docs/models.md "Images"): far above the toy tasks'
 # 64 x 64 PNGs, low enough that one request cannot exhaust the server.
-MAX_IMAGES = 8  # per prompt
-MAX_IMAGE_BYTES = 4 * 2**20  # encoded size of one image
 MAX_IMAGE_PIXELS = 4096 * 4096  # decoded size of one image: PIL's decompression-bomb guard, made strict
 IMAGE_FORMATS = ("PNG", "JPEG")
 

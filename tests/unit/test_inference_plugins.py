@@ -202,3 +202,27 @@ def wait_for(condition, timeout_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
+
+
+def test_a_vision_language_model_is_refused_at_load_by_a_backend_that_serves_no_images(tmp_path):
+    """The load-time check names the reason the vLLM backend takes no images (measured, engines/inference/vllm)
+    and the backends that do; the vLLM backend's start refuses a VLM directory with the same reason."""
+    from config.inference import InferenceConfig
+    from config.transport import WeightBroadcastConfig
+    from engines.inference.backend import VISION_NEED, check
+    from engines.inference.vllm import NO_VISION
+    from engines.inference.vllm.backend import refuse_vision
+    from engines.registry import PluginError
+
+    check(InferenceConfig(backend="embedded"), WeightBroadcastConfig(), vision=True)
+    check(InferenceConfig(backend="vllm"), WeightBroadcastConfig(), vision=False)
+    with pytest.raises(PluginError) as refused:
+        check(InferenceConfig(backend="vllm"), WeightBroadcastConfig(), vision=True)
+    message = str(refused.value)
+    assert f"{VISION_NEED}: inference.backend = 'vllm' does not run it ({NO_VISION})" in message
+    assert message.endswith("(registered backends that do: embedded)")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "vision_config": {"depth": 2}}))
+    with pytest.raises(SystemExit, match="is a vision-language model: the vLLM backend forwards no images"):
+        refuse_vision(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    refuse_vision(tmp_path)  # a text model starts

@@ -4,8 +4,9 @@ HTTP handlers enqueue `Request`s and await their futures. Between decode steps t
 pending weight updates (in-flight, as PipelineRL does), admits queued requests into the running batch
 (their prompts are prefilled and their rows join it) and hands each request its new tokens (streaming)
 and, once all its rows have ended, its completions. Every completion records the policy versions that
-produced its first and last token. With `record_routes` (`inference.enable_return_routed_experts`, MoE
-models) it also records the experts each token was routed to.
+produced its first and last token. A request's images (a vision-language model) travel with it to the
+prefill (generate.py), so such rows join a running batch as any other. With `record_routes`
+(`inference.enable_return_routed_experts`, MoE models) it also records the experts each token was routed to.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class Request:
     kept_sizes: bool = False  # also each token's kept support size (top-k / top-p truncation)
     prompt_logprobs: int | None = None  # also score the prompt's tokens, with this many alternatives
     on_tokens: Callable[[TokenEvents], None] | None = None  # called from the engine thread after each step
+    # a vision-language model's prompt images (bytes, prompt order; checked against prompt_ids by the front end)
+    images: tuple[bytes, ...] = ()
     future: Future = field(default_factory=Future)
 
     def sampling(self, seed: int) -> list[Sampling]:
@@ -234,13 +237,14 @@ class Engine:
     def _join(self, decoder: Decoder, running: dict[int, tuple[_Running, int]], taken: list[Request]) -> None:
         """Add `taken` to the batch. When they cannot join (Refused) the batch is unchanged: one request alone
         then fails, several raise Refused. Any other failure is the batch's: it fails them all."""
-        prompts, params = [], []
+        prompts, params, images = [], [], []
         for req in taken:
             seed = req.seed if req.seed is not None else int(torch.randint(2**62, (1,), generator=self.generator))
             prompts += [req.prompt_ids] * req.n
             params += req.sampling(seed)
+            images += [req.images] * req.n
         try:
-            made = decoder.add(prompts, params)
+            made = decoder.add(prompts, params, images if any(images) else None)
         except Refused as exc:  # the batch is as it was: only these requests fail
             if len(taken) == 1:
                 taken[0].future.set_exception(exc.__cause__ or exc)

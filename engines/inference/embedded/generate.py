@@ -17,6 +17,13 @@ With `record_routes` (MoE models) each completion also carries `routed_experts` 
 experts every position fed through the model was routed to, seq = prompt + completion - 1 (the prompt's
 prefill positions, then every completion token except the last, which is sampled but never fed back).
 
+A vision-language model's prompts carry their images (`add(..., images)`): each distinct prompt, keyed by its
+ids and its images' digests, is prefilled once with its images' encoder inputs and multimodal RoPE positions
+(engines/models/vlm.py); decode is as for text. Its image token is never sampled (its logit is -inf, and the
+logprobs are those of that distribution): fed back, it would stand for an image the row does not have, and the
+trainer could not score it (an image token without pixels). For exact sampler/trainer parity the trainer's
+logprobs need the same mask (without it, its full-vocabulary logprobs are lower by -log(1 - p(image token))).
+
 A row whose `Sampling.prompt_logprobs` is set also gets its prompt scored from the same prefill: each prompt
 token's logprob given the tokens before it (temperature 1), its rank, and the k most likely alternatives.
 """
@@ -25,14 +32,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
+from engines.inference.embedded.prefill import left_pad, prefill_mask, unique_prompts, vision_inputs
 from engines.inference.embedded.sampling import sample, truncate_kept
 from engines.models.decoder import CausalLM
 from engines.models.moe import Routing
+from engines.models.vlm import HFVisionLM, is_vision
 
 
 @dataclass
@@ -111,30 +120,6 @@ class _RouteLog:
 
     def finish(self, origin: int, c: Completion) -> None:
         c.routed_experts = torch.cat(self.parts.pop(origin)).to(torch.int16)
-
-
-def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    valid = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        valid[i, width - len(p) :] = True
-    return ids, valid
-
-
-def _prefill_mask(valid: torch.Tensor) -> torch.Tensor:
-    t = valid.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
-    # Each query also sees itself so pad rows never softmax over an empty set (which would give NaN).
-    return (causal & valid[:, None, :]) | torch.eye(t, dtype=torch.bool)
-
-
-def _unique_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """Distinct prompts in first-seen order, and each row's index among them."""
-    index: dict[tuple[int, ...], int] = {}
-    rows = [index.setdefault(tuple(p), len(index)) for p in prompts]
-    return [list(k) for k in index], rows
 
 
 @dataclass
@@ -221,22 +206,27 @@ class Decoder:
         self._filters = False  # some row has min_tokens, top_k or top_p: the sampler's slower path
         self.alternatives: dict[int, int] = {}  # origin -> how many top logprobs it records, for rows that do
         self.kept_rows: set[int] = set()  # origins that record their tokens' kept support sizes
+        # a vision-language model's image token is never sampled (see the module docstring)
+        self.image_token: int | None = cast(HFVisionLM, model).vision_spec.image_token_id if is_vision(model) else None
 
     @property
     def live(self) -> int:
         return len(self.out)
 
     @torch.no_grad()
-    def add(self, prompts: list[list[int]], params: list[Sampling]) -> list[tuple[int, Completion]]:
+    def add(
+        self, prompts: list[list[int]], params: list[Sampling], images: list[tuple[bytes, ...]] | None = None
+    ) -> list[tuple[int, Completion]]:
         """Prefill these rows and merge them into the batch; their first token is drawn at the next
-        `sample`. Returns (origin id, completion) per row, filled in as the rows run."""
+        `sample`. Returns (origin id, completion) per row, filled in as the rows run. `images`: per row, the
+        images (bytes, prompt order) of a vision-language model's prompt; None or empty tuples: none."""
         origins = list(range(self._next_origin, self._next_origin + len(prompts)))
         self._next_origin += len(prompts)
         try:  # nothing of the batch changes before the merge below
             columns = _Rows.columns(params)
             scored = [s.prompt_logprobs for s in params]
             logits, cache, valid, next_pos, scores = self._prefill(
-                prompts, origins, max(s.max_tokens for s in params), scored
+                prompts, origins, max(s.max_tokens for s in params), scored, images
             )
         except Exception as exc:
             if self.log:
@@ -269,18 +259,34 @@ class Decoder:
         self.kept_rows.update(o for o, s in zip(origins, params, strict=True) if s.kept_sizes)
         return made
 
-    def _prefill(self, prompts: list[list[int]], origins: list[int], max_tokens: int, scored: list[int | None]):
-        """Prefill each distinct prompt once, then give every row its own copy of the cache.
+    def _prefill(
+        self,
+        prompts: list[list[int]],
+        origins: list[int],
+        max_tokens: int,
+        scored: list[int | None],
+        images: list[tuple[bytes, ...]] | None = None,
+    ):
+        """Prefill each distinct prompt (ids and images) once, then give every row its own copy of the cache.
 
         Returns (last-position logits per row, cache, valid mask per row, next position per row, the prompt
-        scores of each row that asks for them (`scored[row]` alternatives; None: not asked)).
+        scores of each row that asks for them (`scored[row]` alternatives; None: not asked)). Prompts with
+        images (a vision-language model) take multimodal RoPE positions [3, B, L]; a row's next position is one
+        past its largest, which runs behind its length (an image's tokens share positions).
         """
-        unique, row_of = _unique_prompts(prompts)
-        ids, valid = _left_pad(unique, self.pad_id)
+        unique, row_of = unique_prompts(prompts, images if any(images or ()) else None)
+        ids, valid = left_pad(unique, self.pad_id)
         cache = self.model.new_cache(len(unique), ids.shape[1] + max_tokens, next(self.model.parameters()).dtype)
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
         routing = Routing() if self.log else None
-        every = self.model(ids, positions, _prefill_mask(valid)[:, None], cache, routing)
+        vision = vision_inputs(self.model, images, row_of)
+        mask = prefill_mask(valid)[:, None]
+        if vision is None:
+            positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+            every = self.model(ids, positions, mask, cache, routing)
+        else:
+            positions = cast(HFVisionLM, self.model).mrope_positions(ids, valid, vision)
+            every = self.model(ids, positions, mask, cache, routing, vision=vision)
+            positions = positions[0]
         logits = every[:, -1]
         if self.log and routing:
             self.log.prompts(routing.stacked(), row_of, prompts, origins)
@@ -300,6 +306,8 @@ class Decoder:
         min_tokens' end-of-sequence mask and top-k / top-p truncation. Also, when truncation ran or some
         row records kept sizes, each row's count of tokens with non-zero probability ([rows]); else None."""
         scaled = self.logits.float() / rows.temps
+        if self.image_token is not None:  # a sampled image token would be fed back as an image with no pixels
+            scaled[:, self.image_token] = float("-inf")
         if self._filters and self.eos_id >= 0:
             scaled[:, self.eos_id] = scaled[:, self.eos_id].masked_fill(rows.steps < rows.min_tokens, float("-inf"))
         logp = torch.log_softmax(scaled, dim=-1)

