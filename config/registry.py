@@ -48,6 +48,7 @@ MODEL_FAMILIES: dict[str, str] = {
     "qwen3": "engines.models.families:QWEN3",
     "qwen3_moe": "engines.models.families:QWEN3_MOE",
     "qwen3_vl": "engines.models.families:QWEN3_VL",  # vision-language, model.impl = "hf" only (engines/models/vlm.py)
+    "qwen3_vl_moe": "engines.models.families:QWEN3_VL_MOE",  # the same, with a Qwen3-MoE language model
 }
 
 # `inference.backend` -> the backend's declaration (engines/inference/backend.py `BackendSpec`: its capabilities

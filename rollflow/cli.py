@@ -226,12 +226,18 @@ def check_loss(cfg: RunConfig) -> None:
 def check_backend(cfg: RunConfig) -> None:
     """Load `inference.backend`'s declaration (import-light: no torch) and refuse, exit code 2, the settings
     its capabilities do not cover (replicas, collective weights, routed experts, deployment keys, recording
-    the support top-k / top-p sampling kept) here instead of when the inference process starts."""
+    the support top-k / top-p sampling kept, images for a vision-language model) here instead of when the
+    inference process starts."""
     from engines.inference.backend import check
     from engines.registry import PluginError
 
+    vision = False
+    if cfg.model.path is not None:
+        from engines.models.modeldir import is_vision, resolve
+
+        vision = is_vision(resolve(cfg.model))  # check_model has already read the directory (a bad one exits there)
     try:
-        check(cfg.inference, cfg.weight_broadcast, cfg.orchestrator, cfg.trainer)
+        check(cfg.inference, cfg.weight_broadcast, cfg.orchestrator, cfg.trainer, vision=vision)
     except PluginError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -1,5 +1,5 @@
 """Shared by the vision-language tests: the tiny Qwen3-VL directory (engines/models/tiny_vlm.py, written once
-per test session) and small PNG images drawn from a seed."""
+per test session), its Qwen3-VL-MoE sibling, and small PNG images drawn from a seed."""
 
 from __future__ import annotations
 
@@ -26,6 +26,13 @@ def tiny_vlm_dir(tmp_path_factory) -> Path:
     from engines.models import tiny_vlm
 
     return tiny_vlm.write(tmp_path_factory.mktemp("tiny-vlm"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_moe_dir(tmp_path_factory) -> Path:
+    from engines.models import tiny_vlm
+
+    return tiny_vlm.write(tmp_path_factory.mktemp("tiny-vlm-moe"), seed=0, moe=True)
 
 
 # The embedded engine's and the inference server's tests (tests/unit/test_vlm_engine.py,

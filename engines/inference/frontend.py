@@ -392,7 +392,8 @@ def _generation_route(backend: Backend, settings: Settings, admission: Admission
         release_here = True
         try:
             gen = generation(body, http.headers, settings.session_header)
-            gen.images = await asyncio.to_thread(request_images, body, backend.vision_spec)
+            spec = backend.vision_spec  # decoding images is CPU work: off the event loop (a text model's check is not)
+            gen.images = await asyncio.to_thread(request_images, body, spec) if spec else request_images(body, None)
             if body.stream:
                 response = await _stream(backend, gen, http, lambda: admission.leave(work))
                 release_here = False  # the stream holds its place until it ends

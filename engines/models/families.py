@@ -178,10 +178,11 @@ QWEN3 = Family("qwen3", "Qwen3ForCausalLM", qk_norm=True)
 # The sparse block itself lives with the MoE layer; this entry maps its config fields.
 QWEN3_MOE = Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True, extra_fields=MOE_FIELDS)
 # Vision-language: transformers' modeling behind engines/models/vlm.py; its fields stay in the directory's config.json.
-QWEN3_VL = Family(
-    "qwen3_vl",
-    "Qwen3VLForConditionalGeneration",
-    qk_norm=True,
-    hf_only="a vision-language model: rollflow's own model code has no vision encoder nor multimodal RoPE "
-    "(model.impl = 'hf' runs it with transformers' Qwen3-VL modeling, engines/models/vlm.py)",
+VISION_HF_ONLY = (
+    "a vision-language model: rollflow's own model code has no vision encoder nor multimodal RoPE "
+    "(model.impl = 'hf' runs it with transformers' modeling, engines/models/vlm.py)"
+)
+QWEN3_VL = Family("qwen3_vl", "Qwen3VLForConditionalGeneration", qk_norm=True, hf_only=VISION_HF_ONLY)
+QWEN3_VL_MOE = Family(
+    "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", qk_norm=True, moe=True, hf_only=VISION_HF_ONLY
 )

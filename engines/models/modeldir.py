@@ -30,7 +30,7 @@ from engines.models.tokenizer import CHAT_TEMPLATE, CharTokenizer, HFTokenizer, 
 log = logging.getLogger("rollflow.models")
 
 # Vision-language families engines/models/vlm.py runs (transformers' modeling, model.impl = "hf").
-VISION_FAMILIES = ("qwen3_vl",)
+VISION_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 # Processor files a VLM publication copies from the model directory (vLLM's and transformers' processors read them).
 PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
 

@@ -1,7 +1,7 @@
 """A tiny Qwen3-VL written as a complete, offline Hugging Face directory: the VLM the tests and the toy visual
 profile start from (nothing is downloaded).
 
-    python -m engines.models.tiny_vlm OUT_DIR [--seed N]
+    python -m engines.models.tiny_vlm OUT_DIR [--seed N] [--moe]
 
 writes config.json (a `Qwen3VLConfig`: 2 text layers of width 64, a 2-block vision encoder of width 32, patches
 of 16 merged 2 x 2, so a 64 x 64 image is 4 tokens), generation_config.json, model.safetensors (random weights
@@ -50,8 +50,9 @@ def spec() -> VisionSpec:
     )
 
 
-def config(max_positions: int = 512) -> Any:
-    from transformers import Qwen3VLConfig
+def config(max_positions: int = 512, moe: bool = False) -> Any:
+    """The tiny Qwen3-VL's config; `moe`: Qwen3-VL-MoE (4 experts of width 32, 2 per token, every layer sparse)."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     s = spec()
     text = dict(
@@ -69,6 +70,8 @@ def config(max_positions: int = 512) -> Any:
         eos_token_id=TOKEN_ID["<eos>"],
         pad_token_id=TOKEN_ID["<pad>"],
     )
+    if moe:
+        text |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
     vision = dict(
         depth=2,
         hidden_size=32,
@@ -81,7 +84,7 @@ def config(max_positions: int = 512) -> Any:
         num_position_embeddings=64,
         deepstack_visual_indexes=[0],
     )
-    return Qwen3VLConfig(
+    return (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
         text_config=text,
         vision_config=vision,
         image_token_id=s.image_token_id,
@@ -114,15 +117,16 @@ def save_tokenizer(directory: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
 
 
-def write(directory: str | Path, seed: int = 0) -> Path:
-    """Build the tiny Qwen3-VL with weights drawn from `seed` and save it as a Hugging Face directory."""
+def write(directory: str | Path, seed: int = 0, moe: bool = False) -> Path:
+    """Build the tiny Qwen3-VL (`moe`: Qwen3-VL-MoE) with weights drawn from `seed` and save it as a Hugging
+    Face directory."""
     import torch
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config(), dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_config(config(moe=moe), dtype=torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=TOKEN_ID["<bos>"], eos_token_id=TOKEN_ID["<eos>"], pad_token_id=TOKEN_ID["<pad>"]
     )
@@ -136,8 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--moe", action="store_true", help="Qwen3-VL-MoE instead of the dense Qwen3-VL")
     args = parser.parse_args(argv)
-    print(write(args.out_dir, args.seed))
+    print(write(args.out_dir, args.seed, args.moe))
 
 
 if __name__ == "__main__":

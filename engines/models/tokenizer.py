@@ -81,11 +81,6 @@ def render_conversation(tok: Tokenizer, messages: list[dict]) -> tuple[list[int]
     return ids, mask
 
 
-def image_message(prompt: str, images: int) -> dict:
-    """The user message of a task with images: the images first, then the prompt text (OpenAI-style parts)."""
-    return {"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": prompt}]}
-
-
 def _compiled(template: str) -> Any:
     import jinja2
 
@@ -117,6 +112,11 @@ class CharTokenizer:
         return self.render_messages([{"role": "user", "content": content}])
 
     def render_messages(self, messages: list[dict]) -> list[int]:
+        if any(not isinstance(m["content"], str) for m in messages):  # the template would print a list's repr
+            raise ValueError(
+                "the built-in character tokenizer renders text messages only; a message with content parts "
+                "(images) needs a vision-language model (model.path, docs/models.md)"
+            )
         if not hasattr(self, "_template"):
             self._template = _compiled(CHAT_TEMPLATE)
         text = self._template.render(messages=messages, bos_token="<bos>", add_generation_prompt=True)

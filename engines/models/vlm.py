@@ -28,15 +28,16 @@ from engines.models.hf import HFCache, HFCausalLM
 from engines.models.moe import Routing
 from engines.models.vision import VisionInputs, VisionSpec
 
+# The logit the trainer gives a vision-language model's image token: the engine never samples it (its logit is -inf
+# there, engines/inference/embedded/generate.py), so the trainer scores the same distribution. Finite, so a masked
+# target at an image position gives a finite logprob (times a zero loss mask: 0, not NaN); exp() of it is exactly 0
+# next to any real logit, so every other token's logprob is the -inf distribution's, bit for bit.
+NEVER_SAMPLED = -1e9
+
 
 def is_vision(model: Any) -> bool:
     """Whether the policy model takes images (`forward(..., vision=...)`)."""
     return isinstance(model, HFVisionLM)
-
-
-def is_vision_config(hf: dict | None) -> bool:
-    """Whether a Hugging Face config.json describes a vision-language model (it has a vision_config)."""
-    return bool(hf) and isinstance(hf, dict) and isinstance(hf.get("vision_config"), dict)
 
 
 class HFVisionLM(HFCausalLM):
@@ -95,13 +96,23 @@ class HFVisionLM(HFCausalLM):
             cache.length += input_ids.shape[1]
         return out.logits
 
+    def sampled_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` of the distribution the engine samples from: the image token never (NEVER_SAMPLED)."""
+        return logits.index_fill(
+            -1, torch.tensor([self.vision_spec.image_token_id], device=logits.device), NEVER_SAMPLED
+        )
+
     def _dtype(self) -> torch.dtype:
         return next(self.hf.parameters()).dtype
 
     def _check_images(self, ids: torch.Tensor, vision: VisionInputs | None) -> None:
-        """Image tokens and image tensors must agree (transformers' own check raises a bare message later)."""
+        """Image tokens and the images given must agree (transformers' own check raises a bare message later).
+        Without images an image token is an embedding like any other (a decode step that sampled one), as in
+        transformers; the trainer drops a sample whose completion holds one (engines/trainer/vision_batch.py)."""
+        if vision is None:
+            return
         tokens = int((ids == self.vision_spec.image_token_id).sum())
-        want = 0 if vision is None else sum(vision.tokens_per_image(self.vision_spec.merge_size))
+        want = sum(vision.tokens_per_image(self.vision_spec.merge_size))
         if tokens != want:
             raise ValueError(f"the batch has {tokens} image tokens but its images make {want}")
 

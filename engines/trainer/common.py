@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
 from engines.models.decoder import CausalLM, token_logprobs
 from engines.models.moe import Routing
+from engines.models.vlm import HFVisionLM, is_vision
 from engines.trainer.batch import Batch, PackedBatch
 
 log = logging.getLogger("rollflow.trainer")
@@ -22,15 +23,16 @@ def seed_everything(seed: int, num_threads: int) -> None:
 
 
 def padded_logits(model: CausalLM, batch: Batch, routing: Routing | None = None) -> torch.Tensor:
-    """[B, T, V] logits of right-padded rows. With images, the vision-language model's multimodal positions of
-    the rows (every token counted valid: the padding follows a row's tokens, so it moves none of their
-    positions, and the causal mask keeps it out of their attention) and the micro-batch's images."""
-    images = batch.vision()
-    if images is None:
+    """[B, T, V] logits of right-padded rows. A vision-language model gets the rows' multimodal positions (every
+    token counted valid: the padding follows a row's tokens, so it moves none of their positions, and the causal
+    mask keeps it out of their attention) and the micro-batch's images, and its logits are those of the
+    distribution the engine samples from (`HFVisionLM.sampled_logits`: the image token never)."""
+    if not is_vision(model):
         return model(batch.input_ids, routing=routing)
-    valid = torch.ones_like(batch.input_ids, dtype=torch.bool)
-    positions = model.mrope_positions(batch.input_ids, valid, images)  # type: ignore[operator]
-    return model(batch.input_ids, positions, routing=routing, vision=images)
+    vlm = cast(HFVisionLM, model)
+    images = batch.vision()
+    positions = vlm.mrope_positions(batch.input_ids, torch.ones_like(batch.input_ids, dtype=torch.bool), images)
+    return vlm.sampled_logits(vlm(batch.input_ids, positions, routing=routing, vision=images))
 
 
 def batch_logprobs(model: CausalLM, batch: Batch, routing: Routing | None = None) -> torch.Tensor:

@@ -27,7 +27,7 @@ from engines.environments.base import EnvMix
 from engines.environments.episodes import demonstration_ids, is_multi_turn
 from engines.heartbeat import heartbeat
 from engines.models import lora, modeldir, vision
-from engines.models.tokenizer import Tokenizer, image_message
+from engines.models.tokenizer import Tokenizer
 from engines.models.vision import VisionSpec, pixel_inputs
 from engines.models.vlm import is_vision
 from engines.trainer import checkpoint, distributed, expert_parallel, parallel
@@ -79,7 +79,8 @@ def demonstration(mix: EnvMix, tok: Tokenizer, key: str, spec: VisionSpec | None
 def render_image_prompt(tok: Tokenizer, prompt: str, images: tuple[bytes, ...], spec: VisionSpec) -> list[int]:
     """A task's prompt ids with its images, as the orchestrator renders them: the message through the chat
     template (one placeholder per image), each placeholder widened to its image's token count (`vision.expand`)."""
-    ids = tok.render_messages([image_message(prompt, len(images))])
+    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": prompt}]
+    ids = tok.render_messages([{"role": "user", "content": content}])
     return vision.expand(ids, [vision.image_size(data, f"image {i}") for i, data in enumerate(images)], spec)
 
 

@@ -87,9 +87,9 @@ class Pair:
         """(seconds, tokens generated: each row's up to and including its first eos)."""
         import torch
 
-        from engines.inference.embedded.generate import _left_pad
+        from engines.inference.embedded.prefill import left_pad
 
-        ids, valid = _left_pad(self.prompts, self.tok.pad_id)
+        ids, valid = left_pad(self.prompts, self.tok.pad_id)
         fixed = self.eos < 0
         t0 = time.perf_counter()
         with torch.no_grad():

@@ -6,6 +6,7 @@ and a bad image, too many, a prompt whose image tokens do not match its images o
 from __future__ import annotations
 
 import base64
+import json
 import socket
 import threading
 import time
@@ -22,8 +23,8 @@ from engines.inference.embedded.engine import Engine
 from engines.inference.frontend import Settings, build_app
 from engines.models.decoder import CausalLM
 from engines.models.tokenizer import CharTokenizer, HFTokenizer
-from engines.protocol import MAX_IMAGES
-from tests.vlm_fixture import load, png, prompt, reference_logprobs, tiny_vlm_dir, token  # noqa: F401 (a fixture)
+from engines.protocol import MAX_IMAGE_BASE64, MAX_IMAGES
+from tests.vlm_fixture import MAX_SEQ_LEN, load, png, prompt, reference_logprobs, tiny_vlm_dir, token  # noqa: F401 (a fixture)
 
 LONG = 480  # tokens of the good request: it runs while the bad ones are answered
 
@@ -91,6 +92,7 @@ def test_bad_images_are_400s_for_that_request_alone(vlm):
         "over the limit of": {"images": [b64(big)], "prompt": prompt("ok", [red])},  # the pixel bound
         "do not match its images": {"prompt": prompt("ok", [red, red])},  # two image runs, one image
         "at most 8 items": {"images": [b64(red)] * (MAX_IMAGES + 1)},
+        f"at most {MAX_IMAGE_BASE64} characters": {"images": ["A" * (MAX_IMAGE_BASE64 + 4)]},  # before decoding
         "token-id prompt": {"prompt": "text with an image"},
     }
     t0 = time.monotonic()
@@ -142,6 +144,46 @@ def test_chat_content_parts_with_images_render_as_the_completions_prompt(vlm):
     ref = reference_logprobs(model, out["prompt_token_ids"], [red, green], tokens)
     got = [lp["logprob"] for lp in out["choices"][0]["logprobs"]["content"]]
     assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) < 1e-5
+
+
+def test_a_streamed_image_request_draws_what_the_unstreamed_one_draws(vlm):
+    client, _ = vlm
+    images = [png(4), png(5, 64, 96)]
+    body = {"prompt": prompt("s", images), "images": list(map(b64, images)), "max_tokens": 8, "seed": 7,
+            "return_token_ids": True}  # fmt: skip
+    whole = client.post("/v1/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    streamed = []
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line.removeprefix("data: "))["choices"][0]["token_ids"]
+    assert streamed == whole.json()["choices"][0]["token_ids"]
+
+
+def test_the_inference_process_serves_a_vlm_publication(tiny_vlm_dir, tmp_path):  # noqa: F811 (the fixture)
+    """`python -m engines.inference` on a committed publication of the tiny VLM (as the trainer publishes it):
+    an image request is sampled with the published weights and its images."""
+    from engines.models import modeldir
+    from storage import weights
+    from storage.fs import get_fs
+    from tests.inference_fixture import serving as process
+
+    mc = ModelConfig(path=str(tiny_vlm_dir), impl="hf", max_seq_len=MAX_SEQ_LEN)
+    torch.manual_seed(3)
+    loaded = modeldir.load(mc, pretrained=False)  # fresh weights: not the directory's
+    fs, root = get_fs(str(tmp_path))
+    weights.publish(fs, root, 0, loaded.model.publishable_state_dict(), loaded.publication_files())
+    images = [png(6)]
+    body = {"prompt": prompt("p", images), "images": list(map(b64, images)), "max_tokens": 8, "logprobs": 0,
+            "return_token_ids": True}  # fmt: skip
+    with process(str(tmp_path), mc) as client:
+        r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    ref = reference_logprobs(loaded.model.eval(), body["prompt"], images, choice["token_ids"])
+    assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], ref, strict=True)) < 1e-5
 
 
 def test_a_text_only_model_refuses_images():

@@ -45,7 +45,7 @@ def installed(install):
 
 def test_the_entry_point_registers_the_family_beside_the_built_in_ones(installed):
     assert registered(MODEL_FAMILY_GROUP, MODEL_FAMILIES)["mini_llama"] == "toyfamilies:MINI_LLAMA"
-    assert set(families.registered()) == {"llama", "qwen3", "qwen3_moe", "qwen3_vl", "mini_llama"}
+    assert set(families.registered()) == {"llama", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe", "mini_llama"}
     assert ModelConfig(family="mini_llama").family_name == "mini_llama"
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from config.model import ModelConfig
-from engines.inference.embedded.generate import _unique_prompts, generate
+from engines.inference.embedded.generate import generate
+from engines.inference.embedded.prefill import unique_prompts
 from engines.models.decoder import CausalLM
 from engines.models.tokenizer import CharTokenizer
 
@@ -34,7 +35,7 @@ def _stop_tokens(model: CausalLM, prompts: list[list[int]]) -> list[int]:
 
 
 def test_unique_prompts_keeps_first_seen_order():
-    unique, rows = _unique_prompts([[1, 2], [3], [1, 2], [3], [4]])
+    unique, rows = unique_prompts([[1, 2], [3], [1, 2], [3], [4]])
     assert unique == [[1, 2], [3], [4]] and rows == [0, 1, 0, 1, 2]
 
 

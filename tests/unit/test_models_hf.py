@@ -209,7 +209,7 @@ def test_refuses_bad_config_json(good_dir, tmp_path):
     (d / "config.json").write_text("{not json")
     _refused(d, r"config.json: not valid JSON")
     (d / "config.json").write_text("{}")
-    _refused(d, r"config.json: no model_type \(registered families: llama, qwen3, qwen3_moe, qwen3_vl\)")
+    _refused(d, r"config.json: no model_type \(registered families: llama, qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe\)")
 
 
 def test_refuses_unknown_model_type_with_impl_custom(good_dir, tmp_path):

@@ -236,6 +236,8 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
         if "sft" in stored:  # the warm-up's section gained the data source (the environments: what it always read)
             stored["sft"] = SFTConfig.model_validate(stored["sft"]).model_dump(mode="json")
             assert stored["sft"]["data"] == {"type": "envs"} and stored["sft"]["packing"] is False
+        if "model" in stored:  # [model.vlm] came later: none (a text model)
+            stored["model"] = {**stored["model"], "vlm": None}
         if name == "sft":  # the bound on the warm-up's collectives came later: its default
             stored["parallel"] = {**stored["parallel"], "timeout_s": TrainerParallelConfig().timeout_s}
         if "inference" in stored:  # admission limits came later: their defaults (an unset token budget rises at load)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engines.inference.embedded.engine import Engine, Request
-from engines.inference.embedded.generate import Decoder, Sampling, _unique_prompts
+from engines.inference.embedded.generate import Decoder, Sampling
+from engines.inference.embedded.prefill import unique_prompts
 from engines.models import vision
 from tests.vlm_fixture import load, png, prompt, reference_logprobs, tiny_vlm_dir, token  # noqa: F401 (a fixture)
 
@@ -61,7 +62,7 @@ def test_equal_ids_with_other_images_get_their_own_prefill(model):
     red, blue = png(1), png(2)
     ids = prompt("same", [red])
     assert ids == prompt("same", [blue])
-    unique, rows = _unique_prompts([ids, ids, ids], [(red,), (blue,), (red,)])
+    unique, rows = unique_prompts([ids, ids, ids], [(red,), (blue,), (red,)])
     assert rows == [0, 1, 0] and len(unique) == 2
     decoder = Decoder(model, token("<eos>"), token("<pad>"))
     decoder.add([ids, ids, ids], [Sampling(max_tokens=2, seed=s) for s in range(3)], [(red,), (blue,), (red,)])

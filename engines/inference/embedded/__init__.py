@@ -4,6 +4,7 @@
     serving.py   an OpenAI request -> an engine request; completions -> response bodies and stream chunks
     engine.py    the worker thread: a continuous batch, in-flight weight updates, aborts
     generate.py  the decode loop (prefill, KV cache, per-row sampling);  sampling.py  the per-row draws
+    prefill.py   the prefill's inputs: padding, mask, distinct prompts (ids and images), vision encoder inputs
 
 This module is the backend's registration (config/registry.py): import-light, read at load time.
 """

@@ -18,7 +18,7 @@ from contextlib import aclosing
 
 from engines import protocol as api
 from engines.inference.backend import Backend, BackendError, Body, Generation, served_name
-from engines.inference.embedded.serving import Serving
+from engines.inference.embedded.serving import Prepared, Serving
 from engines.models.vlm import is_vision
 
 log = logging.getLogger("rollflow.inference")
@@ -32,13 +32,17 @@ class EmbeddedBackend(Backend):
         self.vision_spec = engine.model.vision_spec if is_vision(engine.model) else None  # None: refuse images
         self.loaded: dict[str, dict] = {}  # the last publications loaded: a delta's base is not rebuilt each update
 
+    async def _prepare(self, gen: Generation) -> Prepared:
+        """The checked request; one with images off the event loop (their sizes are read by decoding them)."""
+        return await asyncio.to_thread(self.serving.prepare, gen) if gen.images else self.serving.prepare(gen)
+
     async def generate(self, gen: Generation) -> Body:
-        p = self.serving.prepare(gen)
+        p = await self._prepare(gen)
         outs = await self.serving.run(p)
         return self.serving.chat(p, outs) if p.chat else self.serving.completion(p, outs)
 
     async def stream(self, gen: Generation) -> AsyncIterator[dict]:
-        p = self.serving.prepare(gen)
+        p = await self._prepare(gen)
         async with aclosing(self.serving.stream(p)) as chunks:  # closing it aborts the request
             async for chunk in chunks:
                 yield chunk

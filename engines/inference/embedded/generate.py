@@ -21,7 +21,8 @@ A vision-language model's prompts carry their images (`add(..., images)`): each 
 ids and its images' digests, is prefilled once with its images' encoder inputs and multimodal RoPE positions
 (engines/models/vlm.py); decode is as for text. Its image token is never sampled (its logit is -inf, and the
 logprobs are those of that distribution): fed back, it would stand for an image the row does not have, and the
-trainer could not score it (an image token without pixels). The trainer masks it the same way.
+trainer could not score it (an image token without pixels). For exact sampler/trainer parity the trainer's
+logprobs need the same mask (without it, its full-vocabulary logprobs are lower by -log(1 - p(image token))).
 
 A row whose `Sampling.prompt_logprobs` is set also gets its prompt scored from the same prefill: each prompt
 token's logprob given the tokens before it (temperature 1), its rank, and the k most likely alternatives.
@@ -36,10 +37,10 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
+from engines.inference.embedded.prefill import left_pad, prefill_mask, unique_prompts, vision_inputs
 from engines.inference.embedded.sampling import sample, truncate_kept
 from engines.models.decoder import CausalLM
 from engines.models.moe import Routing
-from engines.models.vision import VisionInputs, digest, pixel_inputs
 from engines.models.vlm import HFVisionLM, is_vision
 
 
@@ -119,49 +120,6 @@ class _RouteLog:
 
     def finish(self, origin: int, c: Completion) -> None:
         c.routed_experts = torch.cat(self.parts.pop(origin)).to(torch.int16)
-
-
-def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    valid = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        valid[i, width - len(p) :] = True
-    return ids, valid
-
-
-def _prefill_mask(valid: torch.Tensor) -> torch.Tensor:
-    t = valid.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
-    # Each query also sees itself so pad rows never softmax over an empty set (which would give NaN).
-    return (causal & valid[:, None, :]) | torch.eye(t, dtype=torch.bool)
-
-
-def _unique_prompts(
-    prompts: list[list[int]], images: list[tuple[bytes, ...]] | None = None
-) -> tuple[list[list[int]], list[int]]:
-    """Distinct prompts in first-seen order, and each row's index among them. With `images` (per row), a prompt is
-    its ids and its images' digests: equal ids with other images are another prompt (another prefill)."""
-    index: dict[tuple, int] = {}
-    firsts: list[list[int]] = []
-    rows = []
-    for i, p in enumerate(prompts):
-        key = (tuple(p), tuple(map(digest, images[i])) if images else ())
-        if key not in index:
-            index[key] = len(firsts)
-            firsts.append(p)
-        rows.append(index[key])
-    return [list(p) for p in firsts], rows
-
-
-def _vision_inputs(model: Any, images: list[tuple[bytes, ...]] | None, row_of: list[int]) -> VisionInputs | None:
-    """The encoder inputs of the distinct prompts' images, prompt after prompt (None: a text model, or no images)."""
-    if not images or not is_vision(model):
-        return None
-    first = {u: i for i, u in reversed(list(enumerate(row_of)))}  # each distinct prompt's first row
-    ordered = [b for u in range(len(first)) for b in images[first[u]]]
-    return pixel_inputs(ordered, model.vision_spec, next(model.parameters()).dtype)
 
 
 @dataclass
@@ -316,12 +274,12 @@ class Decoder:
         images (a vision-language model) take multimodal RoPE positions [3, B, L]; a row's next position is one
         past its largest, which runs behind its length (an image's tokens share positions).
         """
-        unique, row_of = _unique_prompts(prompts, images if any(images or ()) else None)
-        ids, valid = _left_pad(unique, self.pad_id)
+        unique, row_of = unique_prompts(prompts, images if any(images or ()) else None)
+        ids, valid = left_pad(unique, self.pad_id)
         cache = self.model.new_cache(len(unique), ids.shape[1] + max_tokens, next(self.model.parameters()).dtype)
         routing = Routing() if self.log else None
-        vision = _vision_inputs(self.model, images, row_of)
-        mask = _prefill_mask(valid)[:, None]
+        vision = vision_inputs(self.model, images, row_of)
+        mask = prefill_mask(valid)[:, None]
         if vision is None:
             positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
             every = self.model(ids, positions, mask, cache, routing)
