@@ -23,10 +23,11 @@ import torch
 
 from config.process import SFTProcessConfig
 from config.tracking import resolve_tracking_uri
-from engines.environments.base import EnvMix
+from engines.environments import multimodal
+from engines.environments.base import EnvironmentRefused, EnvMix
 from engines.environments.episodes import demonstration_ids, is_multi_turn
 from engines.heartbeat import heartbeat
-from engines.models import lora, modeldir, vision
+from engines.models import lora, modeldir
 from engines.models.tokenizer import Tokenizer
 from engines.models.vision import VisionSpec, pixel_inputs
 from engines.models.vlm import is_vision
@@ -68,20 +69,13 @@ def demonstration(mix: EnvMix, tok: Tokenizer, key: str, spec: VisionSpec | None
     env = mix.envs[task.env]
     if is_multi_turn(env):
         return Sample(*demonstration_ids(env, task, tok))  # type: ignore[arg-type]
-    images = tuple(getattr(task, "images", ()) or ())
-    if images and spec is None:
-        raise SystemExit(f"environment {task.env!r} gives tasks with images; the policy is not a vision-language model")
-    prompt = render_image_prompt(tok, task.prompt, images, spec) if images and spec else tok.render_prompt(task.prompt)
+    images = multimodal.images_of(task)
+    try:
+        prompt = multimodal.prompt_ids(tok, task, spec)
+    except EnvironmentRefused as exc:
+        raise SystemExit(str(exc)) from None
     seq = prompt + tok.encode(task.answer, bos=False) + [tok.eos_id]
     return Sample(seq, [0] * len(prompt) + [1] * (len(seq) - len(prompt)), images)
-
-
-def render_image_prompt(tok: Tokenizer, prompt: str, images: tuple[bytes, ...], spec: VisionSpec) -> list[int]:
-    """A task's prompt ids with its images, as the orchestrator renders them: the message through the chat
-    template (one placeholder per image), each placeholder widened to its image's token count (`vision.expand`)."""
-    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": prompt}]
-    ids = tok.render_messages([{"role": "user", "content": content}])
-    return vision.expand(ids, [vision.image_size(data, f"image {i}") for i, data in enumerate(images)], spec)
 
 
 def to_batch(samples: list[Sample], pad_id: int, spec: VisionSpec | None = None) -> Batch:

@@ -25,6 +25,7 @@ import torch
 
 from engines.models import vision
 from engines.models.vision import ImageError, VisionInputs, VisionSpec
+from storage.rollouts import verified_images
 
 log = logging.getLogger("rollflow.trainer")
 
@@ -39,11 +40,11 @@ class RowImages:
 
 def _check(prompt: list[int], completion: list[int], images: list[bytes], digests, spec: VisionSpec) -> None:
     """Raise ImageError unless the row's images are the ones its digests name and its tokens describe."""
-    if digests is not None and len(digests) != len(images):
-        raise ImageError(f"{len(images)} images but {len(digests)} digests")
-    for i, data in enumerate(images):
-        if digests is not None and vision.digest(data) != digests[i]:
-            raise ImageError(f"image {i}: its sha256 does not match image_sha256[{i}]")
+    if digests is not None:
+        try:
+            verified_images(images, digests, "row")
+        except ValueError as exc:
+            raise ImageError(str(exc)) from None
     sizes = [vision.image_size(data, f"image {i}") for i, data in enumerate(images)]
     vision.check_prompt(prompt, sizes, spec)
     if spec.image_token_id in completion:

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from config.envs import EnvSpec
 from config.model import ModelConfig
 from config.trainer_parallel import TrainerParallelConfig
+from engines.environments import multimodal
 from engines.environments.base import EnvMix, Task
 from engines.models import modeldir, vision
 from engines.models.vlm import HFVisionLM, is_vision
@@ -27,7 +28,7 @@ from engines.trainer import distributed
 from engines.trainer.batch import make_batch
 from engines.trainer.common import batch_logprobs
 from engines.trainer.mismatch import PolicyHistory
-from engines.trainer.sft import EnvDemos, render_image_prompt, to_batch, train_step
+from engines.trainer.sft import EnvDemos, to_batch, train_step
 from engines.trainer.sft_data import Sample, lake_sample
 from engines.trainer.sft_files import BadRow
 from tests.vlm_fixture import png, tiny_vlm_dir, tiny_vlm_moe_dir  # noqa: F401 (fixtures)
@@ -53,7 +54,7 @@ def _rows(loaded, image_sets: list[list[bytes]]) -> list[tuple[list[int], list[i
     tok, spec = loaded.tokenizer, loaded.model.vision_spec
     out = []
     for i, images in enumerate(image_sets):
-        prompt = render_image_prompt(tok, f"count {i}", images, spec)
+        prompt = multimodal.prompt_ids(tok, Task("t", f"count {i}", "", images=tuple(images)), spec)
         out.append((prompt, tok.encode("ab" * (i + 1), bos=False) + [tok.eos_id]))
     return out
 
