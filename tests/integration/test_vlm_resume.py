@@ -1,7 +1,7 @@
-"""Kill-and-resume of a vision-language run: the tiny Qwen3-VL on count-shapes (one and two images) through the
-real `rollflow rl` flow, its orchestrator, trainer, inference server and then the whole process tree SIGKILLed
-mid-run, resumed, and audited as the text runs are (tests/soak/audit.py: nothing lost or duplicated); every
-committed sample still carries its images, matching their checksums."""
+"""Kill-and-resume of a vision-language run: profiles/tiny-vlm-cpu.toml (the tiny Qwen3-VL on count-shapes, here with
+one and two images) through the real `rollflow rl` flow, its orchestrator, trainer, inference server and then the
+whole process tree SIGKILLed mid-run, resumed, and audited as the text runs are (tests/soak/audit.py: nothing lost or
+duplicated); every committed sample still carries its images, matching their checksums."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 
 import pyarrow.dataset as ds
 import pytest
-from conftest import TINY, start_cli
+from conftest import ROOT, start_cli
 
 from tests.integration.test_resume import RESUME, _assert_nothing_lost_or_duplicated, _kill, _wait_for_step, _wait_gone
 from tests.soak.audit import committed_rollouts
@@ -24,8 +24,9 @@ ENVS = '[{id = "count-shapes", name = "one"}, {id = "count-shapes", name = "two"
 @pytest.mark.long
 def test_a_killed_vision_language_run_resumes_and_loses_nothing(tmp_path, prefect_api, tiny_vlm_dir):  # noqa: F811
     out, log = tmp_path / "run", tmp_path / "cli.log"
-    args = ("rl", "@", str(TINY), "@", str(RESUME), "--model.path", str(tiny_vlm_dir), "--model.impl", "hf")
-    args = (*args, "--envs", ENVS, "--sft.steps", "10", "--tracking.mlflow", "false", "--output-dir", str(out))
+    profile = ROOT / "profiles" / "tiny-vlm-cpu.toml"
+    args = ("rl", "@", str(profile), "@", str(RESUME), "--model.path", str(tiny_vlm_dir))
+    args = (*args, "--envs", ENVS, "--sft.steps", "10", "--eval.interval", "0", "--output-dir", str(out))
     cli = start_cli(tmp_path, log, prefect_api, *args)
     snapshots: dict[int, str] = {}
     try:
