@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engines.models.tokenizer import CHARS, SPECIAL
+from engines.models.tokenizer import CHARS, SPECIAL, write_char_tokenizer
 from engines.models.vision import VisionSpec
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -96,25 +96,9 @@ def config(max_positions: int = 512, moe: bool = False) -> Any:
 
 
 def save_tokenizer(directory: Path) -> None:
-    """tokenizer.json: one token per character (the CharTokenizer's ids), the specials and vision tokens whole."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel(dict(TOKEN_ID), unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIAL + VISION_TOKENS)
-    tok.save(str(directory / "tokenizer.json"))
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<bos>",
-        "eos_token": "<eos>",
-        "pad_token": "<pad>",
-        "unk_token": "<unk>",
-        "chat_template": CHAT_TEMPLATE,
-        "model_max_length": 4096,
-        "rollflow_prompt_style": "tag",  # environments write short tag prompts for a character vocabulary
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
+    """tokenizer.json: one token per character (the CharTokenizer's ids), the specials and vision tokens whole;
+    environments write short tag prompts for a character vocabulary (`rollflow_prompt_style`)."""
+    write_char_tokenizer(directory, dict(TOKEN_ID), SPECIAL + VISION_TOKENS, CHAT_TEMPLATE, rollflow_prompt_style="tag")
 
 
 def write(directory: str | Path, seed: int = 0, moe: bool = False) -> Path:

@@ -127,25 +127,33 @@ class CharTokenizer:
         return self.encode("".join(m["content"] for m in messages) + "=", bos=False)
 
     def save_pretrained(self, directory: str | Path) -> None:
-        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+        write_char_tokenizer(Path(directory), self.vocab, SPECIAL, CHAT_TEMPLATE)
 
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        tok = Tokenizer(models.WordLevel(self.vocab, unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-        tok.decoder = decoders.Fuse()
-        tok.add_special_tokens(SPECIAL)
-        tok.save(str(d / "tokenizer.json"))
-        config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": "<bos>",
-            "eos_token": "<eos>",
-            "pad_token": "<pad>",
-            "unk_token": "<unk>",
-            "chat_template": CHAT_TEMPLATE,
-            "model_max_length": 4096,
-        }
-        (d / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+def write_char_tokenizer(
+    directory: Path, vocab: dict[str, int], specials: list[str], chat_template: str, **extra: Any
+) -> None:
+    """tokenizer.json (one token per character, `specials` whole) + tokenizer_config.json that
+    `transformers.AutoTokenizer` loads to the ids of `vocab`; `extra` goes into tokenizer_config.json."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "chat_template": chat_template,
+        "model_max_length": 4096,
+        **extra,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
 class HFTokenizer:
