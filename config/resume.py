@@ -10,6 +10,7 @@ from config.registry import STRING_TASKS
 from config.run import RestartConfig, resolve_seed_keys
 from config.sft import SFTConfig
 from config.teacher import TeacherConfig
+from config.tracking import TrackingConfig
 from config.trainer import TrainerConfig
 
 # Changing these mid-run would mix incompatible data in one run: other weights shapes, other prompts
@@ -55,6 +56,7 @@ def _current_keys(config: dict) -> dict:
             ("eval", EvalConfig),
             ("inference", InferenceConfig),
             ("restart", RestartConfig),
+            ("tracking", TrackingConfig),
         ):
             if isinstance(config.get(name), dict):
                 config = {**config, name: model.model_validate(config[name]).model_dump(mode="json")}

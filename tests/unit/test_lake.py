@@ -25,11 +25,11 @@ def _routing(row: dict) -> list:
     return [[[(t + layer + k) % 8 for k in range(TOP_K)] for layer in range(LAYERS)] for t in range(seq)]
 
 
-def _lake(tmp_path: Path, steps=(1, 2, 3, 4), moe: bool = False) -> str:
+def _lake(tmp_path: Path, steps=(1, 2, 3, 4), moe: bool = False, images: bool = True) -> str:
     out = str(tmp_path / "run")
     fs, root = get_fs(out)
     for s in steps:
-        rows = _rows(s, n=4)
+        rows = _rows(s, n=4, images=images)
         for r in rows:
             r["routed_experts"] = _routing(r) if moe else None
         versions: dict[int, int] = {}

@@ -19,6 +19,7 @@ from config.resume import resume_changes
 from config.run import RunConfig
 from config.sft import SFTConfig
 from config.teacher import TeacherConfig
+from config.tracking import TrackingConfig
 from config.trainer import TrainerConfig
 from config.trainer_parallel import TrainerParallelConfig
 from launch import vllm as vllm_launch
@@ -240,6 +241,8 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
             stored["model"] = {**stored["model"], "vlm": None}
         if name == "sft":  # the bound on the warm-up's collectives came later: its default
             stored["parallel"] = {**stored["parallel"], "timeout_s": TrainerParallelConfig().timeout_s}
+        if "tracking" in stored:  # the MLflow image sheet's settings came later: their defaults
+            stored["tracking"] = TrackingConfig.model_validate(stored["tracking"]).model_dump(mode="json")
         if "inference" in stored:  # admission limits came later: their defaults (an unset token budget rises at load)
             stored["inference"] = {**stored["inference"], **_admission(sub)}
         assert sub.model_dump(mode="json") == {**stored, **added.get(name, {})}, name

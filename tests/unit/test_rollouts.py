@@ -16,7 +16,8 @@ from storage.metrics import MetricsLog, read_metrics
 from storage.rollouts import ROLLOUT_SCHEMA, committed_rollout_steps, read_step, to_table, write_step
 
 
-def _rows(step: int, n: int = 3) -> list[dict]:
+def _rows(step: int, n: int = 3, images: bool = True) -> list[dict]:
+    """`n` samples of `step`; with `images`, sample k carries k (undecodable) images."""
     rows = []
     for k in range(n):
         group_id = f"s{step:06d}-g0000"
@@ -48,8 +49,8 @@ def _rows(step: int, n: int = 3) -> list[dict]:
                 "completion_kept": [40 - i for i in range(len(completion))] if k else None,
                 "teacher_logprobs": [-1.0 - 0.5 * i for i in range(len(completion))] if k else None,
                 "token_advantages": [0.25 * i - 0.5 for i in range(len(completion))] if k else None,
-                "images": [bytes([k]) * (8 + i) for i in range(k)] or None,  # any bytes: the lake does not decode
-                "image_sha256": rollouts.image_digests([bytes([k]) * (8 + i) for i in range(k)]) or None,
+                "images": [bytes([k]) * (8 + i) for i in range(k * images)] or None,  # the lake does not decode
+                "image_sha256": rollouts.image_digests([bytes([k]) * (8 + i) for i in range(k * images)]) or None,
             }
         )
     return rows

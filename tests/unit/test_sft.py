@@ -130,7 +130,7 @@ def test_parquet_arrow_and_a_saved_hf_dataset_read_like_jsonl(tmp_path):
 
 
 def test_the_lake_source_filters_rollouts_and_trains_completion_tokens(tmp_path):
-    run = _lake(tmp_path)  # 4 steps x rewards 0, .25, .5, .75; completions [10], [10, 11], [10, 11, 2]...
+    run = _lake(tmp_path, images=False)  # 4 steps x rewards 0, .25, .5, .75; completions [10], [10, 11], ...
     spec = LakeData(run=run, steps="2:3", min_reward=0.5)
     data = load_lake(spec, TOK, 64, None)
     assert data.report["samples"] == 4  # steps 2 and 3, rewards .5 and .75
