@@ -340,8 +340,9 @@ class RLTrainer:
         batch = make_batch(table, self.tok.pad_id, self.tcfg.keep_sampling_mask, self.vision_spec)
         completion_tokens = float(batch.loss_mask.sum())
         zero = zero_advantage_samples(table)
+        t_mismatch = time.perf_counter()
         sums = self.measure_mismatch(batch, table.column("sample_id").to_pylist(), zero, step)
-        t_mismatch = time.perf_counter() - t1
+        t_mismatch = time.perf_counter() - t_mismatch
         if self.tcfg.loss.zero_advantage == "filter":
             batch.loss_mask[zero] = 0.0
         stats = self.optimize(batch, sums)
