@@ -38,7 +38,8 @@ class TrainerConfig(Strict):
         le=1,
         description="mismatch_kl: the fraction of the samples drawn by an older policy than the trainer's that "
         "its history rescores (deterministic per step and sample id; 1.0: all); the current policy's samples "
-        "are all measured, from the loss's own forward (docs/algorithm.md)",
+        "are all measured, from the loss's own forward; error at 0.25 on tiny-cpu: median 13%, 90th percentile "
+        "41% of the step's figure (docs/algorithm.md)",
     )
     keep_sampling_mask: bool = Field(
         True,
