@@ -182,20 +182,21 @@ class Side:
     rewards: list[float]  # mean reward per step
     notes: dict[str, object] = field(default_factory=dict)
 
-    def row(self) -> list[str]:
+    def figures(self) -> dict[str, float]:
+        """The table's figures; steps are timed between step ends, so step 1 (warm caches, first batch) is left out."""
         m, ends = self.measured, self.step_ends
-        gaps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+        gaps = [b - a for a, b in zip(ends, ends[1:], strict=False)] or [float("nan")]
         k = min(5, len(self.rewards))
-        first, last = statistics.fmean(self.rewards[:k]), statistics.fmean(self.rewards[-k:])
-        return [
-            self.name,
-            harness.num(statistics.median(gaps)) if gaps else "n/a",
-            f"{ends[-1] - ends[0]:.1f} s",
-            f"{m.end - m.start:.1f} s",
-            f"{ends[0] - m.start:.2f} s",
-            f"{m.peak_pss_mb:,.0f} MB",
-            f"{first:.3f} → {last:.3f}",
-        ]
+        return {
+            "step": statistics.median(gaps),
+            "loop": ends[-1] - ends[0],
+            "whole": m.end - m.start,
+            "first": ends[0] - m.start,
+            "pss": m.peak_pss_mb,
+            "reward_first": statistics.fmean(self.rewards[:k]),
+            "reward_last": statistics.fmean(self.rewards[-k:]),
+            "sampler_cpu": m.sampler_cpu_s,
+        }
 
 
 def rollflow_side(cfg, publication: Path, out: Path, n_steps: int) -> Side:
@@ -315,59 +316,86 @@ def trl_child(spec_path: Path) -> None:
 # --- the section ------------------------------------------------------------------------------------------------
 
 
-def run(ws: harness.Workspace) -> str:
+def run(ws: harness.Workspace, repeats: int | None = None) -> str:
+    """Warm-up, checks, then each side once per repeat, interleaved (rollflow, TRL default, TRL 1 thread, ...)."""
     root = ws.root / "peer"
     cfg = run_config(root / "warmup")
     publication = harness.warm_up(cfg) / "weights" / "step=000000"
-    n = steps()
-    mix = env_mix(cfg)
+    n, mix = steps(), env_mix(cfg)
     check = check_same_model(publication, [mix.task(k).prompt for k in prompt_keys(cfg, 1)])
-    load = os.getloadavg()
-    sides = [
-        rollflow_side(cfg, publication, root / "rollflow", n),
-        trl_side(cfg, publication, root / "trl2", n, threads=None),
-        trl_side(cfg, publication, root / "trl1", n, threads=1),
-    ]
-    return render(sides, check, n, load, os.getloadavg())
+    sides: dict[str, list[Side]] = {}
+    load = [os.getloadavg()[0]]
+    for i in range(repeats or harness.repeats(1)):
+        for side in (
+            rollflow_side(cfg, publication, root / f"rollflow{i}", n),
+            trl_side(cfg, publication, root / f"trl-default{i}", n, threads=None),
+            trl_side(cfg, publication, root / f"trl-1thread{i}", n, threads=1),
+        ):
+            sides.setdefault(side.name, []).append(side)
+        load.append(os.getloadavg()[0])
+    return render(sides, check, n, load)
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b > 0 else "n/a"
+def _row(name: str, runs: list[Side]) -> list[str]:
+    f = {k: harness.Stats([r.figures()[k] for r in runs]) for k in runs[0].figures()}
+    return [name, f["step"].fmt(), f["loop"].fmt(unit=" s"), f["whole"].fmt(unit=" s"), f["first"].fmt(unit=" s"),
+            f["pss"].fmt(unit=" MB"), f"{f['reward_first'].median:.3f} → {f['reward_last'].median:.3f}"]  # fmt: skip
 
 
-def render(sides: list[Side], check: dict, n: int, load0: tuple, load1: tuple) -> str:
-    ours, peer = sides[0], sides[1]
-    med = [statistics.median(b - a for a, b in zip(s.step_ends, s.step_ends[1:], strict=False)) for s in (ours, peer)]
-    first = [s.step_ends[0] - s.measured.start for s in (ours, peer)]
+def _ratios(ours: list[Side], peer: list[Side]) -> str:
+    def r(key: str, inverse: bool = False) -> str:
+        a, b = [s.figures()[key] for s in ours], [s.figures()[key] for s in peer]
+        return (harness.ratio_stats(b, a) if inverse else harness.ratio_stats(a, b)).fmt(unit="x")
+
+    return (f"rollflow against TRL's default, repeat by repeat: {r('step', inverse=True)} as fast per RL step "
+            f"(goal ≥ 1.3x), {r('pss')} its peak memory (goal ≤ 1.5x), its first RL step after {r('first')} "
+            f"TRL's time (goal ≤ 2x).")  # fmt: skip
+
+
+def _intro(n: int, repeats: int, load: list[float], check: dict, model: object) -> str:
+    loads = " / ".join(f"{x:.2f}" for x in load)
+    return (
+        f"{n} RL steps of 32 prompts x 8 samples, 12 new tokens, AdamW lr 1e-3, fp32; {repeats} run(s) per side, "
+        f"interleaved; 1-minute load average {loads} (before, then after each round). Both sides start from the "
+        f"same warm-up's version 0 ({model} in TRL). Checked before timing: identical logits on {check['prompts']} "
+        f"prompts (max difference {check['max_logit_diff']:.2g}), identical prompt ids and decoding; checked after: "
+        f"the same {n * 32} reverse-text prompts in the same order (rollflow's lake, TRL's reward function); the same "
+        "reward (the environment's difflib similarity)."
+    )
+
+
+def _method(settings: dict, defaults: dict, sampler: float) -> str:
+    def flags(d: dict) -> str:
+        return ", ".join(f"`{k}={v}`" for k, v in d.items())
+
+    return (
+        "Each side's times start at its command: rollflow's `python -m rollflow.cli rl` (Prefect, MLflow, the three "
+        "components; `--model.path` the version-0 publication and `--sft.steps 0`, so its warm-up process only "
+        "publishes it), TRL's own process. Steps are timed end to end; the median leaves step 1 out. Memory: PSS "
+        f"summed over the command's process tree every {SAMPLE_S} s (the sampler used at most {sampler:.1%} of a "
+        f"core). TRL's GRPOConfig sets only the workload: {flags(settings)}; everything else is TRL's default, "
+        f"among them {flags(defaults)}."
+    )
+
+
+def render(sides: dict[str, list[Side]], check: dict, n: int, load: list[float]) -> str:
+    names = list(sides)
+    ours, peer = sides[names[0]], sides[names[1]]
     headers = ["run", "s per RL step (median)", "RL loop (end of step 1 → N)", "whole process",
                "time to first RL step", "peak memory (PSS, all processes)", "reward first 5 → last 5"]  # fmt: skip
-    settings, defaults = peer.notes["settings"], peer.notes["defaults"]
+    settings, defaults = peer[0].notes["settings"], peer[0].notes["defaults"]
     assert isinstance(settings, dict) and isinstance(defaults, dict)
-    lines = [
-        f"{n} RL steps of 32 prompts x 8 samples, 12 new tokens, AdamW lr 1e-3, fp32, one run per side, one after "
-        f"another (load average {load0[0]:.2f} before, {load1[0]:.2f} after). Both sides start from the same "
-        f"warm-up's version 0 ({peer.notes['model']} in TRL); checked before timing: identical logits on "
-        f"{check['prompts']} prompts (max difference {check['max_logit_diff']:.2g}), identical prompt ids and "
-        f"decoding; the same {n * 32} reverse-text prompts in the same order (rollflow's lake and TRL's reward "
-        f"function checked against the list); the same reward (the environment's difflib similarity).",
-        "",
-        harness.table(headers, [s.row() for s in sides]),
-        "",
-        f"rollflow against TRL's default: {_ratio(med[1], med[0])} as fast per RL step (goal ≥ 1.3x), "
-        f"{_ratio(ours.measured.peak_pss_mb, peer.measured.peak_pss_mb)} its memory (goal ≤ 1.5x), first RL step "
-        f"after {_ratio(first[0], first[1])} its time (goal ≤ 2x).",
-        "",
-        "Each side's time starts at its command: rollflow's `python -m rollflow.cli rl` (Prefect, MLflow, the three "
-        "components; `--model.path` = the version-0 publication, `--sft.steps 0`), TRL's own process. TRL's "
-        "GRPOConfig sets only the workload: " + ", ".join(f"`{k}={v}`" for k, v in settings.items()) + "; "
-        "everything else is TRL's default, among them " + ", ".join(f"`{k}={v}`" for k, v in defaults.items()) + ".",
-    ]
-    return "\n".join(lines)
+    runs = [s.figures() for group in sides.values() for s in group]
+    sampler = max(f["sampler_cpu"] / max(f["whole"], 1e-9) for f in runs)
+    table = harness.table(headers, [_row(name, group) for name, group in sides.items()])
+    intro = _intro(n, len(ours), load, check, peer[0].notes["model"])
+    return "\n\n".join([intro, table, _ratios(ours, peer), _method(settings, defaults, sampler)])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.bench.peer_trl", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps and a short warm-up: a smoke run")
+    parser.add_argument("--repeats", type=int, help="rounds of the three runs, interleaved (default 1)")
     parser.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_child:
@@ -377,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["ROLLFLOW_BENCH_QUICK"] = "1"
         harness.QUICK = True
     with tempfile.TemporaryDirectory(prefix="rollflow-peer-") as tmp:
-        print(f"## {TITLE}\n\n{run(harness.Workspace(Path(tmp)))}")
+        print(f"## {TITLE}\n\n{run(harness.Workspace(Path(tmp)), args.repeats)}")
     return 0
 
 

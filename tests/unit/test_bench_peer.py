@@ -49,3 +49,23 @@ def test_prompts_are_rollflows_stream_in_step_and_group_order(tmp_path: Path):
     assert all(t.prompt.startswith("rev:") and t.answer == t.prompt[4:][::-1] for t in tasks)
     assert [t.prompt for t in tasks] == [peer_trl.env_mix(cfg).task(k).prompt for k in keys]  # a pure function
     assert mix.reward(tasks[0], tasks[0].answer) == 1.0 and mix.reward(tasks[0], "") == 0.0
+
+
+def _side(name: str, step_s: float, pss: float, repeat: int) -> peer_trl.Side:
+    m = peer_trl.Measured(start=0.0, end=100.0 + repeat, peak_pss_mb=pss, samples=10, sampler_cpu_s=1.0)
+    ends = [5.0 + step_s * i for i in range(10)]
+    notes = {"settings": {"max_steps": 10}, "defaults": {"beta": 0.0}, "model": "LlamaForCausalLM"}
+    return peer_trl.Side(name, m, ends, [0.1 * i for i in range(10)], notes)
+
+
+def test_the_section_shows_every_side_and_the_ratios_repeat_by_repeat():
+    sides = {
+        name: [_side(name, step, pss, i) for i in range(2)]
+        for name, step, pss in (("rollflow", 0.5, 1500.0), ("TRL default", 1.0, 600.0), ("TRL 1 thread", 2.0, 600.0))
+    }
+    text = peer_trl.render(sides, {"prompts": 32, "max_logit_diff": 0.0}, 10, [1.0, 1.5, 2.0])
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| run")]
+    assert [r.split(" | ")[0] for r in rows] == ["| rollflow", "| TRL default", "| TRL 1 thread"]
+    assert "2.00x (2.00-2.00) as fast per RL step" in text and "2.50x (2.50-2.50) its peak memory" in text
+    assert rows[0].endswith(" | 0.200 → 0.700 |") and "0.500 (0.500-0.500)" in rows[0]
+    assert "2 run(s) per side" in text and "load average 1.00 / 1.50 / 2.00" in text
