@@ -74,7 +74,8 @@ $(BENCH_STAMP): $(STAMP)
 
 bench-install: $(BENCH_STAMP)
 
-# CI's smoke run of the benchmarks that have a quick mode (tests/bench/peer_trl.py: 5 steps per side; 4.9 min measured on the shared 2-core machine, load ~7).
+# CI's smoke run of the benchmarks' quick modes (tests/bench/peer_trl.py: 5 steps per side; 4.9 min measured on the
+# shared 2-core machine at load ~7).
 bench-quick: bench-install
 	$(BIN)/python -m tests.bench.peer_trl --quick
 
