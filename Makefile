@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 PROFILE ?= profiles/tiny-cpu.toml
 TORCH_SPEC ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
@@ -10,7 +11,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 
 
-.PHONY: install run test test-fast test-long lint format bench bench-algorithms clean smollm2 vllm soak
+.PHONY: install run test test-fast test-long lint format bench bench-install bench-quick bench-algorithms clean smollm2 vllm soak
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PY) -m venv $(VENV)
@@ -63,8 +64,20 @@ lint: install
 
 # Runs every benchmark against its baseline (tests/bench/) and rewrites docs/benchmarks.md (about 40 min on 2 cores,
 # last measured 2026-11; a failing benchmark fails the command and leaves the page, see docs/benchmarks.failed.md).
-bench: install
+bench: install $(BENCH_STAMP)
 	ROLLFLOW_BENCH_COMMAND="make bench" $(BIN)/python -m tests.bench
+
+# What the benchmarks need beyond `make install`: the `bench` extra (TRL, the peer trainer of tests/bench/peer_trl.py).
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install -q -c requirements/constraints.txt -e ".[bench]"
+	touch $(BENCH_STAMP)
+
+bench-install: $(BENCH_STAMP)
+
+# CI's smoke run of the benchmarks' quick modes (tests/bench/peer_trl.py: 5 steps per side; 4.9 min measured on the
+# shared 2-core machine at load ~7).
+bench-quick: bench-install
+	$(BIN)/python -m tests.bench.peer_trl --quick
 
 # Every policy-loss variant on the same seeds (tiny-cpu 100 steps, and async_level 4 for 40), the table in
 # docs/algorithm.md regenerated (48 runs: about 1.5 h on 2 cores; an interrupted run continues where it stopped).

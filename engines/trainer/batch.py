@@ -53,6 +53,8 @@ class Batch:
     pixels: list[VisionInputs | None] | None = None  # per row: its images' encoder inputs (None: no image)
     image_counts: torch.Tensor | None = None  # [B] images per row (a vision-language policy's batch)
     images_dropped: torch.Tensor | None = None  # [B] bool: rows whose images failed their checks (train nothing)
+    # [B, T-1] the tokens whose mismatch_kl the loss's first forward measures (engines/trainer/rl.py); None: none
+    measured: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -191,6 +193,7 @@ class PackedBatch:
     temperatures: torch.Tensor  # [R, L] the sample's temperature on each of its tokens
     routes: torch.Tensor | None = None  # [R, L, layers, k] sampler's expert ids, -1 where none
     kept: torch.Tensor | None = None  # [R, L] sampler's kept support size per target, 0 = full vocabulary
+    measured: torch.Tensor | None = None  # [R, L] as `Batch.measured`
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -251,6 +254,7 @@ def pack_batch(batch: Batch, pad_id: int, capacity: int | None = None) -> Packed
     floats["temperatures"].fill_(1.0)
     routes = None if batch.routes is None else torch.full((*shape, *batch.routes.shape[2:]), -1, dtype=torch.long)
     kept = None if batch.kept is None else torch.zeros(shape, dtype=torch.long)
+    measured = None if batch.measured is None else torch.zeros(shape)
     for r, members in enumerate(rows):
         start = 0
         for s, i in enumerate(members):
@@ -271,9 +275,18 @@ def pack_batch(batch: Batch, pad_id: int, capacity: int | None = None) -> Packed
                 routes[r, span] = batch.routes[i, :n]
             if kept is not None and batch.kept is not None:
                 kept[r, start : start + n - 1] = batch.kept[i, : n - 1]
+            if measured is not None and batch.measured is not None:
+                measured[r, start : start + n - 1] = batch.measured[i, : n - 1]
             start += n
     return PackedBatch(
-        input_ids=ids, positions=positions, segments=segments, targets=targets, routes=routes, kept=kept, **floats
+        input_ids=ids,
+        positions=positions,
+        segments=segments,
+        targets=targets,
+        routes=routes,
+        kept=kept,
+        measured=measured,
+        **floats,
     )
 
 

@@ -143,16 +143,18 @@ def routing_for(batch: Batch | PackedBatch, replay: bool) -> Routing | None:
     return Routing(replay=batch.routes if replay else None)
 
 
-def expert_disagreement(routing: Routing | None, batch: Batch | PackedBatch) -> tuple[float, float]:
+def expert_disagreement(
+    routing: Routing | None, batch: Batch | PackedBatch, mask: torch.Tensor | None = None
+) -> tuple[float, float]:
     """(scored tokens whose top-k expert set differs from the sampler's in any layer, scored tokens).
 
     Compares the trainer's own router choice (recorded even while replaying) with the sampler's, at the
-    positions whose logits score a completion token (`loss_mask`)."""
+    positions whose logits score a completion token (`mask`, aligned with and by default `loss_mask`)."""
     if routing is None or batch.routes is None or not routing.fresh:
         return 0.0, 0.0
     mine = routing.stacked().sort(-1).values
     theirs = batch.routes.sort(-1).values
-    scored = batch.loss_mask > 0
+    scored = (batch.loss_mask if mask is None else mask) > 0
     if isinstance(batch, Batch):  # loss_mask is [B, T-1]: position t scores target t
         mine, theirs = mine[:, :-1], theirs[:, :-1]
     scored = scored & (theirs[..., 0, 0] >= 0)  # positions the sampler's payload covers

@@ -21,11 +21,14 @@ several images (the sampler's and trainer's image processing differ slightly); t
 from __future__ import annotations
 
 import copy
+import hashlib
+import math
 from typing import NamedTuple
 
 import torch
 
 from engines.models.decoder import CausalLM
+from engines.models.moe import Routing
 from engines.trainer.batch import Batch, PackedBatch, micro_batches, pack_batch
 from engines.trainer.common import expert_disagreement, routing_for, train_logprobs
 from engines.trainer.losses.kl import k3_kl
@@ -36,6 +39,50 @@ class Mismatch(NamedTuple):
     tokens: int
     expert_mismatch: float | None  # fraction of scored MoE tokens routed to another top-k set; None if dense
     by_images: dict[int, float] | None = None  # images per sample -> its samples' KL (vision-language batches)
+
+
+class MismatchSums:
+    """The metric's running sums over micro-batches scored by the policy that sampled them: whichever forward
+    gave the logprobs (the history's scratch model, or the trainer's own before its first optimizer step).
+    `weight` scales a sampled subset's sums up to the rows it stands for (`stale_sample`)."""
+
+    def __init__(self) -> None:
+        self.sums = [0.0, 0.0, 0.0, 0.0]  # kl, kl tokens, tokens with other experts, routed tokens
+        self.per_images: dict[int, list[float]] = {}  # images per sample -> [kl, kl tokens]
+
+    def add(
+        self,
+        mb: Batch | PackedBatch,
+        logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        routing: Routing | None,
+        weight: float = 1.0,
+    ) -> None:
+        """Add `mb`'s tokens in `mask` (aligned with `mb.loss_mask`), scored as `logprobs` with `routing`."""
+        kl = k3_kl(logprobs, mb.sampler_logprobs, mask)
+        for i, v in enumerate((*kl, *expert_disagreement(routing, mb, mask))):
+            self.sums[i] += v * weight
+        if isinstance(mb, Batch) and mb.image_counts is not None:
+            _add_by_images(self.per_images, mb, logprobs, mask, weight)
+
+    def result(self) -> Mismatch:
+        s = self.sums
+        kl_mean = s[0] / s[1] if s[1] else None
+        per_images = self.per_images
+        by_images = {k: t / n for k, (t, n) in sorted(per_images.items()) if n} if per_images else None
+        return Mismatch(kl_mean, round(s[1]), s[2] / s[3] if s[3] else None, by_images)
+
+
+def stale_sample(ids: list[str], rows: torch.Tensor, fraction: float, step: int) -> tuple[torch.Tensor, float]:
+    """(the rows of `rows` measured, the weight each stands for): the ceil(fraction x n) rows whose sample id
+    hashes lowest at this step (deterministic per step and id, a different subset every step); all at 1.0."""
+    n = len(rows)
+    take = min(n, math.ceil(fraction * n))
+    if take >= n:
+        return rows, 1.0
+    keys = [hashlib.blake2b(f"{step}/{ids[int(r)]}".encode(), digest_size=8).digest() for r in rows]
+    order = sorted(range(n), key=keys.__getitem__)[:take]
+    return rows[sorted(order)], n / take
 
 
 class PolicyHistory:
@@ -58,7 +105,11 @@ class PolicyHistory:
         for old in sorted(self.states)[: -self.keep]:
             del self.states[old]
 
-    @torch.no_grad()
+    def qualifying(self, batch: Batch) -> torch.Tensor:
+        """[B] bool: the rows drawn by one kept policy (policy_version = policy_version_end, held here)."""
+        held = torch.tensor(sorted(self.states), dtype=batch.versions.dtype)
+        return (batch.versions == batch.versions_end) & torch.isin(batch.versions, held)
+
     def mismatch_kl(
         self, batch: Batch, micro_batch_size: int, pack_pad_id: int | None = None, replay: bool = False
     ) -> Mismatch:
@@ -67,14 +118,28 @@ class PolicyHistory:
         With `pack_pad_id` (trainer.packing) the samples are packed first, as for the loss: same numbers,
         a fraction of the padded forward's work when lengths vary. `replay`: router replay, as the loss.
         """
-        sums = [0.0, 0.0, 0.0, 0.0]  # kl, kl tokens, tokens with other experts, routed tokens
-        per_images: dict[int, list[float]] = {}  # images per sample -> [kl, kl tokens]
+        sums = MismatchSums()
+        self.score(sums, batch, torch.ones(len(batch), dtype=torch.bool), micro_batch_size, pack_pad_id, replay)
+        return sums.result()
+
+    @torch.no_grad()
+    def score(
+        self,
+        into: MismatchSums,
+        batch: Batch,
+        rows: torch.Tensor,
+        micro_batch_size: int,
+        pack_pad_id: int | None = None,
+        replay: bool = False,
+        weight: float = 1.0,
+    ) -> None:
+        """Add the qualifying rows among `rows` ([B] bool), each scored by the kept policy that sampled it."""
         for version, state in self.states.items():
-            rows = torch.nonzero((batch.versions == version) & (batch.versions_end == version)).flatten()
-            if len(rows) == 0:
+            picked = rows & (batch.versions == version) & (batch.versions_end == version)
+            if not bool(picked.any()):
                 continue
             self.scratch.load_state_dict(state)
-            selected = batch.select(rows)
+            selected = batch.select(torch.nonzero(picked).flatten())
             mbs: list[Batch] | list[PackedBatch] = (
                 micro_batches(pack_batch(selected, pack_pad_id), micro_batch_size)
                 if pack_pad_id is not None and selected.packable
@@ -82,23 +147,17 @@ class PolicyHistory:
             )
             for mb in mbs:
                 routing = routing_for(mb, replay)
-                logprobs = train_logprobs(self.scratch, mb, routing)
-                kl = k3_kl(logprobs, mb.sampler_logprobs, mb.loss_mask)
-                for i, v in enumerate((*kl, *expert_disagreement(routing, mb))):
-                    sums[i] += v
-                if isinstance(mb, Batch) and mb.image_counts is not None:
-                    _add_by_images(per_images, mb, logprobs)
-        kl_mean = sums[0] / sums[1] if sums[1] else None
-        by_images = {k: s / n for k, (s, n) in sorted(per_images.items()) if n} if per_images else None
-        return Mismatch(kl_mean, int(sums[1]), sums[2] / sums[3] if sums[3] else None, by_images)
+                into.add(mb, train_logprobs(self.scratch, mb, routing), mb.loss_mask, routing, weight)
 
 
-def _add_by_images(into: dict[int, list[float]], mb: Batch, logprobs: torch.Tensor) -> None:
+def _add_by_images(
+    into: dict[int, list[float]], mb: Batch, logprobs: torch.Tensor, mask: torch.Tensor, weight: float
+) -> None:
     """Add the micro-batch's KL sums and token counts to `into`, grouped by the samples' image counts."""
     assert mb.image_counts is not None
     for k in mb.image_counts.unique().tolist():
         rows = mb.image_counts == k
-        total, tokens = k3_kl(logprobs[rows], mb.sampler_logprobs[rows], mb.loss_mask[rows])
+        total, tokens = k3_kl(logprobs[rows], mb.sampler_logprobs[rows], mask[rows])
         acc = into.setdefault(int(k), [0.0, 0.0])
-        acc[0] += total
-        acc[1] += tokens
+        acc[0] += total * weight
+        acc[1] += tokens * weight

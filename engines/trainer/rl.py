@@ -2,6 +2,11 @@
 
 Data flow per step: `rollouts/step=N/` (checksum-verified) -> `Batch` -> optional mismatch_kl
 measurement -> micro-batched loss/backward -> optimizer step -> `weights/step=N/` -> metrics.
+
+mismatch_kl costs no extra forward for the samples the current weights drew: the proximal scoring, or else the
+loss's forward before the step's first optimizer step, scores them with exactly those weights, and adds them
+(`Batch.measured`) to the sums the history's forward fills for the other samples (older policies: on a
+`trainer.mismatch_sample_fraction` sample of them).
 """
 
 from __future__ import annotations
@@ -20,13 +25,14 @@ from config.tracking import resolve_tracking_uri
 from engines.heartbeat import heartbeat
 from engines.models import lora, modeldir
 from engines.models.decoder import CausalLM
+from engines.models.moe import Routing
 from engines.models.vlm import is_vision
 from engines.trainer import checkpoint, context_parallel, distributed, parallel
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
 from engines.trainer.common import Scored, log, routing_for, scored_tokens, seed_everything
 from engines.trainer.eval_merge import EvalMerger
 from engines.trainer.losses.objective import MAX_STATS, Objective, StepCounts, step_metrics, token_scores
-from engines.trainer.mismatch import Mismatch, PolicyHistory
+from engines.trainer.mismatch import Mismatch, MismatchSums, PolicyHistory, stale_sample
 from engines.trainer.tracking import Tracker
 from storage import retention, rollouts, weights
 from storage.fs import Storage, is_committed
@@ -62,6 +68,14 @@ def zero_advantage_samples(table: pa.Table) -> torch.Tensor:
         advantages = [a if t is None else float(any(t)) for a, t in zip(advantages, tokens, strict=True)]
     nonzero = {g for g, a in zip(groups, advantages, strict=True) if a != 0}
     return torch.tensor([g not in nonzero for g in groups], dtype=torch.bool)
+
+
+def _has_dropout(model: torch.nn.Module) -> bool:
+    """Whether a training-mode forward is random (an active dropout: LoRA's, or a Hugging Face attention's)."""
+    return any(
+        (isinstance(m, torch.nn.Dropout) and m.p > 0) or float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0
+        for m in model.modules()
+    )
 
 
 def _scoring(mb: Batch | PackedBatch) -> torch.Tensor:
@@ -127,6 +141,39 @@ class RLTrainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
         return optimizer, scheduler
 
+    def measure_mismatch(self, batch: Batch, ids: list[str], zero: torch.Tensor, step: int) -> MismatchSums | None:
+        """mismatch_kl's sums from the history's forward; marks `batch.measured`, the tokens the loss's forward
+        adds (`_reused_rows`). Rows of older policies: a `trainer.mismatch_sample_fraction` sample, each standing
+        for the rows left out. Before the zero-advantage filter: the history scores every completion token."""
+        if self.history is None:
+            return None
+        sums = MismatchSums()
+        qualifying = self.history.qualifying(batch)
+        current = qualifying & (batch.versions == self.version)
+        reused = current & self._reused_rows(batch, zero)
+        batch.measured = batch.loss_mask * reused[:, None] if bool(reused.any()) else None
+        pack_pad = self.tok.pad_id if self.tcfg.packing and batch.packable else None
+        args = (self.tcfg.micro_batch_size, pack_pad, self.tcfg.enable_router_replay)
+        self.history.score(sums, batch, current & ~reused, *args)
+        older = torch.nonzero(qualifying & ~current).flatten()
+        rows, weight = stale_sample(ids, older, self.tcfg.mismatch_sample_fraction, step)
+        self.history.score(sums, batch, torch.isin(torch.arange(len(batch)), rows), *args, weight=weight)
+        return sums
+
+    def _reused_rows(self, batch: Batch, zero: torch.Tensor) -> torch.Tensor:
+        """[B] bool: rows a forward of `optimize` scores with the weights before the update and with the
+        history's numerics: every row the proximal scoring covers, else the first mini-batch's (later ones follow
+        an optimizer step) unless dropout makes the training forward differ; never under torchrun (a rank holds
+        a share); with packing, without the zero-advantage rows the filter leaves out (packing drops their tokens)."""
+        rows = torch.zeros(len(batch), dtype=torch.bool)
+        if self.dist.enabled or (not self.objective.needs_proximal and _has_dropout(self.model)):
+            return rows
+        if self.objective.needs_proximal:
+            rows[:] = True
+        else:
+            rows[torch.tensor_split(torch.arange(len(batch)), self.tcfg.mini_batches)[0]] = True
+        return rows & ~zero if self.tcfg.loss.zero_advantage == "filter" and self.tcfg.packing else rows
+
     def _load_weights(self) -> int:
         """Weights of the checkpoint the flow chose, or the warm-up's version 0; returns the version."""
         step = self.cfg.resume_step
@@ -178,19 +225,22 @@ class RLTrainer:
             return micro_batches(pack_batch(batch, self.tok.pad_id), self.tcfg.micro_batch_size)
         return micro_batches(batch, self.tcfg.micro_batch_size)
 
-    def optimize(self, batch: Batch) -> dict:
+    def optimize(self, batch: Batch, mismatch: MismatchSums | None = None) -> dict:
         """`trainer.epochs` passes over the step's samples in `trainer.mini_batches` mini-batches, an optimizer
         step each; the proximal and reference logprobs the objective reads are scored first, without gradient.
-        Under torchrun each rank takes its share of every mini-batch."""
+        Under torchrun each rank takes its share of every mini-batch. The tokens in `batch.measured` add to
+        `mismatch` from the first forward that scores them with the weights before any optimizer step."""
         minis = torch.tensor_split(torch.arange(len(batch)), self.tcfg.mini_batches)
         plan = [p for p in (self._plan(batch, rows) for rows in minis) if p[0]]
         for micros, _ in plan:
-            self._score_fixed(micros)
+            self._score_fixed(micros, mismatch)
+        tap = None if self.objective.needs_proximal else mismatch
         stats: dict[str, float] = {}
         losses, norms = [], []
         for _ in range(self.tcfg.epochs):
             for micros, counts in plan:
-                loss, norm = self._optimizer_step(micros, counts, stats)
+                loss, norm = self._optimizer_step(micros, counts, stats, tap)
+                tap = None  # the weights have moved
                 losses.append(loss)
                 norms.append(norm)
         lr = float(self.scheduler.get_last_lr()[0])
@@ -212,23 +262,28 @@ class RLTrainer:
         return micros, counts
 
     @torch.no_grad()
-    def _score_fixed(self, micros: list[Micro]) -> None:
+    def _score_fixed(self, micros: list[Micro], mismatch: MismatchSums | None = None) -> None:
         """The logprobs that stay fixed through the step's optimizer steps: the proximal policy's (the weights
-        before the first one) and the reference policy's."""
+        before the first one, so they measure mismatch_kl of `measured` tokens too) and the reference policy's."""
         for m in micros:
             if self.objective.needs_proximal:
                 self.model.eval()
-                m.proximal = self._score(self.model, m.mb).logprobs
+                routing = routing_for(m.mb, self.tcfg.enable_router_replay)
+                m.proximal = self._score(self.model, m.mb, routing).logprobs
+                if mismatch is not None and m.mb.measured is not None:
+                    mismatch.add(m.mb, m.proximal, m.mb.measured, routing)
             if self.reference is not None:
                 m.reference = self._score(self.reference, m.mb).logprobs
 
-    def _score(self, model: CausalLM, mb: Batch | PackedBatch) -> Scored:
+    def _score(self, model: CausalLM, mb: Batch | PackedBatch, routing: Routing | None = None) -> Scored:
         """`model`'s logprobs of `mb`'s targets (on the sampler's kept support), as the loss forward takes them."""
-        routing = routing_for(mb, self.tcfg.enable_router_replay)
+        routing = routing or routing_for(mb, self.tcfg.enable_router_replay)
         with context_parallel.gathered_kv(self.dist):
             return scored_tokens(model, mb, routing)
 
-    def _optimizer_step(self, micros: list[Micro], counts: StepCounts, stats: dict[str, float]) -> tuple[float, float]:
+    def _optimizer_step(
+        self, micros: list[Micro], counts: StepCounts, stats: dict[str, float], mismatch: MismatchSums | None = None
+    ) -> tuple[float, float]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
@@ -240,6 +295,8 @@ class RLTrainer:
                 replayed = float(((routing.replay[..., 0, 0] >= 0) & (_scoring(mb) > 0)).sum())
             with context_parallel.gathered_kv(self.dist):
                 scored = scored_tokens(self.model, mb, routing, entropy=True)  # on the sampler's kept support
+            if mismatch is not None and mb.measured is not None:  # before this step's update: the sampler's weights
+                mismatch.add(mb, scored.logprobs.detach(), mb.measured, routing)
             # the entropy is always reported; it carries a gradient only as a loss term (loss.entropy_coef > 0)
             entropy = (
                 scored.entropy if self.objective.needs_entropy or scored.entropy is None else scored.entropy.detach()
@@ -281,17 +338,15 @@ class RLTrainer:
         t1 = time.perf_counter()
         heartbeat().advance(f"training step {step}")
         batch = make_batch(table, self.tok.pad_id, self.tcfg.keep_sampling_mask, self.vision_spec)
-        pack_pad = self.tok.pad_id if self.tcfg.packing and batch.packable else None
-        mismatch = (
-            self.history.mismatch_kl(batch, self.tcfg.micro_batch_size, pack_pad, self.tcfg.enable_router_replay)
-            if self.history
-            else Mismatch(None, 0, None)
-        )
         completion_tokens = float(batch.loss_mask.sum())
         zero = zero_advantage_samples(table)
+        t_mismatch = time.perf_counter()
+        sums = self.measure_mismatch(batch, table.column("sample_id").to_pylist(), zero, step)
+        t_mismatch = time.perf_counter() - t_mismatch
         if self.tcfg.loss.zero_advantage == "filter":
             batch.loss_mask[zero] = 0.0
-        stats = self.optimize(batch)
+        stats = self.optimize(batch, sums)
+        mismatch = sums.result() if sums else Mismatch(None, 0, None)
         t2 = time.perf_counter()
         published = parallel.full_state_dict(self.model, self.dist)  # a collective; rank 0 keeps the weights
         broadcast_s = None
@@ -328,6 +383,7 @@ class RLTrainer:
             **({} if batch.images_dropped is None else {"images_dropped": int(batch.images_dropped.sum())}),
             "wait_s": t1 - t0,
             "train_s": t2 - t1,
+            "mismatch_s": t_mismatch,  # the history's forward (train_s includes it)
             "publish_s": t3 - t2,
             "broadcast_s": broadcast_s,
             "step_s": t3 - t0,

@@ -34,6 +34,7 @@ MODULES = {
     "scaling": "tests.bench.scaling",
     "router_replay": "tests.bench.router_replay",
     "backends": "tests.bench.backends",
+    "peer": "tests.bench.peer_trl",
 }
 STORAGE_MODULE = "tests.bench.storage"
 ANALYSIS_MARKER = "<!-- hand-written below: kept by `make bench` -->"
