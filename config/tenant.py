@@ -71,3 +71,31 @@ class DeploymentRecord(Strict):
     inference_url: str = Field(description="the shared inference server's base URL")
     max_tenants: int = Field(ge=1, le=64)
     max_lora_rank: int = Field(ge=1, le=256)
+
+
+class SharedConfig(Strict):
+    """`[shared]` of a deployment's profile (`rollflow shared up @ profile --deploy-dir D`): the profile's [model] is
+    the backbone (its warm-up publishes it), its [inference] and [trainer] size the shared processes."""
+
+    max_tenants: int = Field(4, ge=1, le=64, description="tenants attached at once; one more is refused at join")
+    max_lora_rank: int = Field(16, ge=1, le=256, description="the largest [model.lora] rank a tenant may use")
+    poll_s: float = Field(0.5, gt=0, le=30, description="how often the shared processes re-read DEPLOY_DIR/tenants/")
+
+
+class SharedInferenceSettings(Strict):
+    """What the shared inference server adds to its InferenceProcessConfig: where the tenant records are."""
+
+    deploy_dir: str
+    shared: SharedConfig
+
+
+class SharedTrainerStatus(Strict):
+    """`<tenant OUTPUT_DIR>/shared_trainer.json`, written (atomically) by the shared trainer for each tenant after
+    every change: the tenant's flow reads it in place of a trainer process of its own (progress, end, failure)."""
+
+    attempt: int = Field(ge=0, description="the tenant record's attempt this status belongs to")
+    state: str = Field(description="'waiting' (for rollouts), 'training', 'finished' (max_steps done), or 'failed'")
+    step: int = Field(ge=0, description="the last step trained and published (0: none yet)")
+    error: str | None = None
+    updated: float = Field(description="unix time of this write: the tenant flow's stall watch reads it")
+    trainer_s: float = Field(0.0, ge=0, description="seconds of shared-trainer time this tenant's steps took")

@@ -213,6 +213,9 @@ class UpdateWeightsRequest(BaseModel):
 
     version: int | None = Field(None, ge=0)
     path: str | None = None
+    # a shared deployment (docs/multitenant.md): the tenant whose adapter to update; only `version` then (the
+    # publication is read from the tenant's own OUTPUT_DIR as its record names it, never from a path given here)
+    tenant: str | None = Field(None, pattern=r"^[a-z][a-z0-9-]{0,31}$")
 
     @model_validator(mode="after")
     def _one_of(self) -> UpdateWeightsRequest:
@@ -238,6 +241,8 @@ class HealthResponse(BaseModel):
     status: str
     policy_version: int
     stats: dict[str, int]
+    # a shared deployment: each attached tenant's served adapter version (-1: registered, adapter not loaded yet)
+    tenants: dict[str, int] | None = None
 
 
 class CompletionLogprobs(BaseModel):
