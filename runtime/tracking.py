@@ -1,12 +1,26 @@
 """MLflow bookkeeping for a run: create the run with its (secret-free) params, close it with a status. Which
-tracking URI a run uses is config/tracking.py's `resolve_tracking_uri`, shared with the trainer."""
+tracking URI a run uses is config/tracking.py's `resolve_tracking_uri`, shared with the trainer.
+
+The flow process calls these through `in_child` (`python -m runtime.tracking`, one operation as JSON on stdin,
+its result as JSON on stdout): importing MLflow brings pandas, SQLAlchemy and Alembic (about 140 MB PSS once
+the sqlite store is opened) that Python never gives back, and the flow process lives for the whole run while
+it needs MLflow for two calls, one before the first component starts and one after the last one exits.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
+from runtime.process import die_with_parent
 from storage.fs import fsync_dir
+
+CHILD_TIMEOUT_S = 600.0  # a remote tracking server may be slow; MLflow's own HTTP retries stay well inside this
+RESULT_PREFIX = "rollflow-tracking-result: "
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, str]:
@@ -79,3 +93,30 @@ def end_mlflow_run(tracking_uri: str, mlflow_run_id: str, status: str) -> None:
     from mlflow.tracking import MlflowClient
 
     MlflowClient(tracking_uri).set_terminated(mlflow_run_id, status=status)
+
+
+OPERATIONS = {"start": start_mlflow_run, "reopen": reopen_mlflow_run, "end": end_mlflow_run}
+
+
+def in_child(operation: str, *args: Any) -> Any:
+    """`OPERATIONS[operation](*args)` in a short-lived child process; its return value, or a RuntimeError with
+    the child's error. Arguments travel on stdin (the tracking URI may hold credentials: never in argv)."""
+    payload = json.dumps({"operation": operation, "args": args})
+    proc = subprocess.run(  # noqa: PLW1509 - die_with_parent only sets the parent-death signal
+        [sys.executable, "-m", "runtime.tracking"], input=payload, capture_output=True, text=True,
+        timeout=CHILD_TIMEOUT_S, preexec_fn=die_with_parent,
+    )  # fmt: skip
+    results = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not results:
+        raise RuntimeError(f"MLflow {operation} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return json.loads(results[-1].removeprefix(RESULT_PREFIX))
+
+
+def _child_main() -> None:
+    request = json.loads(sys.stdin.read())
+    result = OPERATIONS[request["operation"]](*request["args"])
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    _child_main()
