@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,11 @@ def end_mlflow_run(tracking_uri: str, mlflow_run_id: str, status: str) -> None:
     MlflowClient(tracking_uri).set_terminated(mlflow_run_id, status=status)
 
 
-OPERATIONS = {"start": start_mlflow_run, "reopen": reopen_mlflow_run, "end": end_mlflow_run}
+OPERATIONS: dict[str, Callable[..., Any]] = {
+    "start": start_mlflow_run,
+    "reopen": reopen_mlflow_run,
+    "end": end_mlflow_run,
+}
 
 
 def in_child(operation: str, *args: Any) -> Any:
