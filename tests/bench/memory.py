@@ -200,12 +200,12 @@ def _time_rows(runs: list[RunFigures]) -> list[list[str]]:
     ]  # fmt: skip
 
 
-def render(runs: list[RunFigures], steps: int, sft_steps: int | None) -> str:
+def render(runs: list[RunFigures], steps: int, sft_steps: int | None, code: str) -> str:
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     warm = f"{sft_steps} warm-up steps" if sft_steps is not None else "the profile's warm-up"
     head = (
         f"`rollflow rl @ profiles/tiny-cpu.toml --max-steps {steps}` ({warm}), {len(runs)} run(s), "
-        f"commit {harness.commit()}, load average after (1/5/15 min) {load}. PSS sampled every {INTERVAL_S} s; "
+        f"code: {code}, load average after (1/5/15 min) {load}. PSS sampled every {INTERVAL_S} s; "
         "a figure over runs is `median (min-max)`."
     )
     total = harness.Stats([r.sampled.peak_total_mb for r in runs]).fmt(0)
@@ -222,9 +222,10 @@ def bench(steps: int, sft_steps: int | None, repeats: int, work: Path, baseline:
     for i in range(repeats):
         for j, (name, checkout) in enumerate(reversed(sides.items())):
             runs[name].append(measure(work / f"run{i}-{j}", steps, sft_steps, checkout))
+    codes = {name: f"commit {harness.commit()}" if path == harness.ROOT else str(path) for name, path in sides.items()}
     if baseline is None:
-        return render(runs["this checkout"], steps, sft_steps)
-    return "\n".join(f"### {name}\n\n{render(r, steps, sft_steps)}" for name, r in runs.items())
+        return render(runs["this checkout"], steps, sft_steps, codes["this checkout"])
+    return "\n".join(f"### {name}\n\n{render(r, steps, sft_steps, codes[name])}" for name, r in runs.items())
 
 
 def run(ws: harness.Workspace) -> str:
