@@ -110,12 +110,15 @@ def _sample_once(root: int, out: Sampled, boot: float) -> None:
         if pss is None:
             continue
         total += pss
+        # read every time: a child seen between fork and exec still shows its parent's command line
+        cmd = (_read(f"/proc/{pid}/cmdline") or "").replace("\0", " ").strip()
         proc = out.procs.get(pid)
         if proc is None:
-            cmd = (_read(f"/proc/{pid}/cmdline") or "").replace("\0", " ").strip()
             fields = _stat_fields(pid)
             started = boot + int(fields[19]) / TICKS if fields else time.time()
             proc = out.procs[pid] = Proc(role(cmd), cmd, started)
+        elif cmd and cmd != proc.cmdline:
+            proc.role, proc.cmdline = role(cmd), cmd
         proc.peak_mb = max(proc.peak_mb, pss)
         if not proc.torch:
             proc.torch = "libtorch_cpu" in (_read(f"/proc/{pid}/maps") or "")
