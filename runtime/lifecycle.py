@@ -1,6 +1,7 @@
 """Open, reopen and close a run: the bookkeeping around the `rl` flow's attempts.
 
-A new run claims its directory, starts an MLflow run and writes `state.json`. A resumed run checks
+A new run claims its directory, starts an MLflow run (in a child process: runtime/tracking.py `in_child`)
+and writes `state.json`. A resumed run checks
 that only compatible settings changed, reopens the same MLflow run (recording the changes as tags)
 and appends to the state's resume history. Closing records the outcome (finished, failed or cancelled)
 in both places, unless the flow lost its lease.
@@ -22,7 +23,7 @@ from runtime.rundir import (
     write_run_config,
 )
 from runtime.slurm import requeued
-from runtime.tracking import end_mlflow_run, reopen_mlflow_run, start_mlflow_run
+from runtime.tracking import in_child
 from storage import fence, runstate
 from storage.fs import get_fs
 
@@ -44,8 +45,8 @@ def _ensure_mlflow_run(cfg: RunConfig, run: RunHandle) -> None:
     if run.tracking_uri is None or run.state.mlflow_run_id is not None:
         return
     tags = {"rollflow.run_id": run.run_id}
-    run.state.mlflow_run_id = start_mlflow_run(
-        run.tracking_uri, cfg.tracking.experiment, run.run_id, public_config(cfg), tags
+    run.state.mlflow_run_id = in_child(
+        "start", run.tracking_uri, cfg.tracking.experiment, run.run_id, public_config(cfg), tags
     )
     runstate.write_state(*get_fs(cfg.output_dir, cfg.storage), run.state)
 
@@ -89,7 +90,8 @@ def reopen_run(cfg: RunConfig, logger) -> RunHandle:
         logger.info(f"resuming with changed settings: {listed}")
     if run.tracking_uri and state.mlflow_run_id:
         tags = {f"rollflow.resume.{n}.{k}": f"{o} -> {v}" for k, (o, v) in changes.items()}
-        reopen_mlflow_run(run.tracking_uri, state.mlflow_run_id, {**tags, f"rollflow.resume.{n}.time": time.ctime()})
+        tags[f"rollflow.resume.{n}.time"] = time.ctime()
+        in_child("reopen", run.tracking_uri, state.mlflow_run_id, tags)
     state.resumes.append({"time": time.time(), "changes": {k: list(v) for k, v in changes.items()}})
     state.status = "running"
     runstate.write_state(fs, root, state)
@@ -107,7 +109,7 @@ def close_run(cfg: RunConfig, run: RunHandle, outcome: str) -> None:
     run.state.status = outcome
     runstate.write_state(fs, root, run.state)
     if run.tracking_uri and run.state.mlflow_run_id:
-        end_mlflow_run(run.tracking_uri, run.state.mlflow_run_id, MLFLOW_STATUS[outcome])
+        in_child("end", run.tracking_uri, run.state.mlflow_run_id, MLFLOW_STATUS[outcome])
 
 
 MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "cancelled": "KILLED"}

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -38,8 +38,10 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
 
 
 @contextmanager
-def local_prefect_api(timeout_s: float = 60.0) -> Iterator[str]:
-    """Serve a Prefect API on a free loopback port for the duration; yields its URL."""
+def local_prefect_api(timeout_s: float = 60.0, while_starting: Callable[[str], object] | None = None) -> Iterator[str]:
+    """Serve a Prefect API on a free loopback port for the duration; yields its URL once it answers.
+    `while_starting(url)` runs while the server boots (seconds of imports in its own process), so the caller's
+    own start-up (setting PREFECT_API_URL, importing Prefect and the flow) overlaps it instead of following it."""
     spec = importlib.util.find_spec("prefect")
     assert spec is not None and spec.origin is not None
     port = free_port("127.0.0.1")
@@ -51,6 +53,8 @@ def local_prefect_api(timeout_s: float = 60.0) -> Iterator[str]:
     proc = subprocess.Popen(argv, env=env, preexec_fn=die_with_parent, start_new_session=True)  # noqa: PLW1509
     url = f"http://127.0.0.1:{port}/api"
     try:
+        if while_starting is not None:
+            while_starting(url)
         _wait_healthy(proc, url, timeout_s)
         yield url
     finally:

@@ -145,3 +145,39 @@ def test_the_orchestrator_process_does_not_import_torch(tmp_path, model_dirs):
             assert seen["chat"] == tok.render_messages([*chat, {"role": "user", "content": "c"}])
             assert seen["decoded"] == tok.decode(tok.encode("hello<eos>"), skip_special=False)
     assert kinds == [True, False, False]
+
+
+FLOW_PATH = r"""
+import json, sys
+from rollflow.cli import main
+
+profile, dry, out = sys.argv[1:]
+assert main(["rl", "@", profile, "--output-dir", dry, "--dry-run"]) == 0  # every load-time check, configs written
+import flows.rl, flows.sft, runtime.local_api, tasks.components  # what `rollflow rl` imports to start the flow
+from config.loader import load_run_config
+from runtime.lifecycle import close_run, start_new_run
+
+cfg = load_run_config([profile], [("output-dir", out)])
+run = start_new_run(cfg, overwrite=False)  # with its MLflow run, made in a child process
+close_run(cfg, run, "finished")
+print(json.dumps({"mlflow_run_id": run.state.mlflow_run_id,
+                  "loaded": [m for m in ("torch", "transformers", "mlflow") if m in sys.modules]}))
+"""
+
+
+def test_the_cli_and_flow_process_does_not_import_torch_or_mlflow(tmp_path):
+    """The process that runs `rollflow rl` (its checks, the flow, the run's bookkeeping) lives as long as the run
+    and computes nothing: torch, transformers and MLflow (hundreds of MB, tests/bench/memory.py) stay out of it.
+    The MLflow run is made and closed all the same, by runtime/tracking.py's child process."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.update(HF_HUB_OFFLINE="1", PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    out = tmp_path / "run"
+    argv = [sys.executable, "-c", FLOW_PATH, "profiles/tiny-cpu.toml", str(tmp_path / "dry"), str(out)]
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    verdict = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert verdict["loaded"] == [], f"the CLI/flow process imported {verdict['loaded']}"
+    from mlflow.tracking import MlflowClient
+
+    finished = MlflowClient(f"sqlite:///{out}/mlflow.db").get_run(verdict["mlflow_run_id"])
+    assert finished.info.status == "FINISHED" and finished.data.tags["rollflow.run_id"]

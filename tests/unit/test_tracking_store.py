@@ -50,3 +50,41 @@ def test_a_redacted_configured_uri_is_completed_from_the_environment_only_when_i
     for env, said in [({}, "is not set"), ({"MLFLOW_TRACKING_URI": "https://u:p@other/x"}, "holds another URI")]:
         with pytest.raises(ValueError, match=rf"credentials redacted and MLFLOW_TRACKING_URI {said}"):
             resolve_tracking_uri("https://***@mlflow.example/x", str(tmp_path), env)
+
+
+def test_later_stores_copy_one_migrated_template_with_the_default_experiment_made_here(tmp_path, monkeypatch):
+    """The migrations run once per MLflow version (runtime/tracking._migrated_template); a copied store holds
+    the same schema and revision as one MLflow migrates itself, and its "Default" experiment is the one MLflow
+    would make in this directory, not the template's."""
+    import sqlite3
+
+    from mlflow.tracking import MlflowClient
+
+    from runtime.tracking import _migrate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    initialize_store(f"sqlite:///{tmp_path / 'first.db'}")  # migrates the template, copies it
+    [template] = (tmp_path / "cache" / "rollflow").glob("mlflow-*-empty.db")
+    made = template.stat().st_mtime_ns
+    monkeypatch.chdir(tmp_path)
+    copied, migrated = tmp_path / "copied.db", tmp_path / "migrated.db"
+    initialize_store(f"sqlite:///{copied}")
+    _migrate(migrated)  # what MLflow itself makes here
+    assert template.stat().st_mtime_ns == made  # reused, not migrated again
+
+    def shape(db):
+        with sqlite3.connect(db) as conn:
+            tables = [t for (t,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+            # tables and columns: the SQL text may differ (MLflow creates a store's tables one of two ways)
+            schema = sorted((t, c[1], c[2], c[3]) for t in tables for c in conn.execute(f"PRAGMA table_info('{t}')"))
+            revision = conn.execute("SELECT version_num FROM alembic_version").fetchall()
+            default = conn.execute("SELECT name, artifact_location, lifecycle_stage FROM experiments").fetchall()
+        return schema, revision, default
+
+    assert shape(copied) == shape(migrated)
+    assert shape(copied)[2] == [("Default", str(tmp_path / "mlruns" / "0"), "active")]
+    client = MlflowClient(f"sqlite:///{copied}")
+    run = client.create_run(client.create_experiment("e"))
+    assert client.get_run(run.info.run_id).info.status == "RUNNING"
