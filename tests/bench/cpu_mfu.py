@@ -1,0 +1,162 @@
+"""The trainer against this CPU's measured peak: matmul FLOP/s at the model's shapes, and a trainer step's MFU.
+
+`python -m tests.bench.cpu_mfu [--quick]` prints its markdown section; `make bench` includes it (`mfu`).
+
+Peak: `torch.mm` of [tokens, in] x [in, out] for every distinct Linear shape of the model (the shapes a trainer
+step multiplies), fp32 and bf16, with 1 and 2 threads, timed until 0.3 s have passed; the peak is the best of those.
+A trainer step is rollflow's model (engines/models/decoder.py) doing what engines/trainer/rl.py does per
+micro-batch: forward, the trainer's logprobs (log-softmax over the vocabulary), the default policy loss, backward,
+gradient clipping and AdamW, fp32 (the trainer's dtype) and under bf16 autocast. MFU = (6 x parameters +
+causal attention) FLOPs per token x tokens / step time / the peak of the same dtype and threads; the parameters
+include an untied embedding, whose "matmul" is a gather, so the figure slightly flatters the step.
+Shapes: the tiny model of profiles/tiny-cpu.toml at its micro-batch (64 rows of 32 tokens) and SmolLM2-135M's
+shape (random weights: the FLOPs do not depend on them) at 8 rows of 128 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from tests.bench.harness import QUICK, Workspace, num, table
+
+TITLE = "Trainer MFU against this CPU's measured matmul peak"
+
+SHAPES = {
+    "tiny (1.2M)": ({"hidden_size": 192, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512,
+                     "max_seq_len": 64}, 260, (64, 32)),
+    "SmolLM2-135M shape": ({"hidden_size": 576, "num_layers": 30, "num_heads": 9, "num_kv_heads": 3,
+                            "intermediate_size": 1536, "max_seq_len": 2048, "tie_word_embeddings": True},
+                           49152, (8, 128)),
+}  # fmt: skip
+
+
+def _flops_per_s(fn, flops: float, min_s: float) -> float:
+    fn()  # warm: the first call allocates and picks kernels
+    reps, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < min_s or reps < 2:
+        fn()
+        reps += 1
+    return flops * reps / elapsed
+
+
+def matmul_peak(shapes: set[tuple[int, int]], tokens: int, dtype, min_s: float) -> float:
+    """Best FLOP/s of [tokens, k] x [k, n] over the Linear shapes (k, n)."""
+    import torch
+
+    best = 0.0
+    for k, n in sorted(shapes):
+        a, b = torch.randn(tokens, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        best = max(best, _flops_per_s(lambda a=a, b=b: torch.mm(a, b), 2.0 * tokens * k * n, min_s))
+    return best
+
+
+def _model(shape: dict, vocab: int):
+    import torch
+
+    from config.model import ModelConfig
+    from engines.models.decoder import CausalLM
+
+    torch.manual_seed(0)
+    return CausalLM(ModelConfig(**shape), vocab)
+
+
+def linear_shapes(model) -> set[tuple[int, int]]:
+    import torch
+
+    return {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+
+
+def train_step_s(model, rows: int, seq: int, bf16: bool, steps: int) -> float:
+    """Median seconds of one full trainer step on [rows, seq] tokens."""
+    import statistics
+
+    import torch
+
+    from config.trainer import TrainerConfig
+    from engines.trainer.losses.objective import Objective, StepCounts, TokenScores
+
+    vocab = model.vocab_size
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    ids = torch.randint(0, vocab, (rows, seq))
+    mask, adv = torch.ones(rows, seq - 1), torch.ones(rows, seq - 1)
+    sequence = torch.arange(rows)[:, None].expand(rows, seq - 1)  # one sample per row
+    objective = Objective(TrainerConfig())
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(ids)[:, :-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        scores = TokenScores(logp, logp.detach(), adv, mask, sequence)
+        objective(scores, StepCounts(float(mask.sum()), float(rows)))[0].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    step()  # warm-up: AdamW's state, first-call kernel choices
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def flops_per_token(model, seq: int) -> float:
+    """6N (forward + backward of every parameter) plus causal attention: 6 x layers x seq x heads x head_dim."""
+    cfg = model.cfg
+    params = sum(p.numel() for p in model.parameters())
+    return 6 * params + 6 * cfg.num_layers * seq * cfg.num_heads * cfg.head_size
+
+
+def measure(quick: bool) -> list[dict]:
+    import torch
+
+    min_s, steps = (0.05, 2) if quick else (0.3, 5)
+    rows_out = []
+    for name, (shape, vocab, (rows, seq)) in SHAPES.items():
+        if quick and "SmolLM2" in name:
+            rows, seq = 2, 32
+        model = _model(shape, vocab)
+        shapes = linear_shapes(model)
+        per_token = flops_per_token(model, seq)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for dtype in ("fp32", "bf16"):
+                bf16 = dtype == "bf16"
+                peak = matmul_peak(shapes, rows * seq, torch.bfloat16 if bf16 else torch.float32, min_s)
+                step_s = train_step_s(model, rows, seq, bf16, steps)
+                achieved = per_token * rows * seq / step_s
+                rows_out.append({"model": name, "threads": threads, "dtype": dtype, "tokens": rows * seq,
+                                 "peak": peak, "step_s": step_s, "achieved": achieved, "mfu": achieved / peak})  # fmt: skip
+    torch.set_num_threads(1)
+    return rows_out
+
+
+def report(results: list[dict]) -> str:
+    rows = [
+        [r["model"], r["threads"], r["dtype"], r["tokens"], num(r["peak"] / 1e9) + " GFLOP/s",
+         num(r["step_s"] * 1e3) + " ms", num(r["achieved"] / 1e9) + " GFLOP/s", f"{r['mfu']:.1%}"]
+        for r in results
+    ]  # fmt: skip
+    head = ["model", "threads", "dtype", "tokens/step", "measured matmul peak", "trainer step", "achieved", "MFU"]
+    return (
+        "Peak: the best `torch.mm` FLOP/s over the model's Linear shapes at the step's token count; a trainer step: "
+        "forward, logprobs, the default loss, backward, clipping, AdamW (`python -m tests.bench.cpu_mfu`).\n\n"
+        + table(head, rows)
+    )
+
+
+def run(ws: Workspace) -> str:
+    return report(measure(QUICK))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m tests.bench.cpu_mfu", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="tiny repeats and a small SmolLM2 batch: a smoke run")
+    args = ap.parse_args(argv)
+    print(report(measure(args.quick or QUICK)))
+
+
+if __name__ == "__main__":
+    main()
