@@ -6,9 +6,9 @@ Peak: `torch.mm` of [tokens, in] x [in, out] for every distinct Linear shape of 
 step multiplies), fp32 and bf16, with 1 and 2 threads, timed until 0.3 s have passed; the peak is the best of those.
 A trainer step is rollflow's model (engines/models/decoder.py) doing what engines/trainer/rl.py does per
 micro-batch: forward, the trainer's logprobs (log-softmax over the vocabulary), the default policy loss, backward,
-gradient clipping and AdamW, fp32 (the trainer's dtype) and under bf16 autocast. MFU = (6 x parameters +
-causal attention) FLOPs per token x tokens / step time / the peak of the same dtype and threads; the parameters
-include an untied embedding, whose "matmul" is a gather, so the figure slightly flatters the step.
+gradient clipping and AdamW, fp32 (the trainer's dtype) and under bf16 autocast. MFU = the step's matmul FLOPs
+(engines/trainer/flops.py: 6 x Linear parameters + causal attention, per token) / step time / the peak of the same
+dtype and threads.
 Shapes: the tiny model of profiles/tiny-cpu.toml at its micro-batch (64 rows of 32 tokens) and SmolLM2-135M's
 shape (random weights: the FLOPs do not depend on them) at 8 rows of 128 tokens.
 """
@@ -31,26 +31,6 @@ SHAPES = {
 }  # fmt: skip
 
 
-def _flops_per_s(fn, flops: float, min_s: float) -> float:
-    fn()  # warm: the first call allocates and picks kernels
-    reps, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < min_s or reps < 2:
-        fn()
-        reps += 1
-    return flops * reps / elapsed
-
-
-def matmul_peak(shapes: set[tuple[int, int]], tokens: int, dtype, min_s: float) -> float:
-    """Best FLOP/s of [tokens, k] x [k, n] over the Linear shapes (k, n)."""
-    import torch
-
-    best = 0.0
-    for k, n in sorted(shapes):
-        a, b = torch.randn(tokens, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        best = max(best, _flops_per_s(lambda a=a, b=b: torch.mm(a, b), 2.0 * tokens * k * n, min_s))
-    return best
-
-
 def _model(shape: dict, vocab: int):
     import torch
 
@@ -59,12 +39,6 @@ def _model(shape: dict, vocab: int):
 
     torch.manual_seed(0)
     return CausalLM(ModelConfig(**shape), vocab)
-
-
-def linear_shapes(model) -> set[tuple[int, int]]:
-    import torch
-
-    return {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)}
 
 
 def train_step_s(model, rows: int, seq: int, bf16: bool, steps: int) -> float:
@@ -102,15 +76,10 @@ def train_step_s(model, rows: int, seq: int, bf16: bool, steps: int) -> float:
     return statistics.median(times)
 
 
-def flops_per_token(model, seq: int) -> float:
-    """6N (forward + backward of every parameter) plus causal attention: 6 x layers x seq x heads x head_dim."""
-    cfg = model.cfg
-    params = sum(p.numel() for p in model.parameters())
-    return 6 * params + 6 * cfg.num_layers * seq * cfg.num_heads * cfg.head_size
-
-
 def measure(quick: bool) -> list[dict]:
     import torch
+
+    from engines.trainer.flops import linear_shapes, matmul_peak, step_flops
 
     min_s, steps = (0.05, 2) if quick else (0.3, 5)
     rows_out = []
@@ -119,16 +88,17 @@ def measure(quick: bool) -> list[dict]:
             rows, seq = 2, 32
         model = _model(shape, vocab)
         shapes = linear_shapes(model)
-        per_token = flops_per_token(model, seq)
+        flops = step_flops(model, rows * seq, seq)
         for threads in (1, 2):
             torch.set_num_threads(threads)
             for dtype in ("fp32", "bf16"):
                 bf16 = dtype == "bf16"
                 peak = matmul_peak(shapes, rows * seq, torch.bfloat16 if bf16 else torch.float32, min_s)
                 step_s = train_step_s(model, rows, seq, bf16, steps)
-                achieved = per_token * rows * seq / step_s
+                achieved = flops / step_s
                 rows_out.append({"model": name, "threads": threads, "dtype": dtype, "tokens": rows * seq,
-                                 "peak": peak, "step_s": step_s, "achieved": achieved, "mfu": achieved / peak})  # fmt: skip
+                                 "peak": peak, "step_s": step_s, "achieved": achieved,
+                                 "mfu": achieved / peak})  # fmt: skip
     torch.set_num_threads(1)
     return rows_out
 
