@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from config.model import LoRAConfig
-from config.process import SharedTrainerProcessConfig
+from config.process import SharedTrainerProcessConfig, TrainerProcessConfig
 from engines.models import lora
 from engines.trainer.rl import RLTrainer
 from engines.trainer.shared import RoundRobin, SharedTrainer
@@ -30,7 +30,9 @@ BOUND_S = 60  # every in-process loop below ends within this (they take about a 
 
 
 def _shared(d) -> SharedTrainer:
-    return SharedTrainer(SharedTrainerProcessConfig.model_validate(read_json(str(d / "config" / "shared_trainer.json"))))
+    return SharedTrainer(
+        SharedTrainerProcessConfig.model_validate(read_json(str(d / "config" / "shared_trainer.json")))
+    )
 
 
 def _run_until(st: SharedTrainer, done) -> None:
@@ -92,9 +94,7 @@ def test_tenants_train_the_standalone_adapters_on_a_shared_backbone(tmp_path):
     assert status is not None and status.step == 3 and status.trainer_s > 0 and status.error is None
 
 
-def trainer_config_from(s):
-    from config.process import TrainerProcessConfig
-
+def trainer_config_from(s) -> TrainerProcessConfig:
     return TrainerProcessConfig.model_validate(read_json(str(s / "config" / "trainer.json")))
 
 
