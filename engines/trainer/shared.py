@@ -44,6 +44,7 @@ from storage.tenants import read_deployment, read_tenants, write_status
 log = logging.getLogger("rollflow.shared_trainer")
 
 IDLE_S = 0.05  # between readiness checks while no tenant has rollouts to train on (the standalone wait's poll)
+SHARE_LOG_S = 60.0  # how often the shares go to the log
 SUMMARY_FILE = "shared_trainer.json"  # in DEPLOY_DIR: every held tenant's state and share
 
 
@@ -100,11 +101,16 @@ class SharedTrainer:
         self.rr = RoundRobin()
         self.stop = threading.Event()
         self.fs, self.root = Storage(cfg.run.storage).open(cfg.deploy_dir)
+        self._logged = -float("inf")
 
     # -- records: join, leave, re-attempt --------------------------------------------------------------------
 
     def refresh(self) -> None:
-        records, _ = read_tenants(self.cfg.deploy_dir)  # invalid files are skipped and logged there
+        try:
+            records, _ = read_tenants(self.cfg.deploy_dir)  # invalid files are skipped and logged there
+        except OSError as exc:  # the deployment's storage is away: keep training whom we hold
+            log.warning(f"tenant records not read ({exc}); keeping the {len(self.tenants)} held")
+            return
         for name in [n for n in self.tenants if n not in records]:
             self._leave(name)
         for name, record in records.items():
@@ -209,11 +215,17 @@ class SharedTrainer:
 
     def write_summary(self) -> None:
         shares = self.shares()
+        if time.monotonic() - self._logged >= SHARE_LOG_S and shares:
+            self._logged = time.monotonic()
+            log.info("trainer time shares: " + ", ".join(f"{n} {s:.0%}" for n, s in sorted(shares.items())))
         tenants = {
             n: {**t.status.model_dump(mode="json"), "weight": t.record.weight, "steps": t.steps, "share": shares[n]}
             for n, t in self.tenants.items()
         }
-        write_json(self.fs, join(self.root, SUMMARY_FILE), {"updated": time.time(), "tenants": tenants})
+        try:
+            write_json(self.fs, join(self.root, SUMMARY_FILE), {"updated": time.time(), "tenants": tenants})
+        except OSError as exc:
+            log.warning(f"{SUMMARY_FILE} not written: {exc}")
 
     # -- the loop --------------------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -21,7 +22,7 @@ from engines.trainer.shared import RoundRobin, SharedTrainer
 from storage.fs import read_json, write_json
 from storage.lora import ADAPTER_FILE
 from storage.tenants import read_status, remove_tenant, write_tenant
-from tests.shared_trainer_fixture import deployment, tenant, tenant_record, trainer_config
+from tests.shared_trainer_fixture import commit_rollouts, deployment, tenant, tenant_record, trainer_config
 
 LORA_A = LoRAConfig(rank=4, alpha=8.0, dropout=0.1, target_modules=["q_proj", "v_proj"])  # dropout: RNG per step
 LORA_B = LoRAConfig(rank=8, alpha=16.0)
@@ -49,6 +50,23 @@ def _write(path: str, obj) -> None:
     write_json(FS, path, obj)
 
 
+def _standalone_copy(t: Path) -> Path:
+    """The tenant's run directory as it is now, beside it, for a standalone trainer."""
+    s = t.parent / f"solo-{t.name}"
+    shutil.copytree(t, s)
+    cfg = read_json(str(s / "config" / "trainer.json"))
+    cfg["run"]["output_dir"] = str(s)
+    _write(str(s / "config" / "trainer.json"), cfg)
+    return s
+
+
+def _max_diff(t: Path, s: Path, step: int) -> float:
+    """Max |adapter of t - adapter of s| over publication `step`'s tensors (the same names in both)."""
+    mine, theirs = _adapter(t, step), _adapter(s, step)
+    assert mine.keys() == theirs.keys()
+    return max(float((mine[k] - theirs[k]).abs().max()) for k in mine)
+
+
 def _adapter(t, step: int) -> dict:
     return load_file(str(t / "weights" / f"step={step:06d}" / ADAPTER_FILE))
 
@@ -58,13 +76,7 @@ def test_tenants_train_the_standalone_adapters_on_a_shared_backbone(tmp_path):
     deployment(d)
     tenant(d, ta, LORA_A, seed=1, steps=3, max_steps=3)
     tenant(d, tb, LORA_B, seed=2, steps=3, max_steps=3, weight=2.0)
-    standalone = {}
-    for t in (ta, tb):  # the same run directories before any step, for a standalone trainer each
-        s = standalone[t] = tmp_path / f"solo-{t.name}"
-        shutil.copytree(t, s)
-        cfg = read_json(str(s / "config" / "trainer.json"))
-        cfg["run"]["output_dir"] = str(s)
-        _write(str(s / "config" / "trainer.json"), cfg)
+    standalone = {t: _standalone_copy(t) for t in (ta, tb)}
 
     st = _shared(d)
     st.refresh()
@@ -84,10 +96,9 @@ def test_tenants_train_the_standalone_adapters_on_a_shared_backbone(tmp_path):
 
     for t, s in standalone.items():
         RLTrainer(trainer_config_from(s)).run()
-        shared_adapters, solo_adapters = _adapter(t, 3), _adapter(s, 3)
-        assert shared_adapters.keys() == solo_adapters.keys()
-        diff = max(float((shared_adapters[k] - solo_adapters[k]).abs().max()) for k in solo_adapters)
-        moved = max(float((solo_adapters[k] - _adapter(s, 1)[k]).abs().max()) for k in solo_adapters)
+        diff = _max_diff(t, s, 3)
+        first, last = _adapter(s, 1), _adapter(s, 3)
+        moved = max(float((last[k] - first[k]).abs().max()) for k in first)  # what the steps changed
         print(f"{t.name}: max |shared - standalone| over the adapters after 3 steps = {diff:.3g} (moved {moved:.3g})")
         assert moved > 1e-4 and diff <= 1e-6  # measured 0 here: same ops, same RNG draws, one thread
     status = read_status(str(tb))
@@ -121,6 +132,7 @@ def test_records_join_leave_and_a_higher_attempt_resumes_from_its_checkpoint(tmp
     d, ta, tb = tmp_path / "deploy", tmp_path / "alpha", tmp_path / "beta"
     deployment(d, max_tenants=2)
     tenant(d, ta, LORA_B, seed=1, steps=2, max_steps=4)
+    solo = _standalone_copy(ta)
     st = _shared(d)
     _run_until(st, lambda: getattr(read_status(str(ta)), "step", 0) == 2)
     assert st.tenants["alpha"].status.state == "waiting"
@@ -143,6 +155,16 @@ def test_records_join_leave_and_a_higher_attempt_resumes_from_its_checkpoint(tmp
     write_tenant(str(d), tenant_record(ta, attempt=0))  # an older attempt is ignored
     st.refresh()
     assert st.tenants["alpha"].record.attempt == 1 and st.tenants["alpha"].trainer is held.trainer
+
+    # the resumed attempt ends where an uninterrupted standalone trainer on the same rollouts does
+    for step in (3, 4):
+        commit_rollouts(ta, step, seed=1)
+        commit_rollouts(solo, step, seed=1)
+    _run_until(st, lambda: _states(ta) == ["finished"])
+    RLTrainer(trainer_config_from(solo)).run()
+    diff = _max_diff(ta, solo, 4)
+    print(f"resumed shared vs uninterrupted standalone, adapters after 4 steps: max diff {diff:.3g}")
+    assert diff <= 1e-6
 
 
 def test_refusals_are_the_tenants_own(tmp_path):
