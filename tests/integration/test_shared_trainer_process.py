@@ -1,7 +1,8 @@
 """The shared trainer's process entry, `python -m engines.trainer.shared --config D/config/shared_trainer.json`,
 as a real subprocess on a real deployment directory: a tenant with committed rollouts trains to max_steps and is
 finished; a second tenant waits (its status refreshed for its flow's stall watch) until its rollouts are
-committed, then trains; a removed record leaves; the heartbeat reports a server; SIGTERM stops it cleanly."""
+committed, then trains, checkpointing after its next step on SIGUSR1; a removed record leaves; the heartbeat
+reports a server; SIGTERM stops it cleanly."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def test_the_process_trains_tenants_as_their_records_come_and_go(tmp_path):
     d, ta, tb = tmp_path / "deploy", tmp_path / "alpha", tmp_path / "beta"
     config = deployment(d, poll_s=0.2)
     tenant(d, ta, LORA, seed=1, steps=3, max_steps=3)
-    tenant(d, tb, LORA, seed=2, steps=0, max_steps=2)
+    tenant(d, tb, LORA, seed=2, steps=0, max_steps=3)
     env = {**os.environ, "PYTHONPATH": str(ROOT), HEARTBEAT_ENV: "0.5", "OMP_NUM_THREADS": "1"}
     log = (tmp_path / "shared.log").open("w")
     cmd = [sys.executable, "-m", "engines.trainer.shared", "--config", str(config)]
@@ -54,9 +55,11 @@ def test_the_process_trains_tenants_as_their_records_come_and_go(tmp_path):
         assert _state(tb) == ("waiting", 0)
         first = read_status(str(tb))
         _wait(lambda: read_status(str(tb)).updated > first.updated)  # type: ignore[union-attr]  # refreshed
-        for step in (1, 2):
+        proc.send_signal(signal.SIGUSR1)  # a checkpoint after beta's next step (1), besides interval 2 and the end
+        time.sleep(0.5)  # the handler runs on the loop's next bytecode; the loop idles in 0.05 s sleeps
+        for step in (1, 2, 3):
             commit_rollouts(tb, step, seed=2)
-        _wait(lambda: _state(tb) == ("finished", 2))
+        _wait(lambda: _state(tb) == ("finished", 3))
         remove_tenant(str(d), "alpha")
         _wait(lambda: set(read_json(str(d / "shared_trainer.json"))["tenants"]) == {"beta"})
         proc.send_signal(signal.SIGTERM)
@@ -69,5 +72,6 @@ def test_the_process_trains_tenants_as_their_records_come_and_go(tmp_path):
     out = (tmp_path / "shared.log").read_text()
     beats = [b for _, b in map(split_beat, out.split("\n")) if b is not None]  # splitlines() splits at the \x1e
     assert beats and beats[-1].progress > 0, out[-2000:]
-    assert (ta / "weights" / "step=000003").exists() and (tb / "checkpoints" / "step=000002").exists()
+    assert (ta / "weights" / "step=000003").exists()
+    assert sorted(p.name for p in (tb / "checkpoints").iterdir()) == ["step=000001", "step=000002", "step=000003"]
     assert "shared trainer stopped" in out
