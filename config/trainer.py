@@ -41,6 +41,12 @@ class TrainerConfig(Strict):
         "are all measured, from the loss's own forward; error at 0.25 on tiny-cpu: median 13%, 90th percentile "
         "41% of the step's figure (docs/algorithm.md)",
     )
+    report_mfu: bool = Field(
+        True,
+        description="report each step's model FLOPs utilisation (`mfu`): the step's matmul FLOPs over train_s, "
+        "against this CPU's matmul peak at the model's shapes, measured once at the first step (about 0.1 s; "
+        "engines/trainer/flops.py); one trainer process only",
+    )
     keep_sampling_mask: bool = Field(
         True,
         description="score each sampled token on the support the sampler's top-k / top-p kept (the lake's "

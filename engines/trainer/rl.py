@@ -27,7 +27,7 @@ from engines.models import lora, modeldir
 from engines.models.decoder import CausalLM
 from engines.models.moe import Routing
 from engines.models.vlm import is_vision
-from engines.trainer import checkpoint, context_parallel, distributed, parallel
+from engines.trainer import checkpoint, context_parallel, distributed, flops, parallel
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
 from engines.trainer.common import Scored, log, routing_for, scored_tokens, seed_everything
 from engines.trainer.eval_merge import EvalMerger
@@ -132,6 +132,7 @@ class RLTrainer:
             from engines.weight_transport import Sender
 
             self.sender = Sender(cfg.weight_broadcast)
+        self.peak_flops: float | None = None  # measured at the first step (`_mfu`)
         self.checkpoint_now = CHECKPOINT_NOW  # a shared trainer gives each tenant its own (engines/trainer/shared.py)
 
     def _load_model(self) -> modeldir.LoadedModel:
@@ -356,6 +357,7 @@ class RLTrainer:
         stats = self.optimize(batch, sums)
         mismatch = sums.result() if sums else Mismatch(None, 0, None)
         t2 = time.perf_counter()
+        mfu = self._mfu(batch, t2 - t1)
         published = parallel.full_state_dict(self.model, self.dist)  # a collective; rank 0 keeps the weights
         broadcast_s = None
         if self.dist.is_main:
@@ -391,6 +393,7 @@ class RLTrainer:
             **({} if batch.images_dropped is None else {"images_dropped": int(batch.images_dropped.sum())}),
             "wait_s": t1 - t0,
             "train_s": t2 - t1,
+            **mfu,
             "mismatch_s": t_mismatch,  # the history's forward (train_s includes it)
             "publish_s": t3 - t2,
             "broadcast_s": broadcast_s,
@@ -409,6 +412,21 @@ class RLTrainer:
             lora.publish(self.publisher, self.model, self.lora, step, self.publication_files)
         else:
             self.publisher.publish(step, published, self.publication_files)
+
+    def _mfu(self, batch: Batch, train_s: float) -> dict[str, float]:
+        """{"mfu", "train_gflops"}: the step's matmul FLOPs (every epoch's pass over the batch's real tokens) per
+        second of train_s, against the matmul peak measured at the first step; {} when off or under torchrun."""
+        if not self.tcfg.report_mfu or self.dist.enabled or train_s <= 0:
+            return {}
+        lengths = (batch.input_ids != self.tok.pad_id).sum(dim=1).float()
+        tokens = float(lengths.sum())
+        if self.peak_flops is None:
+            shapes = flops.linear_shapes(self.model)
+            tokens_mb = min(1024, int(lengths.max()) * min(len(batch), self.tcfg.micro_batch_size))  # a micro-batch's
+            self.peak_flops = flops.matmul_peak(shapes, max(1, tokens_mb), torch.float32)
+            log.info(f"measured matmul peak at the model's shapes: {self.peak_flops / 1e9:.1f} GFLOP/s (fp32)")
+        achieved = self.tcfg.epochs * flops.step_flops(self.model, int(tokens), float(lengths.mean())) / train_s
+        return {"mfu": achieved / self.peak_flops, "train_gflops": achieved / 1e9}
 
     def ready(self, step: int) -> bool:
         """Whether step `step`'s rollouts are committed (never blocks): `train_step` would not wait."""
@@ -447,4 +465,5 @@ class RLTrainer:
             f"step {step}/{self.cfg.max_steps} | reward {row['reward_mean']:.3f} | loss {row['loss']:+.4f} "
             f"| mismatch_kl {kl} | staleness {row['staleness_mean']:.2f} | masked {row['masked_fraction']:.3f} "
             f"| train {row['train_s']:.2f}s wait {row['wait_s']:.2f}s"
+            + (f" | mfu {row['mfu']:.1%}" if "mfu" in row else "")
         )

@@ -101,6 +101,8 @@ def test_tenants_train_the_standalone_adapters_on_a_shared_backbone(tmp_path):
         moved = max(float((last[k] - first[k]).abs().max()) for k in first)  # what the steps changed
         print(f"{t.name}: max |shared - standalone| over the adapters after 3 steps = {diff:.3g} (moved {moved:.3g})")
         assert moved > 1e-4 and diff <= 1e-6  # measured 0 here: same ops, same RNG draws, one thread
+        rows = [json.loads(x) for x in (s / "metrics.jsonl").read_text().splitlines()]
+        assert all(0 < r["mfu"] < 1 and r["train_gflops"] > 0 for r in rows), rows  # trainer.report_mfu
     status = read_status(str(tb))
     assert status is not None and status.step == 3 and status.trainer_s > 0 and status.error is None
 
