@@ -147,13 +147,18 @@ class Engine:
         self._thread.start()
 
     def submit(self, request: Request) -> Future:
-        with self._cv:
-            if request.slot and self._leases.get(request.slot) != request.lease:
-                request.future.set_exception(TenantGone("the tenant left or restarted"))
-                return request.future
-            self._queue.append(request)
-            self._cv.notify()
+        self.submit_many([request])
         return request.future
+
+    def submit_many(self, requests: list[Request]) -> None:
+        """Queue `requests` at once (they join the batch together when they fit)."""
+        with self._cv:
+            for request in requests:
+                if request.slot and self._leases.get(request.slot) != request.lease:
+                    request.future.set_exception(TenantGone("the tenant left or restarted"))
+                else:
+                    self._queue.append(request)
+            self._cv.notify()
 
     def abort(self, request: Request) -> None:
         """Stop working on `request` (its client went away): a queued one leaves the queue, a running one's
@@ -194,6 +199,10 @@ class Engine:
         """Serve `adapters` (checked by the caller: lora.check_slot_adapter) as slot `slot`'s `version` from the
         next decode step on; only that slot's rows see it. Returns the slot's served version; TenantGone when the
         slot is no longer the lease's."""
+        return self.queue_slot_update(slot, lease, adapters, scaling, version).result(timeout)
+
+    def queue_slot_update(self, slot: int, lease: int, adapters: dict, scaling: float, version: int) -> Future:
+        """`update_slot` without waiting: the future resolves to the slot's served version once applied."""
         update = _PendingUpdate(adapters, version, slot=slot, scaling=scaling, lease=lease)
         with self._cv:
             if self._leases.get(slot) != lease:
@@ -201,7 +210,7 @@ class Engine:
             self._pending.append(update)
             if not self._busy:
                 self._apply_pending_locked()
-        return update.applied.result(timeout)
+        return update.applied
 
     def close_slot(self, slot: int, error: Exception, timeout: float = 600.0) -> None:
         """Take slot `slot` back: its queued and running requests fail with `error` (nobody else's), then its
