@@ -196,10 +196,15 @@ class MultiLoRALinear(nn.Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
-        kw = {"dtype": base.weight.dtype, "device": base.weight.device}
+        dtype, device = base.weight.dtype, base.weight.device
         # flat per slot, so a slot's [rank, in] and [out, rank] are contiguous views (as LoRALinear's weights)
-        self.register_buffer("slot_A", torch.zeros(slots, max_rank * self.in_features, **kw), persistent=False)
-        self.register_buffer("slot_B", torch.zeros(slots, self.out_features * max_rank, **kw), persistent=False)
+        self.slot_A: torch.Tensor
+        self.slot_B: torch.Tensor
+        a = torch.zeros(slots, max_rank * self.in_features, dtype=dtype, device=device)
+        self.register_buffer("slot_A", a, persistent=False)
+        self.register_buffer(
+            "slot_B", torch.zeros(slots, self.out_features * max_rank, dtype=dtype, device=device), persistent=False
+        )
         self.ranks: dict[int, tuple[int, float]] = {}  # slot -> (rank, scaling) of the slots holding an adapter
         self.index = index
 
