@@ -208,3 +208,12 @@ def test_closing_a_slot_fails_its_requests_only_and_clears_it(models):
         assert engine.slot_versions[1] == -1
     finally:
         engine.stop()
+
+
+def test_only_backends_that_serve_tenants_take_a_shared_deployment():
+    from engines.inference import backend as backends
+    from engines.registry import PluginError
+
+    backends.check_shared("embedded")
+    with pytest.raises(PluginError, match="load_lora_adapter.*registered backends that do: embedded"):
+        backends.check_shared("vllm")
