@@ -80,13 +80,13 @@ class SharedBackend(EmbeddedBackend):
                 if record is None or record.attempt > held.record.attempt:
                     why = "its record was removed" if record is None else f"attempt {record.attempt} started"
                     await self._leave(name, f"tenant {name!r} left the shared deployment: {why}")
-            for name, (record, _, permanent) in list(self.refused.items()):
+            for name, (record, _, _) in list(self.refused.items()):
                 now = records.get(name)
-                if now is None or now.attempt > record.attempt or not permanent:
+                if now is None or now.attempt > record.attempt:
                     del self.refused[name]
             for name, record in records.items():
-                if name not in self.tenants and name not in self.refused:
-                    self._join(record)
+                if name not in self.tenants and not (name in self.refused and self.refused[name][2]):
+                    self._join(record)  # new, or refused for want of a slot: tried again
             for tenant in list(self.tenants.values()):
                 if tenant.problem is not None:
                     await self._load(tenant)
@@ -100,6 +100,7 @@ class SharedBackend(EmbeddedBackend):
         tenant = Tenant(record, slot, next(self._leases), problem="not loaded yet")
         self.engine.open_slot(slot, tenant.lease)
         self.tenants[record.name] = tenant
+        self.refused.pop(record.name, None)
         log.info(f"tenant {record.name!r} (attempt {record.attempt}) joined on slot {slot}")
 
     def _refuse(self, record: TenantRecord, why: str, permanent: bool) -> None:
