@@ -231,6 +231,8 @@ async def create(cfg) -> SharedBackend:
     from storage.fs import Storage, read_manifest
 
     settings: SharedInferenceSettings = cfg.shared
+    if cfg.weight_broadcast.type != "filesystem":
+        raise SystemExit("a shared deployment's tenants publish adapters: it takes weight_broadcast.type = filesystem")
     storage = Storage(cfg.run.storage)
     fs, root = storage.open(cfg.run.output_dir)
     torch.set_num_threads(cfg.inference.num_threads)
