@@ -16,7 +16,7 @@ from config.run import RunConfig
 from config.sft import SFTConfig
 from config.storage import StorageConfig
 from config.teacher import TeacherConfig
-from config.tenant import SharedConfig
+from config.tenant import SharedConfig, SharedInferenceSettings
 from config.tracking import TrackingConfig
 from config.trainer import CheckpointConfig, TrainerConfig
 from config.trainer_parallel import TrainerParallelConfig
@@ -48,6 +48,9 @@ class InferenceProcessConfig(Strict):
     # newest), or with `pretrained` model.path's own weights as version 0 (nothing under run.output_dir is read).
     serve_version: int | None = Field(None, ge=0)
     pretrained: bool = False
+    # a shared deployment's inference server (docs/multitenant.md): run.output_dir is DEPLOY_DIR, model the backbone;
+    # it serves every tenant recorded in deploy_dir/tenants/ with its own adapter (embedded backend only)
+    shared: SharedInferenceSettings | None = None
 
 
 class OrchestratorProcessConfig(Strict):
