@@ -47,7 +47,7 @@ def run_tenant_attempt(
     """Register attempt `number`, run the orchestrator, and return once the shared trainer finished the run;
     ComponentFailed (or ComponentStalled) when either side fails or stops."""
     cfg_url, output_dir = attempt.urls["orchestrator"], registration.output_dir
-    token = registration.attach(number, attempt.resume_step)
+    number = registration.attach(number, attempt.resume_step)
     logger.info(f"tenant {registration.target.name!r} attempt {number} on {registration.target.deploy_dir}")
     stop = threading.Event()
     watch.attach(stop)
@@ -59,7 +59,7 @@ def run_tenant_attempt(
         "orchestrator",
         attempt.modules["orchestrator"],
         cfg_url,
-        tenant_env(env, token),
+        tenant_env(env, registration.token),
         join(logs, "orchestrator.log"),
         stop,
         None,

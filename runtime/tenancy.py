@@ -167,9 +167,14 @@ class Registration:
         self.target, self.output_dir, self.run_id, self.weight = target, output_dir, run_id, weight
         self.token = ""
 
-    def attach(self, attempt: int, resume_step: int | None) -> str:
-        """Write the record of `attempt` with a fresh token; returns the token."""
+    def attach(self, attempt: int, resume_step: int | None) -> int:
+        """Write the record of `attempt` with a fresh token (`self.token`); returns the attempt recorded: above
+        any record of this name left behind (the shared processes follow a higher attempt only), e.g. by a
+        killed run that this one replaced with --overwrite."""
         self.token = secrets.token_hex(32)
+        held = read_tenants(self.target.deploy_dir)[0].get(self.target.name)
+        if held is not None and held.attempt >= attempt:
+            attempt = held.attempt + 1
         record = TenantRecord(
             name=self.target.name,
             output_dir=self.output_dir,
@@ -180,7 +185,7 @@ class Registration:
             weight=self.weight,
         )
         write_tenant(self.target.deploy_dir, record)
-        return self.token
+        return attempt
 
     def detach(self) -> None:
         """Remove the record, unless another run took the name since (never remove someone else's)."""

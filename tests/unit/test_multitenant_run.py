@@ -131,7 +131,8 @@ def test_the_record_holds_the_token_hash_and_is_removed_only_by_its_run(tmp_path
     d, record = _deployment(tmp_path, max_tenants=1)
     target = SharedTarget(str(d), record, "alice")
     mine = Registration(target, str(tmp_path / "a"), "run-a")
-    token = mine.attach(3, 2)
+    assert mine.attach(3, 2) == 3
+    token = mine.token
     (rec,), skipped = read_tenants(str(d))[0].values(), read_tenants(str(d))[1]
     assert skipped == [] and (rec.attempt, rec.resume_step, rec.output_dir) == (3, 2, str(tmp_path / "a"))
     assert rec.token_sha256 == hashlib.sha256(token.encode()).hexdigest()
@@ -141,6 +142,7 @@ def test_the_record_holds_the_token_hash_and_is_removed_only_by_its_run(tmp_path
     with pytest.raises(TenantError, match="max_tenants = 1"):
         check_slot(str(d), "bob", str(tmp_path / "b"), record)
     check_slot(str(d), "alice", str(tmp_path / "a"), record)  # its own record: a resume
+    assert mine.attach(1, None) == 4  # above the record left behind: the shared processes follow it
     Registration(target, str(tmp_path / "b"), "run-b").detach()  # another run's: left alone
     assert "alice" in read_tenants(str(d))[0]
     mine.detach()
