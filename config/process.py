@@ -69,6 +69,9 @@ class OrchestratorProcessConfig(Strict):
     eval: EvalConfig = EvalConfig()  # eval.interval > 0: evaluate the served policy on held-out tasks as it trains
     # inference.enable_return_routed_experts: ask for each sample's `routed_experts` (MoE router replay)
     routed_experts: bool = False
+    # a tenant of a shared deployment (docs/multitenant.md): every request names this model and carries the
+    # tenant's bearer token (TENANT_TOKEN_ENV); the weight sync follows health.tenants[tenant]
+    tenant: str | None = Field(None, pattern=r"^[a-z][a-z0-9-]{0,31}$")
 
 
 class TrainerProcessConfig(Strict):
@@ -129,8 +132,10 @@ def component_configs(
     inference_url: str,
     mlflow_run_id: str | None = None,
     resume_step: int | None = None,
+    tenant: str | None = None,
 ) -> dict[str, BaseModel]:
-    """Split the run config into the slice each process reads."""
+    """Split the run config into the slice each process reads (`tenant`: the orchestrator's, of a shared
+    deployment's tenant run)."""
     paths = ComponentPaths(output_dir=cfg.output_dir, run_id=run_id, storage=cfg.storage)
     teacher = teacher_config(cfg, paths)
     slices: dict[str, BaseModel] = {
@@ -153,6 +158,7 @@ def component_configs(
             teacher_url=None if teacher is None else teacher_url(cfg),
             eval=cfg.eval,
             routed_experts=cfg.inference.enable_return_routed_experts,
+            tenant=tenant,
         ),
         "trainer": TrainerProcessConfig(
             run=paths,

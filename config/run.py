@@ -30,6 +30,7 @@ from config.sft import SFTConfig
 from config.stall import StallConfig
 from config.storage import StorageConfig
 from config.teacher import TeacherConfig
+from config.tenant import SharedConfig
 from config.tracking import TrackingConfig
 from config.trainer import CheckpointConfig, TrainerConfig
 from config.trainer_parallel import check_against_model, check_impl
@@ -80,6 +81,8 @@ class RunConfig(Strict):
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()  # trainer -> engine transport
     eval: EvalConfig = EvalConfig()  # held-out evaluation: `rollflow eval`, and during RL with eval.interval > 0
     teacher: TeacherConfig = TeacherConfig()  # on-policy distillation (config/teacher.py); off without a path
+    # a shared deployment's profile (`rollflow shared up`, docs/multitenant.md): tenants, ranks, polling
+    shared: SharedConfig | None = None
 
     @field_validator("run_name")
     @classmethod

@@ -13,6 +13,8 @@ Flow (this process)               subprocess tasks
   stall timeout (restart.stall, runtime/stall.py: the components' heartbeats) is a failure too; a component
   that exits EXIT_REFUSED (settings a restart cannot fix) ends the run at once
   while the attempts run: a watcher thread keeps the progress artifacts current (flows/progress.py)
+  a tenant of a shared deployment (`tenant_of`): its attempts run its orchestrator only, against the
+  deployment's server and trainer (flows/tenant.py, docs/multitenant.md)
   close the run: state.json (finished, failed or cancelled: flows/cancel.py), MLflow status, summary artifact
   (with the reward and evaluation curves)
 """
@@ -35,6 +37,7 @@ from config.transport import TRANSPORT_SECRET_ENV
 from engines.protocol import ADMIN_TOKEN_ENV, TEACHER_TOKEN_ENV
 from flows.cancel import outcome
 from flows.progress import live_progress
+from flows.tenant import run_tenant_attempt
 from launch.slurm import srun_prefix, teacher_nodes
 from launch.torchrun import rdzv_id, torchrun_args
 from runtime.lease import LeaseKeeper, hold_lease
@@ -45,6 +48,7 @@ from runtime.rundir import logs_dir
 from runtime.slurm import allocation_nodes
 from runtime.stall import StallWatch
 from runtime.summary import summarize, to_markdown
+from runtime.tenancy import Registration, SharedTarget, check_tenant, default_tenant_name
 from runtime.walltime import WalltimeReached, WalltimeWatch
 from storage.checkpoints import checkpoint_steps
 from storage.fs import CONFIG_STORAGE_ENV, Storage, join
@@ -183,23 +187,46 @@ def _placement(cfg: RunConfig, logger) -> Placement:
 
 
 def _attempts(
-    cfg: RunConfig, storage: Storage, run: RunHandle, logger, watch: WalltimeWatch, lease: LeaseKeeper
+    cfg: RunConfig,
+    storage: Storage,
+    run: RunHandle,
+    logger,
+    watch: WalltimeWatch,
+    lease: LeaseKeeper,
+    shared: SharedTarget | None = None,
 ) -> None:
     """Attempt after attempt until the trainer finishes; give up after `max_restarts` failures in a row
-    that each restarted from the same checkpoint. Slurm's walltime warning ends them (resumable)."""
+    that each restarted from the same checkpoint. Slurm's walltime warning ends them (resumable).
+    `shared`: a tenant run of a shared deployment (flows/tenant.py); its record is removed when the run ends."""
+    tenant = Registration(shared, cfg.output_dir, run.run_id) if shared is not None else None
+    try:
+        _attempt_loop(cfg, storage, run, logger, watch, lease, tenant)
+    finally:
+        if tenant is not None:
+            tenant.detach()
+
+
+def _attempt_loop(cfg, storage, run, logger, watch, lease, tenant: Registration | None) -> None:
     budget = RestartBudget(cfg.restart)
     fs, root = storage.open(cfg.output_dir)
     logs = logs_dir(fs, root, run.run_id)
     placed = _placement(cfg, logger)
+    shared = tenant.target if tenant is not None else None
     while True:
         if watch.reached.is_set():
             raise WalltimeReached("the Slurm job's time limit is near; the run is left to resume-unfinished")
-        attempt = prepare_attempt(cfg, run.run_id, run.tracking_uri, run.state.mlflow_run_id, placed.inference_node)
+        attempt = prepare_attempt(
+            cfg, run.run_id, run.tracking_uri, run.state.mlflow_run_id, placed.inference_node, shared
+        )
         run.state.attempts += 1
         write_state(fs, root, run.state)
         budget.attempt_from(attempt.resume_step)
         try:
             env = _component_env(cfg, run.tracking_uri)
+            if tenant is not None:
+                number, stall_cfg = run.state.attempts, cfg.restart.stall
+                run_tenant_attempt(attempt, number, tenant, logs, env["orchestrator"], watch, lease, stall_cfg, logger)
+                return
             here = placed.for_attempt(cfg, run.run_id, run.state.attempts)
             stall = StallWatch(cfg.restart.stall) if cfg.restart.stall.enabled else None
             _run_components(attempt, logs, env, here, watch, logger, lease, stall)
@@ -219,10 +246,15 @@ def _attempts(
 
 
 @flow(name="rl", log_prints=True)
-def rl(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
+def rl(
+    config: dict, overwrite: bool = False, resume: bool = False, tenant_of: str | None = None, tenant: str | None = None
+) -> dict:
+    """`tenant_of`: run as a tenant of the shared deployment in that directory (docs/multitenant.md), named
+    `tenant` (default: the run's name)."""
     logger = get_run_logger()
     t0 = time.time()
     cfg = RunConfig.model_validate(config)
+    shared = check_tenant(cfg, tenant_of, tenant or default_tenant_name(cfg)) if tenant_of else None
     storage = Storage(cfg.storage)
     fs, root = storage.open(cfg.output_dir)
     fs.makedirs(root, exist_ok=True)
@@ -234,7 +266,7 @@ def rl(config: dict, overwrite: bool = False, resume: bool = False) -> dict:
         finished = False
         try:
             with live_progress(fs, root, cfg.max_steps, run.run_id, logger):
-                _attempts(cfg, storage, run, logger, watch, lease)
+                _attempts(cfg, storage, run, logger, watch, lease, shared)
             finished = True
         finally:
             close_run(cfg, run, outcome(finished, logger))

@@ -4,7 +4,8 @@ so `--help`, validation and `--dry-run` are instant.
     rollflow rl @ profiles/tiny-cpu.toml [@ more.toml] [--trainer.optim.lr 3e-4] [--output-dir DIR]
                 [--dry-run] [--overwrite | --resume]
     rollflow sft @ profile.toml [--KEY VALUE ...] [--dry-run] [--overwrite | --resume]   (docs/sft.md)
-    rollflow resume OUTPUT_DIR [--KEY VALUE ...]
+    rollflow resume OUTPUT_DIR [--KEY VALUE ...] [--tenant-of DEPLOY_DIR [--tenant NAME]]
+    rollflow rl @ tenant.toml --tenant-of DIR [--tenant NAME] | rollflow shared up|down|status   (docs/multitenant.md)
     rollflow submit @ profiles/x.toml [--KEY VALUE ...] [--overwrite | --resume]   (rollflow/submit.py)
     rollflow lake OUTPUT_DIR [--json] [--export FILE ...] [--plot DIR] [--verify]   (rollflow/lake.py)
     rollflow eval @ profile.toml [--model PATH | --run OUTPUT_DIR --step N] [--KEY VALUE ...]   (rollflow/evalcmd.py)
@@ -23,6 +24,7 @@ from collections.abc import Callable, Mapping
 from config.loader import ConfigError, load_with_sources, stored_with_sources
 from config.run import RunConfig
 from rollflow.evalcmd import EVAL_USAGE
+from rollflow.shared import SHARED_USAGE, TenantArgs, pop_tenant, run_tenant
 
 USAGE = """rollflow rl [@ PROFILE.toml ...] [--KEY VALUE ...] [--dry-run] [--overwrite | --resume]
 
@@ -35,6 +37,8 @@ USAGE = """rollflow rl [@ PROFILE.toml ...] [--KEY VALUE ...] [--dry-run] [--ove
   --overwrite     replace an existing run in OUTPUT_DIR instead of refusing to start
   --resume        continue the run in OUTPUT_DIR from its last complete checkpoint; settings that
                   cannot change mid-run (model, envs, seed, group size, warm-up) must match
+  --tenant-of D   run as a tenant of the shared deployment in D (`rollflow shared up`), named by
+                  --tenant NAME (default: run_name): only its orchestrator runs here (docs/multitenant.md)
 
 Keys are documented in docs/configuration.md."""
 
@@ -46,13 +50,14 @@ SFT_USAGE = """rollflow sft [@ PROFILE.toml ...] [--KEY VALUE ...] [--dry-run] [
   the end (Hugging Face directories: an RL profile's [model] path can start from one); prints a JSON summary.
   Profiles, overrides and flags read as in `rollflow rl`. docs/sft.md explains the keys."""
 
-RESUME_USAGE = """rollflow resume OUTPUT_DIR [--KEY VALUE ...] [--trust-run-config]
+RESUME_USAGE = """rollflow resume OUTPUT_DIR [--KEY VALUE ...] [--trust-run-config] [--tenant-of D [--tenant NAME]]
 
   Continue the run in OUTPUT_DIR (a path or URL) from its last complete checkpoint, with the config it
   was started with plus any overrides (e.g. --max-steps 200). Refused while another process runs it.
   A stored config that names code other than by a registered name (an import path `module:attribute`, a
   vLLM interpreter, Slurm setup lines ...) is refused unless --trust-run-config says you trust whoever can
-  write OUTPUT_DIR. docs/resume.md explains what is kept and what is redone."""
+  write OUTPUT_DIR. docs/resume.md explains what is kept and what is redone. A tenant run resumes on a
+  shared deployment with --tenant-of (the same or another), or without it standalone."""
 
 SUBMIT_USAGE = """rollflow submit [@ PROFILE.toml ...] [--KEY VALUE ...] [--overwrite | --resume]
 
@@ -276,9 +281,10 @@ def _flow(kind: str) -> Callable[..., dict]:
     return sft if kind == "sft" else rl_flow
 
 
-def _run_flow(cfg: RunConfig, flags: set[str], kind: str) -> dict:
+def _run_flow(cfg: RunConfig, flags: set[str], kind: str, flow_args: dict) -> dict:
     run = _flow(kind)
-    return run(config=cfg.model_dump(mode="json"), overwrite="overwrite" in flags, resume="resume" in flags)
+    config = cfg.model_dump(mode="json")
+    return run(config=config, overwrite="overwrite" in flags, resume="resume" in flags, **flow_args)
 
 
 def with_prefect_api(run: Callable[[], dict], kind: str | None = None) -> dict:
@@ -314,7 +320,7 @@ def _tracking_credentials_to_env(cfg: RunConfig) -> None:
         cfg.tracking.tracking_uri = None
 
 
-def _launch(cfg: RunConfig, flags: set[str], kind: str = "rl") -> int:
+def _launch(cfg: RunConfig, flags: set[str], kind: str = "rl", **flow_args) -> int:
     _tracking_credentials_to_env(cfg)
     from config.tracking import resolve_tracking_uri
 
@@ -323,7 +329,7 @@ def _launch(cfg: RunConfig, flags: set[str], kind: str = "rl") -> int:
         from runtime.tracking import prestart
 
         prestart()
-    summary = with_prefect_api(lambda: _run_flow(cfg, flags, kind), kind)
+    summary = with_prefect_api(lambda: _run_flow(cfg, flags, kind, flow_args), kind)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -343,9 +349,12 @@ def requeued_flags(cfg: RunConfig, flags: set[str], env: Mapping[str, str] = os.
 
 def cmd_rl(tokens: list[str]) -> int:
     profiles, overrides, flags = split_args(tokens)
+    overrides, tenancy = pop_tenant(overrides)
     cfg = _load(profiles, overrides)
     flags = requeued_flags(cfg, flags)
     _precheck(cfg, flags)
+    if tenancy is not None:  # a tenant of a shared deployment (rollflow/shared.py)
+        return run_tenant(cfg, flags, tenancy, _launch)
     if "dry-run" in flags:
         from engines.inference.backend import launch_plan, teacher_plan
         from rollflow.submit import job_command, write_preview
@@ -430,6 +439,7 @@ def cmd_resume(tokens: list[str]) -> int:
     trust = "--trust-run-config" in tokens[1:]
     rest = [t for t in tokens[1:] if t != "--trust-run-config"]
     output_dir, (profiles, overrides, flags) = tokens[0], split_args(rest)
+    overrides, tenancy = pop_tenant(overrides)
     if profiles or flags:
         raise ConfigError("rollflow resume takes OUTPUT_DIR and --KEY VALUE overrides only (no profiles or flags)")
     from runtime.rundir import RunDirError, stored_config
@@ -443,7 +453,17 @@ def cmd_resume(tokens: list[str]) -> int:
     )
     check_loaded(cfg, env_sources)
     _precheck(cfg, {"resume"})
-    return _launch(cfg, {"resume"})
+    return _resume(cfg, tenancy)
+
+
+def _resume(cfg: RunConfig, tenancy: TenantArgs | None) -> int:
+    return _launch(cfg, {"resume"}) if tenancy is None else run_tenant(cfg, {"resume"}, tenancy, _launch)
+
+
+def cmd_shared(tokens: list[str]) -> int:
+    from rollflow.shared import cmd_shared as shared_main
+
+    return shared_main(tokens, with_prefect_api)
 
 
 MODELS_USAGE = """rollflow models fetch NAME [--force]
@@ -504,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         "models": (cmd_models, MODELS_USAGE),
         "submit": (cmd_submit, SUBMIT_USAGE),
         "eval": (cmd_eval, EVAL_USAGE),
+        "shared": (cmd_shared, SHARED_USAGE),
     }
     sub.add_parser("rl", help="run RL from profiles and overrides", usage=USAGE, add_help=False)
     sub.add_parser("sft", help="supervised fine-tuning on a dataset, as a run", usage=SFT_USAGE, add_help=False)
@@ -512,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("models", help="fetch a pretrained model into the local cache", usage=MODELS_USAGE)
     sub.add_parser("submit", help="submit the run as one Slurm job (no Prefect server needed)", usage=SUBMIT_USAGE)
     sub.add_parser("eval", help="evaluate a model or a run's policy on held-out tasks", usage=EVAL_USAGE)
+    sub.add_parser("shared", help="a shared deployment that tenant runs attach to", usage=SHARED_USAGE)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0

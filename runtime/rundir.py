@@ -131,11 +131,15 @@ def write_configs(
     mlflow_run_id: str | None = None,
     resume_step: int | None = None,
     plan: dict[str, str] | None = None,
+    tenant: str | None = None,
 ) -> dict[str, str]:
     """Write `config/run.json`, one resolved config per component, and the inference backend's launch plan
-    (`plan`: file name -> text, engines/inference/backend.py `launch_plan`); returns component -> config URL."""
+    (`plan`: file name -> text, engines/inference/backend.py `launch_plan`); returns component -> config URL.
+    `tenant`: a shared deployment's tenant run, whose orchestrator and trainer configs are all it runs."""
     fs, root = get_fs(cfg.output_dir, cfg.storage)
-    slices = component_configs(cfg, run_id, inference_url, mlflow_run_id, resume_step)
+    slices = component_configs(cfg, run_id, inference_url, mlflow_run_id, resume_step, tenant)
+    if tenant is not None:  # the deployment serves and trains it: no inference, teacher or warm-up of its own
+        slices = {k: v for k, v in slices.items() if k in ("orchestrator", "trainer")}
     trainer = slices["trainer"]
     # The trainer gets the full URI through its environment; files on disk keep a redacted copy.
     trainer.tracking = trainer.tracking.model_copy(update={"tracking_uri": redact_url(tracking_uri)})  # type: ignore[attr-defined]

@@ -12,6 +12,7 @@ from config.registry import COMPONENT_MODULES
 from config.run import RunConfig
 from engines.inference.backend import launch_plan, teacher_plan
 from runtime.rundir import free_port, write_configs
+from runtime.tenancy import SharedTarget, copy_backbone
 from storage import weights
 from storage.fs import get_fs, is_committed
 from storage.resume import repair, resume_point, rollback
@@ -27,9 +28,16 @@ class Attempt:
 
 @task(cache_policy=NONE)
 def prepare_attempt(
-    cfg: RunConfig, run_id: str, tracking_uri: str | None, mlflow_run_id: str | None, inference_node: str | None = None
+    cfg: RunConfig,
+    run_id: str,
+    tracking_uri: str | None,
+    mlflow_run_id: str | None,
+    inference_node: str | None = None,
+    shared: SharedTarget | None = None,
 ) -> Attempt:
-    """`inference_node`: inside a Slurm job whose orchestrator runs on another node than the engine, the
+    """`shared`: a tenant run of a shared deployment (docs/multitenant.md): version 0 is a checked copy of the
+    deployment's backbone instead of a warm-up, and the orchestrator talks to the deployment's server as the
+    tenant. `inference_node`: inside a Slurm job whose orchestrator runs on another node than the engine, the
     engine's node (flows/rl.py `_placement`): the engine binds its address and the orchestrator reaches it by
     that name. None: the engine serves on `inference.host` (loopback by default) beside the orchestrator.
     Not a comparison with the flow's own host: the flow runs on the job's first node, which is the inference
@@ -40,7 +48,16 @@ def prepare_attempt(
     for what in rollback(fs, root, step):
         logger.info(f"rolled back: removed {what}")
     repair(fs, root, step, logger.warning)
+    if shared is not None and copy_backbone(shared.deploy_dir, shared.deployment, fs, root):
+        logger.info(f"version 0: copied the backbone {shared.deployment.backbone_dir} (model_sha256 checked)")
     attempt_cfg = cfg.model_copy(deep=True)
+    if shared is not None:
+        urls = write_configs(
+            attempt_cfg, run_id, shared.deployment.inference_url, tracking_uri, mlflow_run_id, step, tenant=shared.name
+        )
+        return Attempt(
+            step, False, {"orchestrator": urls["orchestrator"], "trainer": urls["trainer"]}, dict(COMPONENT_MODULES)
+        )
     attempt_cfg.inference.port = cfg.inference.port or free_port(cfg.inference.host)
     if cfg.weight_broadcast.type == "collective":  # a fresh rendezvous port each attempt, like the engine's
         attempt_cfg.weight_broadcast.port = cfg.weight_broadcast.port or free_port(cfg.weight_broadcast.host)

@@ -53,6 +53,7 @@ from engines.orchestrator.overlong import shaped_rewards
 from engines.orchestrator.pool import GroupPool
 from engines.orchestrator.prompts import Prompt, Prompts
 from engines.orchestrator.teacher import Teacher, check_tokenizer
+from engines.orchestrator.tenant import TenantClient, tenant_token, tenant_version, wait_registered
 from engines.protocol import (
     ADMIN_TOKEN_ENV,
     TEACHER_TOKEN_ENV,
@@ -77,8 +78,8 @@ class WeightSync:
     `hold`, when set (online evaluation, engines/orchestrator/online_eval.py), is a version the engine does not
     move past: every sample of that evaluation comes from that one policy."""
 
-    def __init__(self, client: httpx.AsyncClient, fs, root: str, token: str, poll_s: float):
-        self.client, self.poll_s = client, poll_s
+    def __init__(self, client: httpx.AsyncClient, fs, root: str, token: str, poll_s: float, tenant: str | None = None):
+        self.client, self.poll_s, self.tenant = client, poll_s, tenant  # tenant: a shared server's tenant
         self.fs, self.root = fs, root
         self.headers = {"Authorization": f"Bearer {token}"}
         self.engine_version = -1
@@ -89,12 +90,16 @@ class WeightSync:
     async def refresh(self) -> None:
         r = await self.client.get("/health")
         r.raise_for_status()
-        self.engine_version = HealthResponse.model_validate_json(r.content).policy_version
+        health = HealthResponse.model_validate_json(r.content)
+        if self.tenant is None:
+            self.engine_version = health.policy_version
+        else:  # the tenant's own adapter version on the shared server
+            self.engine_version = -1 if (v := tenant_version(health, self.tenant)) is None else v
 
     async def push_latest(self) -> None:
         latest = await asyncio.to_thread(self.target)
         if latest is not None and latest > self.engine_version:
-            body = UpdateWeightsRequest(version=latest).model_dump(exclude_none=True)
+            body = UpdateWeightsRequest(version=latest, tenant=self.tenant).model_dump(exclude_none=True)
             # the step waiting for this version waits on this request now, not on the trainer
             with heartbeat().waiting_on("inference", f"updating the engine to version {latest}", priority=1):
                 r = await self.client.post("/update_weights", json=body, headers=self.headers)
@@ -325,7 +330,7 @@ class Orchestrator:
 
 
 async def run(cfg: OrchestratorProcessConfig) -> None:
-    token = os.environ.get(ADMIN_TOKEN_ENV, "")
+    token = tenant_token() if cfg.tenant is not None else os.environ.get(ADMIN_TOKEN_ENV, "")
     beats = asyncio.create_task(heartbeat().run())  # progress for the flow's stall watch (engines/heartbeat.py)
     try:
         await _run(cfg, token)
@@ -334,12 +339,22 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
     log.info("all rollout steps committed")
 
 
+def _client(cfg: OrchestratorProcessConfig, token: str) -> httpx.AsyncClient:
+    """The engine's client; a tenant's names the tenant and carries its token on every request (tenant.py)."""
+    settings: dict = {"base_url": cfg.inference_url, "timeout": httpx.Timeout(600.0)}
+    return httpx.AsyncClient(**settings) if cfg.tenant is None else TenantClient(cfg.tenant, token, **settings)
+
+
 async def _run(cfg: OrchestratorProcessConfig, token: str) -> None:
-    async with httpx.AsyncClient(base_url=cfg.inference_url, timeout=httpx.Timeout(600.0)) as client:
+    async with _client(cfg, token) as client:
+        timeout = cfg.orchestrator.inference_timeout_s
         with heartbeat().waiting_on("inference", "waiting for the inference server"):
-            await wait_healthy(client, cfg.orchestrator.inference_timeout_s, token)
+            # a tenant cannot check the shared server's admin token: deployment.json, which its flow read, names it
+            await wait_healthy(client, timeout, "" if cfg.tenant is not None else token)
+            if cfg.tenant is not None:
+                await wait_registered(client, cfg.tenant, timeout)
         fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
-        sync = WeightSync(client, fs, root, token, cfg.orchestrator.poll_interval_s)
+        sync = WeightSync(client, fs, root, token, cfg.orchestrator.poll_interval_s, cfg.tenant)
         await sync.refresh()
         tea = await start_teacher(cfg)
         orch = Orchestrator(cfg, client, sync, tea)

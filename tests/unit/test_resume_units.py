@@ -209,7 +209,14 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
     no_eval = {"eval": EvalConfig().model_dump(mode="json")}  # [eval] came later: its defaults, interval 0
     added = {
         # routed_experts: the orchestrator asks for routes now that the server sends them only when asked
-        "orchestrator": {"session_header": "X-Session-ID", "routed_experts": True, **no_teacher, **no_eval},
+        # tenant: None, a run of its own (not a shared deployment's tenant, docs/multitenant.md)
+        "orchestrator": {
+            "session_header": "X-Session-ID",
+            "routed_experts": True,
+            "tenant": None,
+            **no_teacher,
+            **no_eval,
+        },
         "trainer": no_eval,
         # role..pretrained: set by rollflow eval only; shared: by a shared deployment only
         "inference": {"role": "policy", "serve_version": None, "pretrained": False, "shared": None},
