@@ -155,7 +155,9 @@ def shared_deployment(config: dict) -> dict:
         try:
             write_state(deploy_dir, "starting", run_id=run_id)
             _backbone(cfg, run_id, logs, stop, logger)
-            url = f"http://{cfg.inference.host}:{cfg.inference.port or free_port(cfg.inference.host)}"
+            port = cfg.inference.port or free_port(cfg.inference.host)
+            cfg = cfg.model_copy(update={"inference": cfg.inference.model_copy(update={"port": port})})
+            url = f"http://{cfg.inference.host}:{port}"
             procs = _Processes(cfg, write_process_configs(cfg, run_id, url), logs, stop, logger)
             logger.info(
                 f"shared deployment {deploy_dir} serving at {url}; `rollflow shared down {deploy_dir}` stops it"
