@@ -19,6 +19,9 @@ import time
 
 import torch
 
+from tests.bench import harness
+
+TITLE = "What mismatch_kl costs in a trainer step (tests/bench/mismatch_cost.py)"
 FRACTIONS = (0.1, 0.25, 0.5)
 
 
@@ -100,6 +103,11 @@ def report(times: dict[str, list[float]], errors: dict[float, list[float]]) -> s
             f"90th percentile {e[int(0.9 * (len(e) - 1))]:.1%}, max {e[-1]:.1%}"
         )
     return "\n".join(lines)
+
+
+def run(ws: harness.Workspace) -> str:
+    """The runner's entry (`python -m tests.bench --every --quick`): the replay on a finished run of the workspace."""
+    return report(*measure(str(ws.any_run()), 3 if harness.QUICK else 40))
 
 
 if __name__ == "__main__":
