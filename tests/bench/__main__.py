@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     command = os.environ.get("ROLLFLOW_BENCH_COMMAND") or "python -m tests.bench " + shlex.join(argv or sys.argv[1:])
     # SIGTERM unwinds like Ctrl-C: the scratch directory is removed and the components are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    t0, load_start = time.perf_counter(), os.getloadavg()
+    t0, load_start, machine = time.perf_counter(), os.getloadavg(), harness.machine()
     sections = _run_all(args.names)
-    run = page.Run(command, time.perf_counter() - t0, load_start, os.getloadavg())
+    run = page.Run(command, time.perf_counter() - t0, load_start, os.getloadavg(), machine)
     out: Path = args.out
     old = out.read_text() if out.exists() else None
     text = page.update(old, _label(args), page.render_region(_label(args), sections, run))

@@ -63,12 +63,14 @@ def update(old: str | None, label: str, region: str) -> str:
 
 @dataclass
 class Run:
-    """One command's run: what was typed, how long it took, the 1/5/15-minute load averages around it."""
+    """One command's run: what was typed, how long it took, the 1/5/15-minute load averages around it, and the
+    machine as `harness.machine()` described it at the start."""
 
     command: str
     total_s: float
     load_start: tuple[float, ...]
     load_end: tuple[float, ...]
+    machine: dict[str, str]
 
 
 def _loads(values: tuple[float, ...]) -> str:
@@ -85,7 +87,7 @@ def render_region(label: str, sections: list[tuple[str, str, float]], run: Run) 
     )
     times = harness.table(["benchmark", "time"], [(title, f"{s:.0f} s") for title, _, s in sections])
     body = [f"## {title}\n\n{text.strip()}\n" for title, text, _ in sections]
-    parts = [start(label), head, harness.table(["machine", ""], list(harness.machine().items())), times]
+    parts = [start(label), head, harness.table(["machine", ""], list(run.machine.items())), times]
     return "\n\n".join(parts) + "\n\n" + "\n".join(body) + "\n" + end(label) + "\n"
 
 
