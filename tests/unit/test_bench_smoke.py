@@ -74,26 +74,35 @@ FAKES = {
 }
 
 
-@pytest.mark.parametrize("broken", [True, False])
-def test_the_command_fails_on_a_failing_module_in_quick_mode(tmp_path: Path, broken: bool):
-    """`python -m tests.bench --quick` as CI runs it, on modules from a package outside the checkout."""
+def _fakes(tmp_path: Path) -> Path:
+    """A package of fake benchmark modules outside the checkout, and a page with a hand-written part."""
     (tmp_path / "benchfakes").mkdir()
     (tmp_path / "benchfakes" / "__init__.py").write_text("")
     for name, source in FAKES.items():
         (tmp_path / "benchfakes" / f"{name}.py").write_text(source)
     out = tmp_path / "page.md"
     out.write_text(f"old page\n\n{page.ANALYSIS_MARKER}\n\nkept\n")
-    names = ["benchfakes.fine", "benchfakes.broken" if broken else "benchfakes.also_fine"]
+    return out
+
+
+def test_the_command_fails_on_a_failing_module_in_quick_mode(tmp_path: Path):
+    """`python -m tests.bench --quick` as CI runs it, a real process: exit 1, the page left, the traceback shown."""
+    out = _fakes(tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(harness.ROOT), str(tmp_path)])}
-    proc = subprocess.run([sys.executable, "-m", "tests.bench", "--quick", *names, "--out", str(out)], env=env,
-                          cwd=harness.ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
-    failed = out.with_suffix(".failed.md")
-    if broken:
-        assert proc.returncode == 1 and out.read_text().startswith("old page"), proc.stdout + proc.stderr
-        assert "this benchmark broke" in proc.stderr and "this benchmark broke" in failed.read_text()
-        assert "## Fake fine" in failed.read_text()
-    else:
-        assert proc.returncode == 0 and not failed.exists(), proc.stdout + proc.stderr
-        text = out.read_text()
-        assert "## Fake also fine\n\nfine too" in text and text.endswith("kept\n") and "old page" not in text
-        assert "at commit " in text and "quick mode" in text and "load average" in text
+    argv = [sys.executable, "-m", "tests.bench", "--quick", "benchfakes.fine", "benchfakes.broken", "--out", str(out)]
+    proc = subprocess.run(argv, env=env, cwd=harness.ROOT, capture_output=True, text=True, timeout=300)
+    failed = out.with_suffix(".failed.md").read_text()
+    assert proc.returncode == 1 and out.read_text().startswith("old page"), proc.stdout + proc.stderr
+    assert "this benchmark broke" in proc.stderr and "this benchmark broke" in failed and "## Fake fine" in failed
+    assert "at commit " in failed and "quick mode" in failed and failed.endswith("kept\n")
+
+
+def test_a_passing_run_writes_its_region(monkeypatch, tmp_path: Path):
+    out = _fakes(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(harness, "QUICK", False)
+    monkeypatch.setenv("ROLLFLOW_BENCH_QUICK", "0")
+    assert bench_main.main(["benchfakes.fine", "benchfakes.also_fine", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "## Fake also fine\n\nfine too" in text and text.endswith("kept\n") and "old page" not in text
+    assert "at commit " in text and "load average" in text and not out.with_suffix(".failed.md").exists()
