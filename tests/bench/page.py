@@ -78,10 +78,11 @@ def _loads(values: tuple[float, ...]) -> str:
 
 
 def render_region(label: str, sections: list[tuple[str, str, float]], run: Run) -> str:
-    """One command's region: its header line, the machine, each benchmark's time, then the sections."""
+    """One command's region: its header line, the machine, each benchmark's time, then the sections. The commit is
+    the one read at the start, the code that ran."""
     quick = "; quick mode (1 repeat, tiny sizes): a smoke run, not figures" if harness.QUICK else ""
     head = (
-        f"**`{run.command}`** at commit {harness.commit()}: {run.total_s / 60:.1f} min, finished "
+        f"**`{run.command}`** at commit {run.machine.get('commit', 'unknown')}: {run.total_s / 60:.1f} min, finished "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average (1/5/15 min) "
         f"{_loads(run.load_start)} at start, {_loads(run.load_end)} at the end{quick}."
     )

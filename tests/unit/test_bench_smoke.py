@@ -33,7 +33,7 @@ def test_scaling_benchmark_quick(monkeypatch, tmp_path: Path):
 
 
 def _region(label: str, body: str) -> str:
-    run = page.Run(label, 90.0, (1.0, 2.0, 3.0), (1.5, 2.5, 3.5), {"CPU": "a test CPU"})
+    run = page.Run(label, 90.0, (1.0, 2.0, 3.0), (1.5, 2.5, 3.5), {"CPU": "a test CPU", "commit": "abc1234"})
     return page.render_region(label, [(f"T {body}", body, 1.0)], run)
 
 
@@ -47,7 +47,7 @@ def test_each_command_rewrites_only_its_region_and_the_analysis_is_kept():
     assert text.index("## T main one") < text.index("## T long two") < text.index(page.ANALYSIS_MARKER)
     assert list(page.regions(text)) == ["make bench", "make bench-long"]
     head = page.regions(text)["make bench"].splitlines()[2]
-    assert head.startswith("**`make bench`** at commit ") and "1.5 min" in head
+    assert head.startswith("**`make bench`** at commit abc1234: ") and "1.5 min" in head
     assert "1.00 / 2.00 / 3.00 at start" in head and "1.50 / 2.50 / 3.50 at the end" in head
     assert "| CPU | a test CPU |" in page.regions(text)["make bench"]
 
