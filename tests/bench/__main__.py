@@ -37,6 +37,7 @@ MAIN = {
     "scaling": "tests.bench.scaling",
     "storage": "tests.bench.storage",
     "peer": "tests.bench.peer_trl",
+    "mfu": "tests.bench.cpu_mfu",
 }
 LONG = {
     "router_replay": "tests.bench.router_replay",
