@@ -66,7 +66,8 @@ lint: install
 # docs/benchmarks.md from one run, headed by the command, commit, machine, load and duration; the hand-written
 # analysis and the other set's region are kept. A failing benchmark fails the command and leaves the page as it
 # was (the page it would have written: docs/benchmarks.failed.md).
-# `make bench`: async speedup, inference, weight update, trainer, orchestration, scaling, storage, the TRL peer.
+# `make bench`: async speedup, inference, weight update, trainer, orchestration, scaling, storage, the TRL peer,
+# the trainer's MFU against the measured matmul peak.
 # Duration: about 13-16 min on an idle 2-core machine, an ESTIMATE (not run since the split): the last whole run's
 # module times (async 113 s, orchestration 143 s, the rest under 30 s each; inference ~1 min with its mid-batch case)
 # plus the TRL peer's three 100-step runs (~6 min from issue 25's figures). Its quick mode measured 8.0 min at load
