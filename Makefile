@@ -11,7 +11,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 
 
-.PHONY: install run test test-fast test-long lint format bench bench-install bench-quick bench-algorithms clean smollm2 vllm soak
+.PHONY: install run test test-fast test-long lint format bench bench-long bench-install bench-quick bench-algorithms clean smollm2 vllm soak
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PY) -m venv $(VENV)
@@ -62,22 +62,43 @@ lint: install
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-# Runs every benchmark against its baseline (tests/bench/) and rewrites docs/benchmarks.md (about 40 min on 2 cores,
-# last measured 2026-11; a failing benchmark fails the command and leaves the page, see docs/benchmarks.failed.md).
+# The benchmarks against their baselines (tests/bench/), in two sets that each rewrite only their own region of
+# docs/benchmarks.md from one run, headed by the command, commit, machine, load and duration; the hand-written
+# analysis and the other set's region are kept. A failing benchmark fails the command and leaves the page as it
+# was (the page it would have written: docs/benchmarks.failed.md).
+# `make bench`: async speedup, inference, weight update, trainer, orchestration, scaling, storage, the TRL peer,
+# the trainer's MFU against the measured matmul peak.
+# Duration: about 13-16 min on an idle 2-core machine, an ESTIMATE (not run since the split): the last whole run's
+# module times (async 113 s, orchestration 143 s, the rest under 30 s each; inference ~1 min with its mid-batch case)
+# plus the TRL peer's three 100-step runs (~6 min from issue 25's figures). Its quick mode measured 8.0 min at load
+# 3-10 (2026-11-27, part of `make bench-quick` below).
 bench: install $(BENCH_STAMP)
 	ROLLFLOW_BENCH_COMMAND="make bench" $(BIN)/python -m tests.bench
 
-# What the benchmarks need beyond `make install`: the `bench` extra (TRL, the peer trainer of tests/bench/peer_trl.py).
+# `make bench-long`: router replay (3 seeds of the tiny MoE) and the generation backends at three model sizes
+# with a vLLM server each (needs `make vllm`, else its section says skipped).
+# Duration: about 20-30 min on an idle 2-core machine, an ESTIMATE: each ran alone before the split (router replay
+# 679 s at load ~12, the backends 26.9 min at load ~22); their quick modes measured 2.9 min at load ~7.
+bench-long: install $(BENCH_STAMP)
+	ROLLFLOW_BENCH_COMMAND="make bench-long" $(BIN)/python -m tests.bench --long
+
+# What the benchmarks need beyond `make install`: the `bench` extra (TRL, the peer trainer of tests/bench/peer_trl.py;
+# 7 packages from the mirror, seconds).
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install -q -c requirements/constraints.txt -e ".[bench]"
 	touch $(BENCH_STAMP)
 
 bench-install: $(BENCH_STAMP)
 
-# CI's smoke run of the benchmarks' quick modes (tests/bench/peer_trl.py: 5 steps per side; 4.9 min measured on the
-# shared 2-core machine at load ~7).
-bench-quick: bench-install
-	$(BIN)/python -m tests.bench.peer_trl --quick
+# CI's smoke run (.ci/run): every benchmark module, of `make bench`, `make bench-long` and the stand-alone commands
+# (tests/bench/__main__.py TOOLS), in its quick mode (1 repeat, tiny sizes, 2-3 RL steps), so none rots; the page
+# goes to BENCH_QUICK_OUT, never docs/benchmarks.md. Fails when any module fails.
+# Measured 16.1 min (967 s: 8.0 min the main set, 2.9 the long set, 5.0 the stand-alone commands) on the shared
+# 2-core machine at load 2.9 at start and 7-10 during, 2026-11-27 (commit 5a6dc25); the `bench` extra installs in
+# seconds.
+BENCH_QUICK_OUT ?= /tmp/rollflow-bench-quick.md
+bench-quick: install $(BENCH_STAMP)
+	ROLLFLOW_BENCH_COMMAND="make bench-quick" $(BIN)/python -m tests.bench --every --quick --out "$(BENCH_QUICK_OUT)"
 
 # Every policy-loss variant on the same seeds (tiny-cpu 100 steps, and async_level 4 for 40), the table in
 # docs/algorithm.md regenerated (48 runs: about 1.5 h on 2 cores; an interrupted run continues where it stopped).

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+TITLE = "Context parallelism's memory per rank (tests/bench/cp_memory.py)"
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 768}
 
@@ -107,6 +108,15 @@ def main(argv: list[str] | None = None) -> None:
         if out.returncode:
             raise SystemExit(out.stderr[-3000:])
         print([line for line in out.stdout.splitlines() if line.startswith("{")][-1], flush=True)
+
+
+def run(ws: object) -> str:
+    """The runner's entry (`python -m tests.bench --every --quick`): its own command on a 256-token row in quick
+    mode (1 process and 2 gloo ranks under torchrun), the JSON lines as they are."""
+    from tests.bench import harness
+
+    tokens = "256" if harness.QUICK else "8192"
+    return "```json\n" + harness.module_output("tests.bench.cp_memory", "--tokens", tokens).strip() + "\n```"
 
 
 if __name__ == "__main__":

@@ -118,15 +118,6 @@ def _mem_gib() -> float | None:
     return None
 
 
-def _git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
-        return sha.stdout.strip() + (" (uncommitted changes)" if dirty.stdout.strip() else "")
-    except OSError:
-        return "unknown"
-
-
 def commit() -> str:
     """The checkout's commit, `+changes` when the work tree differs from it."""
     git = ["git", "-C", str(ROOT)]
@@ -160,8 +151,27 @@ def machine() -> dict[str, str]:
         "Python": platform.python_version(),
         "torch": f"{torch.__version__} (threads per process: 1 unless stated)",
         "transformers": hf,
-        "commit": _git_commit(),
+        "commit": commit(),
     }
+
+
+# --- stand-alone benchmark commands ----------------------------------------------------------------------
+
+
+def module_output(module: str, *args: str, timeout_s: float = 3600) -> str:
+    """`python -m module args` from the checkout's root, bounded: its stdout, or an error with its output's tail.
+    The child inherits ROLLFLOW_BENCH_QUICK, so a module that reads harness.QUICK runs its quick mode too."""
+    argv = [sys.executable, "-m", module, *args]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise RuntimeError(f"`python -m {module} {' '.join(args)}` exited {proc.returncode}:\n{tail}")
+    return proc.stdout
+
+
+def demoted(markdown: str) -> str:
+    """A command's own `## ` sections as subsections of the page's section for it."""
+    return "\n".join("#" + line if line.startswith("#") else line for line in markdown.strip().splitlines())
 
 
 # --- real runs -------------------------------------------------------------------------------------------

@@ -17,9 +17,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from tests.bench import harness
 from tests.bench.harness import RunTimes, Stats, Workspace, machine, ratio_stats, table
 from tests.hostile import flood
 
+TITLE = "Hostile flood during an RL run (tests/bench/hostile_flood.py)"
 WORKERS = 8
 
 
@@ -87,6 +89,11 @@ def measure(ws: Workspace, steps: int, repeats: int) -> str:
             table(["request", "answers"], answered),
         ]
     )
+
+
+def run(ws: Workspace) -> str:
+    """The runner's entry (`python -m tests.bench --every --quick`): 3 steps and one repeat in quick mode."""
+    return measure(ws, 3 if harness.QUICK else 20, harness.repeats(2))
 
 
 def main() -> None:

@@ -20,7 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.bench import harness
+
+TITLE = "Keep sampling mask: mismatch_kl with the sampler's support applied or not (tests/bench/keep_sampling_mask.py)"
 ROOT = Path(__file__).resolve().parents[2]
+QUICK_RUN = "top_p=0.9 applied"  # the quick mode's one run: the mask applied, the path that can break
+RUN_TIMEOUT_S = 1800
 
 RUNS: dict[str, list[str]] = {
     "top_p=1": [],
@@ -35,6 +40,8 @@ def command(out: Path, extra: list[str], steps: int | None) -> list[str]:
     args = ["rl", "@", str(ROOT / "profiles/tiny-cpu.toml"), "--output-dir", str(out), *extra]
     if steps is not None:
         args += ["--max-steps", str(steps)]
+    if harness.QUICK:
+        args += ["--sft.steps", "20"]
     return [sys.executable, "-m", "rollflow.cli", *args]
 
 
@@ -74,19 +81,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=list(RUNS), help="run these only")
     args = parser.parse_args(argv)
     root = args.out or Path(tempfile.mkdtemp(prefix="keep-sampling-mask-"))
+    print(table(runs(root, args.only or list(RUNS), args.steps)))
+    return 0
+
+
+def runs(root: Path, names: list[str], steps: int | None) -> dict[str, dict]:
+    """Each named run through the real CLI, one after another; raises on the first that fails."""
     results = {}
-    for name in args.only or RUNS:
+    for name in names:
         out = root / name.replace(" ", "_").replace("=", "")
         t0 = time.perf_counter()
-        cmd = command(out, RUNS[name], args.steps)
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        proc = subprocess.run(command(out, RUNS[name], steps), cwd=ROOT, capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT_S)  # fmt: skip
         if proc.returncode != 0:
-            print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
-            raise SystemExit(f"{name}: the run failed (exit {proc.returncode})")
+            tail = proc.stdout[-3000:] + proc.stderr[-3000:]
+            raise RuntimeError(f"{name}: the run failed (exit {proc.returncode}):\n{tail}")
         results[name] = summary(out)
         print(f"{name}: {time.perf_counter() - t0:.0f}s, {out}", file=sys.stderr)
-    print(table(results))
-    return 0
+    return results
+
+
+def run(ws: harness.Workspace) -> str:
+    """The runner's entry: in quick mode (`python -m tests.bench --every --quick`) one run of 2 steps after a
+    20-step warm-up; otherwise every run at the profile's length."""
+    names, steps = ([QUICK_RUN], 2) if harness.QUICK else (list(RUNS), None)
+    return table(runs(ws.root / "keep_sampling_mask", names, steps))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ import time
 
 import torch
 
+from tests.bench import harness
+
+TITLE = "What mismatch_kl costs in a trainer step (tests/bench/mismatch_cost.py)"
 FRACTIONS = (0.1, 0.25, 0.5)
 
 
@@ -82,6 +85,8 @@ def measure(run: str, steps: int) -> tuple[dict[str, list[float]], dict[float, l
         per = _row_kl(t, batch)
         rows = torch.nonzero(t.history.qualifying(batch)).flatten()
         full = float(per[rows, 0].sum() / per[rows, 1].sum())
+        if not full > 0:  # no mismatch measured on this step (a short run's steps can have none): no relative error
+            continue
         for f in FRACTIONS:
             picked, _ = stale_sample(ids, rows, f, s)
             errors[f].append(abs(float(per[picked, 0].sum() / per[picked, 1].sum()) - full) / full)
@@ -94,12 +99,20 @@ def report(times: dict[str, list[float]], errors: dict[float, list[float]]) -> s
     lines = [f"{steps} steps, medians (share of an old step's trainer work):"]
     lines += [f"  {k}: {statistics.median(v):.4f} s ({statistics.median(v) / old:.1%})" for k, v in times.items()]
     for f, e in errors.items():
+        if not e:
+            lines.append(f"  stale sample {f}: no step with a mismatch_kl above 0, no relative error")
+            continue
         e = sorted(e)
         lines.append(
             f"  stale sample {f}: relative error of mismatch_kl median {statistics.median(e):.1%}, "
             f"90th percentile {e[int(0.9 * (len(e) - 1))]:.1%}, max {e[-1]:.1%}"
         )
     return "\n".join(lines)
+
+
+def run(ws: harness.Workspace) -> str:
+    """The runner's entry (`python -m tests.bench --every --quick`): the replay on a finished run of the workspace."""
+    return report(*measure(str(ws.any_run()), 3 if harness.QUICK else 40))
 
 
 if __name__ == "__main__":

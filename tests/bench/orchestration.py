@@ -152,9 +152,12 @@ def storage_costs(run: Path, scratch: Path) -> dict[str, float]:
     log = MetricsLog(sfs, sroot)
     out = {k: Stats(v).median for k, v in costs.items()}
     out["metrics.jsonl record"] = Stats([timed(lambda r=r: log.record(r)) for r in rows]).median
-    big = MetricsLog(sfs, sroot)
-    for i in range(10_000):
-        big.rows[i] = {**rows[-1], "step": i}
+    # A run 10,000 steps long: the writer appends one line whatever the file's length (storage/metrics.py).
+    long_run = scratch / "long-run"
+    long_run.mkdir(parents=True)
+    lines = (json.dumps({**rows[-1], "step": i}) + "\n" for i in range(10_000))
+    (long_run / "metrics.jsonl").write_text("".join(lines))
+    big = MetricsLog(sfs, str(long_run))
     out["metrics.jsonl record at 10,000 steps"] = timed(lambda: big.record({**rows[-1], "step": 10_000}))
     return out
 
@@ -203,7 +206,8 @@ def report(m: dict) -> str:
             table(["storage operation", "median per step", "fraction of wall / step"], storage_rows),
             f"Storage commit protocol per step, all of the above but the 10,000-step line: "
             f"{num(commit * 1000)} ms, **{100 * commit / step:.2f}%** of the direct wall / step. The "
-            "metrics.jsonl line shows the cost growing with the run: the file is rewritten whole each step.",
+            "10,000-step line is one record appended to a metrics.jsonl of 10,000 rows on the local disk: the "
+            "writer appends a step (fsync'd) rather than rewriting the file, so its cost should not grow with the run.",
         ]
     )
 

@@ -166,9 +166,11 @@ def measure(argv: list[str], env: dict[str, str], log: Path, limit_s: float) -> 
 
 
 def base_env() -> dict[str, str]:
-    """The caller's environment without a torch thread cap: each side picks its own threads."""
+    """The caller's environment without a torch thread cap: each side picks its own threads. The checkout first on
+    the import path, then the caller's own entries (where TRL may come from)."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    return env | {"PYTHONPATH": str(harness.ROOT), "HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    path = os.pathsep.join(p for p in (str(harness.ROOT), env.get("PYTHONPATH", "")) if p)
+    return env | {"PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
 
 # --- the two sides -------------------------------------------------------------------------------------------

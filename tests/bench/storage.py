@@ -38,6 +38,9 @@ import pyarrow.fs as pafs
 from config.storage import StorageConfig
 from storage import fs as sfs
 from storage import rollouts, weights
+from tests.bench import harness
+
+TITLE = "Storage (tests/bench/storage.py)"
 
 
 def synthetic_table(rows: int, seed: int = 0) -> pa.Table:
@@ -297,6 +300,13 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|")
     for row in delta_ratio(max(args.repeats, 5)):
         print(row, flush=True)
+
+
+def run(ws: harness.Workspace) -> str:
+    """`make bench`'s section: this module's own process (its fsync and S3 figures away from the runner's
+    threads), quick mode with one repeat and a small large shard."""
+    quick = ["--repeats", "1", "--large-rows", "4096"] if harness.QUICK else []
+    return harness.demoted(harness.module_output("tests.bench.storage", *quick))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import argparse
 import json
 import time
 
+TITLE = "Trainer MFU script (tests/bench/trainer_mfu.py): CPU check of the script"
 QWEN3_0_6B = {
     "hidden_size": 1024, "num_layers": 28, "num_heads": 16, "num_kv_heads": 8, "head_dim": 128,
     "intermediate_size": 3072, "vocab_size": 151936, "max_seq_len": 40960, "rope_theta": 1e6,
@@ -84,6 +85,15 @@ def main(argv: list[str] | None = None) -> None:
     peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     print(json.dumps({"device": gpu, "shape": args.shape, "params": params, "tokens_per_step": args.tokens,
                       "step_s": dt, "tokens_per_s": tps, "mfu": mfu, "peak_mem_gib": peak_mem}))  # fmt: skip
+
+
+def run(ws: object) -> str:
+    """The runner's entry (`python -m tests.bench --every --quick`): the script on the toy shape on CPU, which
+    checks the script and measures nothing (the figure is `--device cuda` on a GPU)."""
+    from tests.bench import harness
+
+    args = ["--device", "cpu", "--shape", "tiny", "--tokens", "256", "--steps", "2", "--warmup", "1"]
+    return "```json\n" + harness.module_output("tests.bench.trainer_mfu", *args).strip() + "\n```"
 
 
 if __name__ == "__main__":
