@@ -11,9 +11,9 @@ this deployment can never serve (`Unfit`: another base, a rank over max_lora_ran
 refuses the tenant for that attempt (logged, its requests answered 403 with the reason, `tenants_refused` in /health);
 the others are unaffected. Tokens are checked by SHA-256 against the record (hmac.compare_digest).
 
-A backend mixes `TenantGate` in and supplies the four hooks: `_opened` / `_closed` (a tenant's slot), `_read` (a
-publication of the tenant's OUTPUT_DIR, in a thread) and `_apply` (serve it; returns the version now served), and
-`served_version`.
+A backend mixes `TenantGate` in and supplies the hooks: `_opened` / `_closed` (a tenant's slot),
+`_read_publication` (a publication of the tenant's OUTPUT_DIR, in a thread), `_apply` (serve it; returns the version
+now served) and `served_version`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 from config.tenant import SharedInferenceSettings, TenantRecord
 from engines import protocol as api
-from engines.inference.backend import BackendError
+from engines.inference.backend import BackendError, TenantAuth
 from storage import weights
 from storage.fs import CorruptError, is_committed, read_manifest
 
@@ -91,6 +91,8 @@ class Tenant:
 class TenantGate:
     """The tenant table, its poll, the gate and /update_weights of a shared server (mixed into a Backend)."""
 
+    tenant_auth: TenantAuth | None
+
     def _init_gate(self, settings: SharedInferenceSettings, storage, backbone: str) -> None:
         self.storage, self.settings, self.backbone = storage, settings, backbone
         self.tenants: dict[str, Tenant] = {}
@@ -108,7 +110,7 @@ class TenantGate:
     async def _closed(self, tenant: Tenant, why: str) -> None:
         """A tenant left: its slot is free, its queued and running requests end with 410 (`why`)."""
 
-    def _read(self, record: TenantRecord, version: int | None) -> Any:
+    def _read_publication(self, record: TenantRecord, version: int | None) -> Any:
         """Publication `version` (None: newest) of the tenant, read and checked (a thread); has `.version` and
         `.directory`. Raises NotPublished, Unfit, CorruptError."""
         raise NotImplementedError
@@ -187,7 +189,7 @@ class TenantGate:
         """Serve the tenant's newest publication; one that can never be served refuses the tenant."""
         name = tenant.record.name
         try:
-            publication = await asyncio.to_thread(self._read, tenant.record, None)
+            publication = await asyncio.to_thread(self._read_publication, tenant.record, None)
             await self._apply(tenant, publication)
         except Unfit as exc:
             await self._leave(name, f"tenant {name!r} refused: {exc}")
@@ -236,7 +238,7 @@ class TenantGate:
             raise BackendError(410, f"tenant {req.tenant!r} left the shared deployment")
         t0 = time.perf_counter()
         try:
-            publication = await asyncio.to_thread(self._read, tenant.record, req.version)
+            publication = await asyncio.to_thread(self._read_publication, tenant.record, req.version)
         except NotPublished as exc:
             raise BackendError(404, str(exc)) from None
         except (Unfit, CorruptError) as exc:

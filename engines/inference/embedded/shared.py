@@ -45,7 +45,7 @@ class SharedBackend(TenantGate, EmbeddedBackend):
     async def _closed(self, tenant: Tenant, why: str) -> None:
         await asyncio.to_thread(self.engine.close_slot, tenant.slot, TenantGone(why))
 
-    def _read(self, record: TenantRecord, version: int | None):
+    def _read_publication(self, record: TenantRecord, version: int | None):
         fs, root = self.storage.open(record.output_dir)
         rank = self.settings.shared.max_lora_rank
         return read_adapter(fs, root, version, self.engine.model, self.backbone, rank)

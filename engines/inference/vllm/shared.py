@@ -84,7 +84,7 @@ class SharedVLLMBackend(TenantGate, VLLMBackend):
         if served is not None:
             await self._retire(served.adapter)
 
-    def _read(self, record: TenantRecord, version: int | None) -> Local:
+    def _read_publication(self, record: TenantRecord, version: int | None) -> Local:
         """The publication, its adapter copied (sha256-verified) into this server's private cache for vLLM."""
         fs, root = self.storage.open(record.output_dir)
         p = locate(fs, root, version, self.backbone)
