@@ -1,6 +1,8 @@
 """The vLLM backend (`inference.backend = "vllm"`): vLLM servers (and a vllm-router per replica) upstream.
 
+    factory.py    the BackendSpec's create: shared.py for a shared deployment, else backend.py
     backend.py    the Backend the front end serves: routing to replicas, policy versions, weight updates
+    shared.py     a shared deployment's tenants: a LoRA adapter per tenant and version (--enable-lora)
     processes.py  the vLLM processes of a local run: materialize a publication, launch, wait, stop
     worker/       the worker extension vLLM loads (rollflow_vllm_worker.WeightLoader: in-flight weight loads)
 launch/vllm.py renders the commands (also what `--dry-run` writes, this backend's launch plan).
@@ -36,5 +38,5 @@ BACKEND = BackendSpec(
         shared=True,
         launch_plan="launch.vllm:plan_files",
     ),
-    create="engines.inference.vllm.backend:create",
+    create="engines.inference.vllm.factory:create",
 )

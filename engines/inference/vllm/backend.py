@@ -251,15 +251,11 @@ def refuse_vision(model_dir: Path) -> None:
 
 async def create(cfg) -> VLLMBackend:
     """Materialize the newest publication, start the deployment's vLLM servers and routers on this host, wait
-    until every one answers, and front them (a shared deployment's server: shared.py)."""
+    until every one answers, and front them (a shared deployment's server: shared.py, by factory.py)."""
     from engines.inference.vllm import processes
     from storage import weights
     from storage.fs import Storage
 
-    if getattr(cfg, "shared", None) is not None:
-        from engines.inference.vllm import shared
-
-        return await shared.create(cfg)
     fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
     cache = processes.cache_dir(cfg.run.run_id)
     if cfg.pretrained:  # rollflow eval --model: the directory as it is, served as version 0

@@ -17,6 +17,8 @@ KV block is reused across tenants or versions (nor across a resumed attempt that
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
 from collections import Counter
@@ -76,10 +78,12 @@ class SharedVLLMBackend(TenantGate, VLLMBackend):
         self.running: Counter[str] = Counter()  # adapter name -> requests running on it
         self.retired: set[str] = set()  # replaced adapters, unloaded when their last request ends
         self.held: dict[str, str | None] = {}  # generation id -> the adapter it runs on
+        self.switching: dict[int, asyncio.Lock] = {}  # tenant lease -> held while its adapter is switched
 
     # -- the tenant table's hooks (engines/inference/tenants.py) ----------------------------------------
 
     async def _closed(self, tenant: Tenant, why: str) -> None:
+        self.switching.pop(tenant.lease, None)
         served = self.served.pop(tenant.lease, None)
         if served is not None:
             await self._retire(served.adapter)
@@ -91,8 +95,6 @@ class SharedVLLMBackend(TenantGate, VLLMBackend):
         if not p.lora:
             return Local(p.version, p.directory, None)
         config = read_verified(fs, p.directory, ADAPTER_CONFIG, p.manifest)
-        import json
-
         rank, limit = int(json.loads(config)["r"]), self.settings.shared.max_lora_rank
         if rank > limit:
             raise Unfit(f"{p.directory}: LoRA rank {rank} is over this deployment's max_lora_rank {limit}")
@@ -108,27 +110,30 @@ class SharedVLLMBackend(TenantGate, VLLMBackend):
         return Local(p.version, p.directory, str(dest))
 
     async def _apply(self, tenant: Tenant, local: Local) -> int:
-        """Load the adapter on every server, switch the tenant to it, unload the one it replaced."""
-        old = self.served.get(tenant.lease)
-        if old is not None and old.version == local.version:
-            return old.version
-        name = f"{tenant.record.name}-{local.version}-a{tenant.record.attempt}"
-        if local.path is not None:
-            await self._load_everywhere(name, local.path)
-        if self.tenants.get(tenant.record.name) is not tenant:  # it left while loading
-            await self._retire(name if local.path else None)
-            raise BackendError(410, f"tenant {tenant.record.name!r} left the shared deployment")
-        self.served[tenant.lease] = Served(local.version, name if local.path else None, name)
-        if old is not None:
-            await self._retire(old.adapter)
-        return local.version
+        """Load the adapter on every server, switch the tenant to it, unload the one it replaced (one switch of a
+        tenant at a time: a poll's load and an update may overlap)."""
+        async with self.switching.setdefault(tenant.lease, asyncio.Lock()):
+            old = self.served.get(tenant.lease)
+            if old is not None and old.version >= local.version:
+                return old.version
+            name = f"{tenant.record.name}-{local.version}-a{tenant.record.attempt}"
+            if local.path is not None:
+                await self._load_everywhere(name, local.path)
+            if self.tenants.get(tenant.record.name) is not tenant:  # it left while loading
+                await self._retire(name if local.path else None)
+                raise BackendError(410, f"tenant {tenant.record.name!r} left the shared deployment")
+            self.served[tenant.lease] = Served(local.version, name if local.path else None, name)
+            if old is not None:
+                await self._retire(old.adapter)
+            return local.version
 
     def served_version(self, tenant: Tenant) -> int:
         served = self.served.get(tenant.lease)
         return -1 if served is None else served.version
 
     async def _load_everywhere(self, name: str, path: str) -> None:
-        body = {"lora_name": name, "lora_path": path}
+        # in place: the same name is the same verified bytes (a record removed and added again, same attempt)
+        body = {"lora_name": name, "lora_path": path, "load_inplace": True}
         for server in self.up.servers:
             r = await self.client.post(server + "/v1/load_lora_adapter", json=body)
             if 400 <= r.status_code < 500:  # vLLM cannot serve this adapter (rank, modules): never will
