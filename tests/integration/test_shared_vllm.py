@@ -110,7 +110,9 @@ def test_vllm_serves_each_tenant_its_own_adapter_and_updates_one_alone(deploymen
         r = client.post("/update_weights", json=update, headers=auth_a, timeout=300)
         assert r.status_code == 200 and r.json()["policy_version"] == 2, r.text
         print(f"tenant update (load_lora_adapter, switch, unload) took {time.monotonic() - t1:.2f} s")
-        assert client.get("/health").json()["tenants"] == {"a": 2, "b": 1}
+        health = client.get("/health").json()
+        assert health["tenants"] == {"a": 2, "b": 1}
+        assert health["stats"]["lora_adapters"] == 2  # a's version 1 was unloaded after the switch
         gap2 = _gap(a2, _generate(client, "a", auth_a), 2)
         after = _generate(client, "b", auth_b, seed=5).json()["choices"][0]
         print(f"after a's update: a's gap {gap2:.1e}; b's answer unchanged: {after == before}")
@@ -122,6 +124,6 @@ def test_vllm_serves_each_tenant_its_own_adapter_and_updates_one_alone(deploymen
 
         # b leaves: its record goes, a serves on
         remove_tenant(deploy, "b")
-        wait_health(client, lambda h: h["tenants"] == {"a": 2}, timeout=30)
+        wait_health(client, lambda h: h["tenants"] == {"a": 2} and h["stats"]["lora_adapters"] == 1, timeout=30)
         assert _generate(client, "b", auth_b).status_code == 404
         assert _gap(a2, _generate(client, "a", auth_a), 2) < GAP

@@ -78,6 +78,7 @@ class SharedVLLMBackend(TenantGate, VLLMBackend):
         self.running: Counter[str] = Counter()  # adapter name -> requests running on it
         self.retired: set[str] = set()  # replaced adapters, unloaded when their last request ends
         self.held: dict[str, str | None] = {}  # generation id -> the adapter it runs on
+        self.loaded: set[str] = set()  # adapters loaded into vLLM (/health's stats.lora_adapters)
         self.switching: dict[int, asyncio.Lock] = {}  # tenant lease -> held while its adapter is switched
 
     # -- the tenant table's hooks (engines/inference/tenants.py) ----------------------------------------
@@ -140,6 +141,7 @@ class SharedVLLMBackend(TenantGate, VLLMBackend):
                 raise Unfit(f"{path}: {upstream_error(r).message}")
             if r.status_code != 200:
                 raise OSError(f"{server}: loading LoRA adapter {name}: HTTP {r.status_code}: {r.text[:300]}")
+        self.loaded.add(name)
 
     async def _retire(self, adapter: str | None) -> None:
         if adapter is None:
@@ -149,6 +151,7 @@ class SharedVLLMBackend(TenantGate, VLLMBackend):
             return
         self.retired.discard(adapter)
         self.running.pop(adapter, None)
+        self.loaded.discard(adapter)
         for server in self.up.servers:
             try:
                 r = await self.client.post(server + "/v1/unload_lora_adapter", json={"lora_name": adapter})
@@ -207,6 +210,7 @@ class SharedVLLMBackend(TenantGate, VLLMBackend):
     async def health(self) -> api.HealthResponse:
         h = await super().health()
         stats = {**h.stats, "tenants": len(self.tenants), "tenants_refused": len(self.refused)}
+        stats["lora_adapters"] = len(self.loaded)  # one per tenant, plus replaced ones whose requests still run
         return api.HealthResponse(status="ok", policy_version=0, stats=stats, tenants=self.tenant_versions())
 
     async def update_weights(self, req: api.UpdateWeightsRequest) -> api.UpdateWeightsResponse:
