@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from config.model import LoRAConfig, ModelConfig
+from engines.inference.backend import BackendSpec, Capabilities
 from engines.inference.embedded.engine import Engine, Request, TenantGone
 from engines.inference.embedded.generate import Decoder, Sampling
 from engines.models import lora
@@ -215,5 +216,12 @@ def test_only_backends_that_serve_tenants_take_a_shared_deployment():
     from engines.registry import PluginError
 
     backends.check_shared("embedded")
-    with pytest.raises(PluginError, match="load_lora_adapter.*registered backends that do: embedded"):
-        backends.check_shared("vllm")
+    backends.check_shared("vllm")  # --enable-lora (engines/inference/vllm/shared.py)
+    with pytest.raises(PluginError, match="no adapters here.*registered backends that do: embedded, vllm"):
+        backends.check_shared(f"{__name__}:NO_TENANTS")
+
+
+# a backend that serves no tenants (shared = False), named by import path
+NO_TENANTS = BackendSpec(
+    Capabilities(no_shared_reason="no adapters here"), create="engines.inference.embedded.factory:create"
+)

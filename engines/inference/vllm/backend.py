@@ -144,8 +144,8 @@ class VLLMBackend(Backend):
     async def _start(self, gen: Generation) -> tuple[str, dict[str, Any], dict[str, str], int]:
         """Where the request goes, its upstream body and headers, and the version it starts under."""
         await self.up.open_gate.wait()  # no request starts under a version that is being replaced
-        start = self.up.version
-        body = {**gen.body.model_dump(exclude_none=True), "cache_salt": salt(start)}
+        start, pinned = self._pin(gen)
+        body = {**gen.body.model_dump(exclude_none=True), **pinned}
         # vLLM cannot report the support its top-k / top-p kept: the choices come back without `kept_sizes`
         # (a run that needs them is refused at load, engines/inference/backend.py `kept_support`)
         body.pop("return_kept_sizes", None)
@@ -155,6 +155,14 @@ class VLLMBackend(Backend):
         path = "/v1/chat/completions" if gen.chat else "/v1/completions"
         return self.up.entry(gen.session) + path, body, upstream_headers(gen), start
 
+    def _pin(self, gen: Generation) -> tuple[int, dict[str, Any]]:
+        """The policy version a request starts under and what it pins upstream (its cache salt)."""
+        return self.up.version, {"cache_salt": salt(self.up.version)}
+
+    def _end(self, start: int) -> int:
+        """The version a request that started under `start` finished under (in-flight updates move it)."""
+        return self.up.version
+
     async def generate(self, gen: Generation) -> Body:
         url, body, headers, start = await self._start(gen)
         r = await self.client.post(url, json=body, headers=headers)
@@ -162,7 +170,7 @@ class VLLMBackend(Backend):
             raise upstream_error(r)
         out = r.json()
         for choice in out.get("choices", []):
-            choice["policy_version"], choice["policy_version_end"] = start, self.up.version
+            choice["policy_version"], choice["policy_version_end"] = start, self._end(start)
             if isinstance(routes := choice.get("routed_experts"), str):
                 prompt = body["prompt"] if isinstance(body.get("prompt"), list) else choice.get("prompt_token_ids")
                 prompt = prompt or out.get("prompt_token_ids") or []
@@ -182,7 +190,7 @@ class VLLMBackend(Backend):
                 chunk = json.loads(data)
                 for choice in chunk.get("choices", []):
                     if choice.get("finish_reason") is not None:
-                        choice["policy_version"], choice["policy_version_end"] = start, self.up.version
+                        choice["policy_version"], choice["policy_version_end"] = start, self._end(start)
                 yield chunk
 
     async def health(self) -> api.HealthResponse:
@@ -243,18 +251,11 @@ def refuse_vision(model_dir: Path) -> None:
 
 async def create(cfg) -> VLLMBackend:
     """Materialize the newest publication, start the deployment's vLLM servers and routers on this host, wait
-    until every one answers, and front them."""
+    until every one answers, and front them (a shared deployment's server: shared.py, by factory.py)."""
     from engines.inference.vllm import processes
-    from launch import vllm as vllm_launch
     from storage import weights
     from storage.fs import Storage
 
-    if getattr(cfg, "shared", None) is not None:  # the entry point refuses it first; a direct call too
-        from engines.inference.vllm import NO_SHARED
-
-        raise SystemExit(f"a shared deployment cannot run on the vLLM backend: {NO_SHARED}")
-    processes.check_local(cfg.inference)
-    python = processes.vllm_python(cfg.inference)
     fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
     cache = processes.cache_dir(cfg.run.run_id)
     if cfg.pretrained:  # rollflow eval --model: the directory as it is, served as version 0
@@ -269,17 +270,35 @@ async def create(cfg) -> VLLMBackend:
             )
         version = latest
         model_dir = processes.materialize(fs, root, version, cache)
-    refuse_vision(Path(str(model_dir)))
-    nodes = ["127.0.0.1"] * (vllm_launch.nodes_per_replica(cfg.inference) * cfg.inference.vllm.num_infer_replicas)
+    up, client, procs = start_servers(cfg, cfg.inference, Path(str(model_dir)), version)
+
+    async def local_file(v: int) -> str:
+        return str(await asyncio.to_thread(processes.materialize, fs, root, v, cache) / "model.safetensors")
+
+    backend = VLLMBackend(up, local_file, client, served_name(cfg), cfg.model.max_seq_len, procs)
+    backend.fixed = cfg.role == "teacher"
+    return backend
+
+
+def start_servers(cfg, inference, model_dir: Path, version: int):
+    """Start the vLLM servers (and routers) of `inference` on `model_dir` on this host, wait until every one
+    answers: their Upstream (serving `version`), a client with the attempt's secret, and the processes."""
+    from engines.inference.vllm import processes
+    from launch import vllm as vllm_launch
+
+    processes.check_local(inference)
+    python = processes.vllm_python(inference)
+    refuse_vision(model_dir)
+    nodes = ["127.0.0.1"] * (vllm_launch.nodes_per_replica(inference) * inference.vllm.num_infer_replicas)
     name, max_len = served_name(cfg), cfg.model.max_seq_len
     replicas = vllm_launch.render(
-        cfg.inference, str(model_dir), max_len, nodes, python, False, str(processes.WORKER_DIR), name
+        inference, str(model_dir), max_len, nodes, python, False, str(processes.WORKER_DIR), name
     )
     token = processes.new_token()  # this attempt's: every vLLM route but /health answers only to it
     procs = processes.launch(replicas, token)
     try:
         urls = [p.url for r in replicas for p in r.processes if p.url]
-        waited = processes.wait_ready(urls, procs, cfg.inference.vllm.startup_timeout_s)
+        waited = processes.wait_ready(urls, procs, inference.vllm.startup_timeout_s)
     except BaseException:
         processes.stop(procs)
         raise
@@ -287,11 +306,5 @@ async def create(cfg) -> VLLMBackend:
     servers = [p.url for r in replicas for p in r.processes if p.url and not p.name.startswith("router")]
     up = Upstream([r.url for r in replicas], servers, version)
     up.open_gate.set()
-
-    async def local_file(v: int) -> str:
-        return str(await asyncio.to_thread(processes.materialize, fs, root, v, cache) / "model.safetensors")
-
     client = httpx.AsyncClient(timeout=httpx.Timeout(900.0), headers={"Authorization": f"Bearer {token}"})
-    backend = VLLMBackend(up, local_file, client, name, max_len, procs)
-    backend.fixed = cfg.role == "teacher"
-    return backend
+    return up, client, procs
