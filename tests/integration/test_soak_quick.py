@@ -1,4 +1,4 @@
-"""The shortened soak in `make test`: the driver in --quick mode (one fault of each class that fits a local run:
+"""The shortened soak (`make test-long`; `make soak` runs the full one): the driver in --quick mode (one fault of each class that fits a local run:
 a SIGKILL, a SIGSTOP past the stall timeout, a corrupt newest shard/publication/checkpoint, a second resume, a
 full tmpfs) against a real tiny run, and the audit must pass. The S3 outage, MoE and multi-turn segments run in
 `make soak` only (each costs a run of its own). Measured on the shared 2-core machine (load 4-8 from other
@@ -12,7 +12,7 @@ import pytest
 
 from tests.soak.segments import LOCAL_KINDS, dense_local
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # 150-210 s: over make test's budget
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
