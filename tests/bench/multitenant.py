@@ -8,7 +8,8 @@ for `python -m tests.bench`. Everything goes through the real CLI, one local Pre
 2. for K = 2, then 3, interleaved (shared K, standalone K): K tenant runs started at once with
    `rollflow rl @ tiny-cpu-lora.toml @ <tenant> --tenant-of D`, then the same K profiles started at once as
    standalone `rollflow rl` runs whose version 0 is a checked copy of the same backbone (runtime.tenancy's
-   copy_backbone, so no warm-up runs and both setups learn from the same weights with the same seeds);
+   copy_backbone, the run opened first and then started with `--resume`, so no warm-up runs and both setups
+   learn from the same weights with the same seeds);
 3. `rollflow shared down`.
 
 While a setup runs, the PSS of every process of it is sampled every 0.2 s (tests/bench/memory.py: the K CLIs'
@@ -107,10 +108,24 @@ def _kill(procs: Sequence[subprocess.Popen]) -> None:
             p.wait(timeout=30)
 
 
-def _profile_args(work: Path, name: str, steps: int) -> list[str]:
+def _profiles(work: Path, name: str, steps: int) -> list[Path]:
     own = work / f"{name}.toml"
     own.write_text(f"seed = {list(TENANTS).index(name)}\n" + _workload(steps) + TENANTS[name])
-    return ["@", str(TENANT), "@", str(own)]
+    return [TENANT, own]
+
+
+def _open_standalone(profiles: list[Path], out: Path, deploy: Path) -> None:
+    """A standalone run opened as `rollflow rl` opens one (config/run.json, state.json), its version 0 a checked
+    copy of the deployment's backbone: `rollflow rl --resume` then starts at step 1 with no warm-up."""
+    from config.loader import load_run_config
+    from runtime.lifecycle import start_new_run
+    from runtime.tenancy import copy_backbone
+    from storage.fs import get_fs
+    from storage.tenants import read_deployment
+
+    start_new_run(load_run_config(profiles, [("output_dir", str(out))]), overwrite=False)
+    fs, root = get_fs(str(out))
+    copy_backbone(str(deploy), read_deployment(str(deploy)), fs, root)
 
 
 def _wait_up(deploy: Path, up: subprocess.Popen, log: Path) -> None:
@@ -145,12 +160,8 @@ def _read_tenant(name: str, out: Path, steps: int) -> Tenant:
     )
 
 
-def _run_setup(work: Path, api_url: str, k: int, steps: int, deploy: Path | None, up_pid: int | None) -> Setup:
+def _run_setup(work: Path, api_url: str, k: int, steps: int, deploy: Path, up_pid: int | None) -> Setup:
     """K runs started at once (tenants of `deploy`, or standalone from its backbone), sampled until all exit."""
-    from runtime.tenancy import copy_backbone
-    from storage.fs import get_fs
-    from storage.tenants import read_deployment
-
     kind = "shared" if up_pid is not None else "standalone"
     root = work / f"{kind}-{k}"
     root.mkdir()
@@ -158,13 +169,13 @@ def _run_setup(work: Path, api_url: str, k: int, steps: int, deploy: Path | None
     argvs = []
     for name in names:
         out = root / name
-        argv = ["rl", *_profile_args(root, name, steps), "--output-dir", str(out)]
+        profiles = _profiles(root, name, steps)
+        argv = ["rl", *(t for p in profiles for t in ("@", str(p))), "--output-dir", str(out)]
         if up_pid is not None:
             argv += ["--tenant-of", str(deploy), "--tenant", name]
-        else:  # version 0 = the deployment's backbone, checked: the warm-up is skipped
-            assert deploy is not None
-            fs, fs_root = get_fs(str(out))
-            copy_backbone(str(deploy), read_deployment(str(deploy)), fs, fs_root)
+        else:
+            _open_standalone(profiles, out, deploy)
+            argv += ["--resume"]
         argvs.append(argv)
     t0 = time.monotonic()
     procs = [_cli(api_url, root / f"{name}.log", *argv) for name, argv in zip(names, argvs, strict=True)]
