@@ -70,6 +70,7 @@ class Tenant:
     out: Path
     step_s: float  # median interval between consecutive steps
     tokens: float  # completion tokens over every step
+    steady: tuple[float, float, float]  # (time of step 1, time of the last step, tokens of steps 2..N)
     reward_first: float
     reward_last: float
 
@@ -86,6 +87,12 @@ class Setup:
     @property
     def tokens_per_s(self) -> float:
         return sum(t.tokens for t in self.tenants) / self.wall_s
+
+    @property
+    def steady_tokens_per_s(self) -> float:
+        """Steps 2..N of every run over the first step 1 done -> the last step done: start-up left out."""
+        t0, t1 = min(t.steady[0] for t in self.tenants), max(t.steady[1] for t in self.tenants)
+        return sum(t.steady[2] for t in self.tenants) / (t1 - t0)
 
 
 def _env(api_url: str) -> dict[str, str]:
@@ -155,6 +162,7 @@ def _read_tenant(name: str, out: Path, steps: int) -> Tenant:
         out,
         statistics.median(b - a for a, b in zip(times, times[1:], strict=False)),
         sum(r["samples"] * r["completion_len_mean"] for r in rows),
+        (times[0], times[-1], sum(r["samples"] * r["completion_len_mean"] for r in rows[1:])),
         statistics.mean(r["reward_mean"] for r in rows[:n]),
         statistics.mean(r["reward_mean"] for r in rows[-n:]),
     )
@@ -231,6 +239,7 @@ def _rows(setups: list[Setup]) -> list[list[str]]:
             f"{s.k} {'tenants, shared' if s.shared else 'standalone runs'}",
             f"{_fmt(s.wall_s)} s",
             _fmt(s.tokens_per_s),
+            _fmt(s.steady_tokens_per_s),
             " / ".join(f"{_fmt(t.step_s)} s" for t in s.tenants),
             f"{s.peak_mb:,.0f}",
             " / ".join(f"{t.reward_first:.3f} -> {t.reward_last:.3f}" for t in s.tenants),
@@ -247,6 +256,7 @@ def _ratio_rows(setups: list[Setup]) -> list[list[str]]:
         rows.append([
             str(k),
             f"{sh.tokens_per_s / al.tokens_per_s:.2f}x",
+            f"{sh.steady_tokens_per_s / al.steady_tokens_per_s:.2f}x",
             f"{sh.wall_s / al.wall_s:.2f}x",
             " / ".join(f"{r:.2f}x" for r in steps),
             f"{al.peak_mb - sh.peak_mb:,.0f} MB ({1 - sh.peak_mb / al.peak_mb:.0%})",
@@ -264,11 +274,13 @@ def render(setups: list[Setup], up_s: float, steps: int, total_s: float) -> str:
         "sort-letters, rank 4, seed 1; c = reverse-text, rank 8 on q/v/o only, seed 2. One run per setup on a "
         "shared 2-core machine: read the ratios, measured minutes apart in the same command, not the absolute times."
     )
-    cols = ["setup", "wall (all started -> last exited)", "completion tokens / s (aggregate)",
+    cols = ["setup", "wall (all started -> last exited)", "completion tokens / s (aggregate, whole wall)",
+            "tokens / s, steps 2..N (first step 1 -> last step)",
             "median step time per tenant (a / b / c)", "peak PSS sum (MB)",
             f"reward first {n} -> last {n} steps (a / b / c)", "load avg after (1/5/15)"]  # fmt: skip
-    ratios = ["K", "tokens / s: shared / standalone", "wall: shared / standalone",
-              "step time: shared / standalone (a / b / c)", "memory saved by sharing"]  # fmt: skip
+    ratios = ["K", "tokens / s: shared / standalone", "steps 2..N tokens / s: shared / standalone",
+              "wall: shared / standalone", "step time: shared / standalone (a / b / c)",
+              "memory saved by sharing"]  # fmt: skip
     return (
         f"{head}\n\n{harness.table(cols, _rows(setups))}\n\n{harness.table(ratios, _ratio_rows(setups))}\n\n"
         "Memory: the peak of the PSS summed over every process of the setup at one instant (the K CLI/flow "
