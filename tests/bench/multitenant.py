@@ -42,6 +42,7 @@ TITLE = "Multi-tenant LoRA: K tenants on one deployment vs K standalone runs (te
 BASE = [harness.ROOT / "profiles/tiny-cpu.toml", harness.ROOT / "profiles/tiny-cpu-shared.toml"]
 TENANT = harness.ROOT / "profiles/tiny-cpu-lora.toml"
 KS = (2, 3)
+STEPS = 20  # per run in full mode: first 5 vs last 5 rewards
 UP_TIMEOUT_S = 600.0
 # Three different tenants: environments, LoRA rank and targets differ (tenant-a is tiny-cpu-lora as it is).
 TENANTS = {
@@ -71,6 +72,7 @@ class Tenant:
     step_s: float  # median interval between consecutive steps
     tokens: float  # completion tokens over every step
     steady: tuple[float, float, float]  # (time of step 1, time of the last step, tokens of steps 2..N)
+    rewards: list[float]  # reward_mean of every step
     reward_first: float
     reward_last: float
 
@@ -82,7 +84,8 @@ class Setup:
     wall_s: float
     peak_mb: float
     tenants: list[Tenant]
-    load: tuple[float, float, float]
+    load: tuple[float, float, float]  # after
+    load_before: tuple[float, float, float]
 
     @property
     def tokens_per_s(self) -> float:
@@ -163,6 +166,7 @@ def _read_tenant(name: str, out: Path, steps: int) -> Tenant:
         statistics.median(b - a for a, b in zip(times, times[1:], strict=False)),
         sum(r["samples"] * r["completion_len_mean"] for r in rows),
         (times[0], times[-1], sum(r["samples"] * r["completion_len_mean"] for r in rows[1:])),
+        [r["reward_mean"] for r in rows],
         statistics.mean(r["reward_mean"] for r in rows[:n]),
         statistics.mean(r["reward_mean"] for r in rows[-n:]),
     )
@@ -185,7 +189,7 @@ def _run_setup(work: Path, api_url: str, k: int, steps: int, deploy: Path, up_pi
             _open_standalone(profiles, out, deploy)
             argv += ["--resume"]
         argvs.append(argv)
-    t0 = time.monotonic()
+    t0, load_before = time.monotonic(), os.getloadavg()
     procs = [_cli(api_url, root / f"{name}.log", *argv) for name, argv in zip(names, argvs, strict=True)]
     try:
         sampled = memory.sample_trees(procs, 300.0 + 60.0 * steps * k, also=[up_pid] if up_pid else [])
@@ -196,7 +200,7 @@ def _run_setup(work: Path, api_url: str, k: int, steps: int, deploy: Path, up_pi
         if p.returncode != 0:
             raise RuntimeError(f"{kind} {name} exited {p.returncode}:\n{(root / f'{name}.log').read_text()[-3000:]}")
     tenants = [_read_tenant(name, root / name, steps) for name in names]
-    return Setup(k, up_pid is not None, wall, sampled.peak_total_mb, tenants, os.getloadavg())
+    return Setup(k, up_pid is not None, wall, sampled.peak_total_mb, tenants, os.getloadavg(), load_before)
 
 
 def measure(work: Path, steps: int) -> tuple[list[Setup], float]:
@@ -253,6 +257,11 @@ def _ratio_rows(setups: list[Setup]) -> list[list[str]]:
     for k in KS:
         sh, al = (next(s for s in setups if s.k == k and s.shared is flag) for flag in (True, False))
         steps = [a.step_s / b.step_s for a, b in zip(sh.tenants, al.tenants, strict=True)]
+        diff = max(
+            abs(x - y)
+            for a, b in zip(sh.tenants, al.tenants, strict=True)
+            for x, y in zip(a.rewards, b.rewards, strict=True)
+        )
         rows.append([
             str(k),
             f"{sh.tokens_per_s / al.tokens_per_s:.2f}x",
@@ -260,17 +269,20 @@ def _ratio_rows(setups: list[Setup]) -> list[list[str]]:
             f"{sh.wall_s / al.wall_s:.2f}x",
             " / ".join(f"{r:.2f}x" for r in steps),
             f"{al.peak_mb - sh.peak_mb:,.0f} MB ({1 - sh.peak_mb / al.peak_mb:.0%})",
+            f"{diff:.2g}",
         ])  # fmt: skip
     return rows
 
 
 def render(setups: list[Setup], up_s: float, steps: int, total_s: float) -> str:
     n = min(5, steps // 2)
+    load = " / ".join(f"{x:.2f}" for x in setups[0].load_before)
     mode = "quick mode (`--quick`): smoke figures, not the full run" if harness.QUICK else "full mode"
     head = (
         f"{mode}: every setup once, {steps} RL steps per run (8 prompts x 4 samples, `max_new_tokens = 12`), "
-        f"commit {harness.commit()}, {total_s / 60:.1f} min in all (deployment up, its 40-step warm-up "
-        f"included: {up_s:.0f} s). Tenants (`tiny-cpu-lora.toml` +): a = both envs, rank 8, seed 0; b = "
+        f"commit {harness.commit()}, load average before the first setup {load} (1/5/15 min), "
+        f"{total_s / 60:.1f} min in all (deployment up, its 40-step warm-up included: {up_s:.0f} s). "
+        "Tenants (`tiny-cpu-lora.toml` +): a = both envs, rank 8, seed 0; b = "
         "sort-letters, rank 4, seed 1; c = reverse-text, rank 8 on q/v/o only, seed 2. One run per setup on a "
         "shared 2-core machine: read the ratios, measured minutes apart in the same command, not the absolute times."
     )
@@ -280,7 +292,7 @@ def render(setups: list[Setup], up_s: float, steps: int, total_s: float) -> str:
             f"reward first {n} -> last {n} steps (a / b / c)", "load avg after (1/5/15)"]  # fmt: skip
     ratios = ["K", "tokens / s: shared / standalone", "steps 2..N tokens / s: shared / standalone",
               "wall: shared / standalone", "step time: shared / standalone (a / b / c)",
-              "memory saved by sharing"]  # fmt: skip
+              "memory saved by sharing", "max per-step reward difference, shared vs standalone"]  # fmt: skip
     return (
         f"{head}\n\n{harness.table(cols, _rows(setups))}\n\n{harness.table(ratios, _ratio_rows(setups))}\n\n"
         "Memory: the peak of the PSS summed over every process of the setup at one instant (the K CLI/flow "
@@ -299,16 +311,16 @@ def run(ws: harness.Workspace) -> str:
     """The section for `python -m tests.bench`."""
     work = ws.root / "multitenant"
     work.mkdir(parents=True, exist_ok=True)
-    return bench(work, 4 if harness.QUICK else 10)
+    return bench(work, 4 if harness.QUICK else STEPS)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m tests.bench.multitenant", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="4 RL steps per run instead of 10: a smoke run")
-    ap.add_argument("--steps", type=int, help="RL steps per run (default 10, 4 with --quick)")
+    ap.add_argument("--quick", action="store_true", help=f"4 RL steps per run instead of {STEPS}: a smoke run")
+    ap.add_argument("--steps", type=int, help=f"RL steps per run (default {STEPS}, 4 with --quick)")
     args = ap.parse_args(argv)
     harness.QUICK = args.quick
-    steps = args.steps or (4 if args.quick else 10)
+    steps = args.steps or (4 if args.quick else STEPS)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwinds: the components stop
     with tempfile.TemporaryDirectory(prefix="rollflow-multitenant-") as tmp:
         print(f"## {TITLE}\n\n{bench(Path(tmp), steps)}", flush=True)
