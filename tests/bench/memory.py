@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,9 +104,10 @@ class Sampled:
     peak_total_mb: float = 0.0
 
 
-def _sample_once(root: int, out: Sampled, boot: float) -> None:
+def _sample_once(roots: Sequence[int], out: Sampled, boot: float) -> None:
+    """One sample of every process in the trees of `roots`, at once: their PSS sum is one setup's total."""
     total = 0.0
-    for pid in _tree(root):
+    for pid in dict.fromkeys(pid for root in roots for pid in _tree(root)):
         pss = _pss_mb(pid)
         if pss is None:
             continue
@@ -127,12 +129,20 @@ def _sample_once(root: int, out: Sampled, boot: float) -> None:
 
 def sample_tree(proc: subprocess.Popen, timeout_s: float = RUN_TIMEOUT_S) -> Sampled:
     """Sample `proc`'s process tree every INTERVAL_S until it exits (killed after `timeout_s`)."""
+    return sample_trees([proc], timeout_s)
+
+
+def sample_trees(procs: Sequence[subprocess.Popen], timeout_s: float = RUN_TIMEOUT_S,
+                 also: Sequence[int] = ()) -> Sampled:  # fmt: skip
+    """Sample the trees of `procs` (and of the pids `also`, which may outlive them) every INTERVAL_S until
+    every one of `procs` exited (all killed after `timeout_s`)."""
     out, boot, deadline = Sampled(), _boot_time(), time.monotonic() + timeout_s
-    while proc.poll() is None:
+    while any(p.poll() is None for p in procs):
         if time.monotonic() > deadline:
-            proc.kill()
-            raise TimeoutError(f"the run did not finish in {timeout_s:.0f}s")
-        _sample_once(proc.pid, out, boot)
+            for p in procs:
+                p.kill()
+            raise TimeoutError(f"the run(s) did not finish in {timeout_s:.0f}s")
+        _sample_once([*also, *(p.pid for p in procs if p.poll() is None)], out, boot)
         time.sleep(INTERVAL_S)
     return out
 
