@@ -42,6 +42,7 @@ MAIN = {
 LONG = {
     "router_replay": "tests.bench.router_replay",
     "backends": "tests.bench.backends",
+    "multitenant": "tests.bench.multitenant",
 }
 TOOLS = {
     "mismatch_cost": "tests.bench.mismatch_cost",
@@ -50,6 +51,7 @@ TOOLS = {
     "algorithms": "tests.bench.algorithms",
     "cp_memory": "tests.bench.cp_memory",
     "trainer_mfu": "tests.bench.trainer_mfu",
+    "memory": "tests.bench.memory",
 }
 MODULES = {**MAIN, **LONG, **TOOLS}
 PAGE = harness.ROOT / "docs/benchmarks.md"

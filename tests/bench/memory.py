@@ -10,8 +10,8 @@ short-lived helpers). Reported per role: the peak PSS, and whether the process m
 imported); for the run: the peak of the sum over all processes, and the times of its phases from the process
 start times (/proc/PID/stat) and the trainer's metrics.jsonl (`time` of step 1): CLI start -> warm-up start,
 the warm-up, RL components start -> first RL step done (the figure compared with a peer trainer's start-up).
-`run(workspace)` returns the same section for `python -m tests.bench` (it is not in its default list: one run
-takes 2-3 minutes).
+`run(workspace)` returns the same section for `python -m tests.bench` (a stand-alone command there, run by
+`make bench-quick` only: one full run takes 2-3 minutes; the peer benchmark reports the run's memory too).
 """
 
 from __future__ import annotations
