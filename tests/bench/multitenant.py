@@ -1,8 +1,8 @@
 """K LoRA tenants on one shared deployment vs the same K profiles as K standalone runs (issue 27, docs/multitenant.md).
 
-`python -m tests.bench.multitenant [--quick] [--steps N]` prints a markdown section; `run(workspace)` returns it
-for `python -m tests.bench`. Everything goes through the real CLI, one local Prefect API serving every command
-(it is left out of the memory sums: both setups would share it alike):
+`python -m tests.bench.multitenant [--quick] [--learn] [--steps N]` prints a markdown section; `run(workspace)`
+returns it for `python -m tests.bench`. Everything goes through the real CLI, one local Prefect API serving every
+command (it is left out of the memory sums: both setups would share it alike):
 
 1. `rollflow shared up @ tiny-cpu.toml @ tiny-cpu-shared.toml` (a 40-step warm-up) publishes the backbone;
 2. for K = 2, then 3, interleaved (shared K, standalone K): K tenant runs started at once with
@@ -18,6 +18,10 @@ metrics.jsonl: completion tokens (samples x completion_len_mean) summed over eve
 the setup's whole wall time (all K started -> the last one exited) is the aggregate throughput; a tenant's step
 time is the median interval between its consecutive steps' `time`; its learning is the mean reward of its first
 n steps against its last n (n = 5, or steps // 2 when fewer).
+
+`--learn` (K = 3 only, default 50 steps): the tenants keep tiny-cpu-lora's batch (32 prompts x 8 samples) and the
+deployment its full 200-step warm-up, the shape tiny-cpu-lora is known to learn with (docs/benchmarks.md, LoRA),
+and a "Learning" table follows: per tenant the reward rise, shared vs standalone.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ BASE = [harness.ROOT / "profiles/tiny-cpu.toml", harness.ROOT / "profiles/tiny-c
 TENANT = harness.ROOT / "profiles/tiny-cpu-lora.toml"
 KS = (2, 3)
 STEPS = 20  # per run in full mode: first 5 vs last 5 rewards
+LEARN_STEPS = 50  # per run with --learn: 20 steps of 32 samples show no rise, tiny-cpu-lora rises over 50-100
 UP_TIMEOUT_S = 600.0
 # Three different tenants: environments, LoRA rank and targets differ (tenant-a is tiny-cpu-lora as it is).
 TENANTS = {
@@ -51,18 +56,24 @@ TENANTS = {
     "tenant-c": '[model.lora]\nrank = 8\nalpha = 16.0\ntarget_modules = ["q_proj", "v_proj", "o_proj"]\n'
     '[[envs]]\nname = "reverse-text"\nmin_chars = 3\nmax_chars = 6\n',
 }
+# What each tenant is, for the learning table: (environments, LoRA settings); seeds are 0, 1, 2 in order.
+DESCRIBE = {
+    "tenant-a": ("reverse-text + sort-letters, 3-8 chars", "rank 8, alpha 16, every projection"),
+    "tenant-b": ("sort-letters, 3-6 chars", "rank 4, alpha 8, every projection"),
+    "tenant-c": ("reverse-text, 3-6 chars", "rank 8, alpha 16, q/v/o only"),
+}
 
 
-def _deployment_toml(steps: int) -> str:
-    return _workload(steps) + "[sft]\nsteps = 40\n[shared]\nmax_tenants = 4\nmax_lora_rank = 8\npoll_s = 0.2\n"
+def _deployment_toml(steps: int, learn: bool) -> str:
+    warmup = "" if learn else "[sft]\nsteps = 40\n"  # --learn: tiny-cpu's 200 steps, the base tiny-cpu-lora learns on
+    return _workload(steps, learn) + warmup + "[shared]\nmax_tenants = 4\nmax_lora_rank = 8\npoll_s = 0.2\n"
 
 
-def _workload(steps: int) -> str:
-    """Every tenant's and standalone run's shape: short steps so K runs fit the machine at once."""
-    return (
-        f"max_steps = {steps}\n[orchestrator]\nbatch_size = 8\ngroup_size = 4\n[checkpoint]\ninterval = {steps}\n"
-        "[tracking]\nmlflow = false\n"
-    )
+def _workload(steps: int, learn: bool) -> str:
+    """Every tenant's and standalone run's shape: short steps so K runs fit the machine at once (with --learn,
+    tiny-cpu-lora's own batch: 32 prompts x 8 samples)."""
+    batch = "" if learn else "[orchestrator]\nbatch_size = 8\ngroup_size = 4\n"
+    return f"max_steps = {steps}\n{batch}[checkpoint]\ninterval = {steps}\n[tracking]\nmlflow = false\n"
 
 
 @dataclass
@@ -118,9 +129,9 @@ def _kill(procs: Sequence[subprocess.Popen]) -> None:
             p.wait(timeout=30)
 
 
-def _profiles(work: Path, name: str, steps: int) -> list[Path]:
+def _profiles(work: Path, name: str, steps: int, learn: bool) -> list[Path]:
     own = work / f"{name}.toml"
-    own.write_text(f"seed = {list(TENANTS).index(name)}\n" + _workload(steps) + TENANTS[name])
+    own.write_text(f"seed = {list(TENANTS).index(name)}\n" + _workload(steps, learn) + TENANTS[name])
     return [TENANT, own]
 
 
@@ -172,7 +183,7 @@ def _read_tenant(name: str, out: Path, steps: int) -> Tenant:
     )
 
 
-def _run_setup(work: Path, api_url: str, k: int, steps: int, deploy: Path, up_pid: int | None) -> Setup:
+def _run_setup(work: Path, api_url: str, k: int, steps: int, deploy: Path, up_pid: int | None, learn: bool) -> Setup:
     """K runs started at once (tenants of `deploy`, or standalone from its backbone), sampled until all exit."""
     kind = "shared" if up_pid is not None else "standalone"
     root = work / f"{kind}-{k}"
@@ -181,7 +192,7 @@ def _run_setup(work: Path, api_url: str, k: int, steps: int, deploy: Path, up_pi
     argvs = []
     for name in names:
         out = root / name
-        profiles = _profiles(root, name, steps)
+        profiles = _profiles(root, name, steps, learn)
         argv = ["rl", *(t for p in profiles for t in ("@", str(p))), "--output-dir", str(out)]
         if up_pid is not None:
             argv += ["--tenant-of", str(deploy), "--tenant", name]
@@ -203,12 +214,13 @@ def _run_setup(work: Path, api_url: str, k: int, steps: int, deploy: Path, up_pi
     return Setup(k, up_pid is not None, wall, sampled.peak_total_mb, tenants, os.getloadavg(), load_before)
 
 
-def measure(work: Path, steps: int) -> tuple[list[Setup], float]:
-    """Every setup, interleaved (shared 2, standalone 2, shared 3, standalone 3); and the deployment's up time."""
+def measure(work: Path, steps: int, learn: bool = False) -> tuple[list[Setup], float]:
+    """Every setup, interleaved (shared 2, standalone 2, shared 3, standalone 3; with --learn only the 3s); and the
+    deployment's up time."""
     from runtime.local_api import local_prefect_api
 
     deploy, base = work / "deploy", work / "deployment.toml"
-    base.write_text(_deployment_toml(steps))
+    base.write_text(_deployment_toml(steps, learn))
     setups = []
     with local_prefect_api(timeout_s=180.0) as api_url:
         t0 = time.monotonic()
@@ -217,11 +229,11 @@ def measure(work: Path, steps: int) -> tuple[list[Setup], float]:
         try:
             _wait_up(deploy, up, work / "up.log")
             up_s = time.monotonic() - t0
-            for k in KS:
+            for k in KS[-1:] if learn else KS:
                 print(f"[multitenant] K={k} shared ...", flush=True)
-                setups.append(_run_setup(work, api_url, k, steps, deploy, up.pid))
+                setups.append(_run_setup(work, api_url, k, steps, deploy, up.pid, learn))
                 print(f"[multitenant] K={k} standalone ...", flush=True)
-                setups.append(_run_setup(work, api_url, k, steps, deploy, None))
+                setups.append(_run_setup(work, api_url, k, steps, deploy, None, learn))
             down = subprocess.run([sys.executable, "-m", "rollflow.cli", "shared", "down", str(deploy)],
                                   env=_env(api_url), capture_output=True, text=True, timeout=120)  # fmt: skip
             if down.returncode != 0:
@@ -254,7 +266,7 @@ def _rows(setups: list[Setup]) -> list[list[str]]:
 
 def _ratio_rows(setups: list[Setup]) -> list[list[str]]:
     rows = []
-    for k in KS:
+    for k in sorted({s.k for s in setups}):
         sh, al = (next(s for s in setups if s.k == k and s.shared is flag) for flag in (True, False))
         steps = [a.step_s / b.step_s for a, b in zip(sh.tenants, al.tenants, strict=True)]
         diff = max(
@@ -274,14 +286,30 @@ def _ratio_rows(setups: list[Setup]) -> list[list[str]]:
     return rows
 
 
-def render(setups: list[Setup], up_s: float, steps: int, total_s: float) -> str:
+def _learning(setups: list[Setup], n: int) -> str:
+    """The --learn table: per tenant its reward's first-n and last-n means, shared vs standalone."""
+    sh, al = (next(s for s in setups if s.shared is flag) for flag in (True, False))
+    rows = []
+    for i, (a, b) in enumerate(zip(sh.tenants, al.tenants, strict=True)):
+        env, lora = DESCRIBE[a.name]
+        rows.append([a.name, env, lora, str(i)] + [
+            f"{t.reward_first:.3f} -> {t.reward_last:.3f} ({t.reward_last - t.reward_first:+.3f})" for t in (a, b)
+        ])  # fmt: skip
+    cols = ["tenant", "env", "LoRA", "seed", f"shared: reward first {n} -> last {n} (rise)",
+            f"standalone: reward first {n} -> last {n} (rise)"]  # fmt: skip
+    return f"Learning\n\n{harness.table(cols, rows)}\n"
+
+
+def render(setups: list[Setup], up_s: float, steps: int, total_s: float, learn: bool = False) -> str:
     n = min(5, steps // 2)
     load = " / ".join(f"{x:.2f}" for x in setups[0].load_before)
     mode = "quick mode (`--quick`): smoke figures, not the full run" if harness.QUICK else "full mode"
+    mode += ", learning mode (`--learn`)" if learn else ""
+    shape, warmup = ("32 prompts x 8 samples", 200) if learn else ("8 prompts x 4 samples", 40)
     head = (
-        f"{mode}: every setup once, {steps} RL steps per run (8 prompts x 4 samples, `max_new_tokens = 12`), "
+        f"{mode}: every setup once, {steps} RL steps per run ({shape}, `max_new_tokens = 12`), "
         f"commit {harness.commit()}, load average before the first setup {load} (1/5/15 min), "
-        f"{total_s / 60:.1f} min in all (deployment up, its 40-step warm-up included: {up_s:.0f} s). "
+        f"{total_s / 60:.1f} min in all (deployment up, its {warmup}-step warm-up included: {up_s:.0f} s). "
         "Tenants (`tiny-cpu-lora.toml` +): a = both envs, rank 8, seed 0; b = "
         "sort-letters, rank 4, seed 1; c = reverse-text, rank 8 on q/v/o only, seed 2. One run per setup on a "
         "shared 2-core machine: read the ratios, measured minutes apart in the same command, not the absolute times."
@@ -298,13 +326,14 @@ def render(setups: list[Setup], up_s: float, steps: int, total_s: float) -> str:
         "Memory: the peak of the PSS summed over every process of the setup at one instant (the K CLI/flow "
         "processes and their components; for the shared setup also `shared up` with its inference server and "
         "trainer); the local Prefect API both setups report to is left out.\n"
+        + (f"\n{_learning(setups, n)}" if learn else "")
     )
 
 
-def bench(work: Path, steps: int) -> str:
+def bench(work: Path, steps: int, learn: bool = False) -> str:
     t0 = time.monotonic()
-    setups, up_s = measure(work, steps)
-    return render(setups, up_s, steps, time.monotonic() - t0)
+    setups, up_s = measure(work, steps, learn)
+    return render(setups, up_s, steps, time.monotonic() - t0, learn)
 
 
 def run(ws: harness.Workspace) -> str:
@@ -317,13 +346,16 @@ def run(ws: harness.Workspace) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m tests.bench.multitenant", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"4 RL steps per run instead of {STEPS}: a smoke run")
-    ap.add_argument("--steps", type=int, help=f"RL steps per run (default {STEPS}, 4 with --quick)")
+    ap.add_argument("--learn", action="store_true", help="K = 3 only, tiny-cpu-lora's batch: a learning table")
+    ap.add_argument(
+        "--steps", type=int, help=f"RL steps per run (default {STEPS}; {LEARN_STEPS} with --learn; 4 with --quick)"
+    )
     args = ap.parse_args(argv)
     harness.QUICK = args.quick
-    steps = args.steps or (4 if args.quick else STEPS)
+    steps = args.steps or (4 if args.quick else LEARN_STEPS if args.learn else STEPS)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwinds: the components stop
     with tempfile.TemporaryDirectory(prefix="rollflow-multitenant-") as tmp:
-        print(f"## {TITLE}\n\n{bench(Path(tmp), steps)}", flush=True)
+        print(f"## {TITLE}\n\n{bench(Path(tmp), steps, args.learn)}", flush=True)
 
 
 if __name__ == "__main__":
