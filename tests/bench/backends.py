@@ -24,10 +24,14 @@ from tests.bench.inference import WIDE, Case, Pair
 TITLE = "8. Generation backends: embedded engine vs vLLM CPU vs HF generate()"
 NEW_TOKENS = 24
 LARGE = {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 4, "intermediate_size": 2048}
-SHAPES = [  # (name, model overrides, prompts, group, natural stop measured)
+# SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M's config.json; random weights, tied embeddings)
+SMOL = LARGE | {"hidden_size": 576, "num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "intermediate_size": 1536}
+SMOL |= {"vocab_size": 49152, "tie_word_embeddings": True}
+SHAPES = [  # (name, model overrides, prompts, group, natural stop measured): ~1M, ~12M, ~76M, ~135M parameters
     ("tiny", {}, 32, 8, True),
     ("wide", WIDE, 16, 8, False),
     ("large", LARGE, 8, 8, False),
+    ("smollm2", SMOL, 8, 8, False),
 ]
 THREADS = "1"  # every backend on one core: torch threads for ours and HF, vLLM's OMP threads bound to core 0
 
@@ -247,7 +251,8 @@ inside its figure), one OMP thread bound to core 0 (`VLLM_CPU_OMP_THREADS_BIND=0
 `LlamaForCausalLM.generate`. Each backend on one thread. tokens/s = generated tokens / wall time of the
 whole batch (vLLM: `usage.completion_tokens`). Fixed = {NEW_TOKENS} tokens per row. Shapes: tiny = the
 workload's model (hidden 192, 3 layers); wide = hidden 512, 4 layers, MLP 1536; large = hidden 768,
-12 layers, 12 heads (4 KV), MLP 2048. Weight update: engine = `weights.load` + `load_published` (what its
+12 layers, 12 heads (4 KV), MLP 2048; smollm2 = SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads
+(3 KV), MLP 1536, vocabulary 49,152, tied embeddings), random weights. Weight update: engine = `weights.load` + `load_published` (what its
 /update_weights runs after the HTTP call); vLLM = `materialize` (publication -> local safetensors) and
 the vLLM backend's `apply_update` (pause keep, `collective_rpc` rollflow_load, resume) over HTTP.
 """
