@@ -252,9 +252,10 @@ inside its figure), one OMP thread bound to core 0 (`VLLM_CPU_OMP_THREADS_BIND=0
 whole batch (vLLM: `usage.completion_tokens`). Fixed = {NEW_TOKENS} tokens per row. Shapes: tiny = the
 workload's model (hidden 192, 3 layers); wide = hidden 512, 4 layers, MLP 1536; large = hidden 768,
 12 layers, 12 heads (4 KV), MLP 2048; smollm2 = SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads
-(3 KV), MLP 1536, vocabulary 49,152, tied embeddings), random weights. Weight update: engine = `weights.load` + `load_published` (what its
-/update_weights runs after the HTTP call); vLLM = `materialize` (publication -> local safetensors) and
-the vLLM backend's `apply_update` (pause keep, `collective_rpc` rollflow_load, resume) over HTTP.
+(3 KV), MLP 1536, vocabulary 49,152, tied embeddings), random weights. Weight update: engine =
+`weights.load` + `load_published` (what its /update_weights runs after the HTTP call); vLLM =
+`materialize` (publication -> local safetensors) and the vLLM backend's `apply_update` (pause keep,
+`collective_rpc` rollflow_load, resume) over HTTP.
 """
 
 
