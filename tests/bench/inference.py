@@ -72,14 +72,14 @@ class Pair:
         texts = [mix.task(f"bench/{i}").prompt for i in range(case.prompts)]
         self.prompts = [self.tok.encode(t) for t in texts for _ in range(case.group)]
 
-    def ours_generate(self, new_tokens: int) -> tuple[float, int]:
-        """(seconds, tokens generated)."""
+    def ours_generate(self, new_tokens: int, model=None) -> tuple[float, int]:
+        """(seconds, tokens generated) of `model` (default: ours)."""
         from engines.inference.embedded.generate import generate
 
         n = len(self.prompts)
         t0 = time.perf_counter()
         outs = generate(
-            self.ours, self.prompts, max_new_tokens=[new_tokens] * n, temperatures=[1.0] * n,
+            model or self.ours, self.prompts, max_new_tokens=[new_tokens] * n, temperatures=[1.0] * n,
             eos_id=self.eos, pad_id=self.tok.pad_id, seeds=list(range(n)),
         )  # fmt: skip
         return time.perf_counter() - t0, sum(len(c.token_ids) for c in outs)
