@@ -155,7 +155,9 @@ def shared_deployment(config: dict) -> dict:
         try:
             write_state(deploy_dir, "starting", run_id=run_id)
             _backbone(cfg, run_id, logs, stop, logger)
-            url = f"http://{cfg.inference.host}:{cfg.inference.port or free_port(cfg.inference.host)}"
+            # one port for the deployment's life: deployment.json names it, restarts of the server keep it
+            cfg.inference.port = cfg.inference.port or free_port(cfg.inference.host)
+            url = f"http://{cfg.inference.host}:{cfg.inference.port}"
             procs = _Processes(cfg, write_process_configs(cfg, run_id, url), logs, stop, logger)
             logger.info(
                 f"shared deployment {deploy_dir} serving at {url}; `rollflow shared down {deploy_dir}` stops it"
