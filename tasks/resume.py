@@ -12,7 +12,7 @@ from config.registry import COMPONENT_MODULES
 from config.run import RunConfig
 from engines.inference.backend import launch_plan, teacher_plan
 from runtime.rundir import free_port, write_configs
-from runtime.tenancy import SharedTarget, copy_backbone
+from runtime.tenancy import SharedTarget, copy_backbone, retire
 from storage import weights
 from storage.fs import get_fs, is_committed
 from storage.resume import repair, resume_point, rollback
@@ -44,6 +44,8 @@ def prepare_attempt(
     node itself on several nodes, while the orchestrator sits on the trainer's first node."""
     logger = get_run_logger()
     fs, root = get_fs(cfg.output_dir, cfg.storage)
+    if shared is not None and not retire(shared, cfg.output_dir, cfg.restart.stall.trainer_s):
+        logger.warning("the shared trainer did not confirm it let the previous attempt go; rolling back anyway")
     step = resume_point(fs, root, logger.warning)
     for what in rollback(fs, root, step):
         logger.info(f"rolled back: removed {what}")
