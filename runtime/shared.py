@@ -15,6 +15,7 @@ DEPLOY_DIR is laid out like a run directory:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -26,7 +27,7 @@ from config.tenant import DeploymentRecord, SharedConfig, SharedInferenceSetting
 from runtime.rundir import write_run_config
 from storage import weights
 from storage.fs import get_fs, is_committed, join, read_manifest, write_json
-from storage.tenants import read_deployment, read_tenants, write_deployment
+from storage.tenants import read_deployment, read_tenants, remove_tenant, write_deployment
 
 STATE_FILE = "shared_state.json"
 STOP_FILE = "shared.stop"
@@ -152,3 +153,17 @@ def status(deploy_dir: str) -> dict:
             report = None
         tenants[name] = {"output_dir": rec.output_dir, "attempt": rec.attempt, "trainer": report}
     return {"state": read_state(deploy_dir), "deployment": record, "tenants": tenants, "skipped": skipped}
+
+
+def fail_tenants(deploy_dir: str, why: str) -> list[str]:
+    """The shared trainer died: every attached tenant's attempt ends as if its own trainer had (its flow reads
+    `failed` and restarts from its checkpoint, with a new record), and the records go before a new trainer starts,
+    so that one never continues a tenant past a step the dead one left half done. Returns the tenants' names."""
+    records, _ = read_tenants(deploy_dir)
+    for name, record in records.items():
+        fs, root = get_fs(record.output_dir)
+        status = SharedTrainerStatus(attempt=record.attempt, state="failed", step=0, error=why, updated=time.time())
+        with contextlib.suppress(OSError):  # its storage is down: its flow's stall watch ends the attempt instead
+            write_json(fs, join(root, "shared_trainer.json"), status.model_dump(mode="json"))
+        remove_tenant(deploy_dir, name)
+    return sorted(records)

@@ -167,3 +167,45 @@ def test_a_killed_tenant_resumes_onto_the_deployment_while_another_trains_on(tmp
             if cli.poll() is None:
                 cli.kill()
                 cli.wait()
+
+
+def _shared_trainer_pid(deploy: Path) -> int:
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "engines.trainer.shared" in cmd and str(deploy) in cmd:
+            return int(pid)
+    raise AssertionError("no shared trainer process")
+
+
+def test_a_killed_shared_trainer_is_restarted_and_its_tenants_restart_from_their_checkpoints(tmp_path, prefect_api):
+    deploy, logs, steps = tmp_path / "shared", tmp_path / "logs", 6
+    logs.mkdir()
+    up = start_cli(
+        tmp_path, logs / "up.log", prefect_api, "shared", "up", *_args([*BASE, SHORT]), "--deploy-dir", str(deploy)
+    )
+    clis: dict[str, subprocess.Popen] = {}
+    try:
+        _wait_up(deploy, up, logs / "up.log")
+        record = json.loads((deploy / "deployment.json").read_text())
+        for name, extra in (("tenant-a", []), ("tenant-b", [_tenant_b(tmp_path)])):
+            argv = ["rl", *_args([*TENANT, *extra]), "--output-dir", str(tmp_path / name), "--max-steps", str(steps)]
+            clis[name] = start_cli(
+                tmp_path, logs / f"{name}.log", prefect_api, *argv, "--tenant-of", str(deploy), "--tenant", name
+            )
+        _wait_trained(tmp_path / "tenant-a", 3, clis["tenant-a"])
+        os.kill(_shared_trainer_pid(deploy), signal.SIGKILL)
+        for name, cli in clis.items():
+            assert cli.wait(timeout=600) == 0, (logs / f"{name}.log").read_text()[-4000:]
+        for name in clis:
+            _check_tenant(tmp_path / name, record["backbone_sha256"], steps)
+        assert json.loads((deploy / "shared_state.json").read_text())["restarts"] == {"inference": 0, "trainer": 1}
+        assert json.loads((tmp_path / "tenant-a" / "state.json").read_text())["attempts"] >= 2  # restarted
+        _down(deploy, up, prefect_api, logs / "up.log")
+    finally:
+        for cli in [up, *clis.values()]:
+            if cli.poll() is None:
+                cli.kill()
+                cli.wait()
