@@ -162,7 +162,8 @@ def fail_tenants(deploy_dir: str, why: str) -> list[str]:
     records, _ = read_tenants(deploy_dir)
     for name, record in records.items():
         fs, root = get_fs(record.output_dir)
-        status = SharedTrainerStatus(attempt=record.attempt, state="failed", step=0, error=why, updated=time.time())
+        step = record.resume_step or 0
+        status = SharedTrainerStatus(attempt=record.attempt, state="failed", step=step, error=why, updated=time.time())
         with contextlib.suppress(OSError):  # its storage is down: its flow's stall watch ends the attempt instead
             write_json(fs, join(root, "shared_trainer.json"), status.model_dump(mode="json"))
         remove_tenant(deploy_dir, name)
