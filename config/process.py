@@ -16,6 +16,7 @@ from config.run import RunConfig
 from config.sft import SFTConfig
 from config.storage import StorageConfig
 from config.teacher import TeacherConfig
+from config.tenant import SharedConfig, SharedInferenceSettings
 from config.tracking import TrackingConfig
 from config.trainer import CheckpointConfig, TrainerConfig
 from config.trainer_parallel import TrainerParallelConfig
@@ -47,6 +48,9 @@ class InferenceProcessConfig(Strict):
     # newest), or with `pretrained` model.path's own weights as version 0 (nothing under run.output_dir is read).
     serve_version: int | None = Field(None, ge=0)
     pretrained: bool = False
+    # a shared deployment's inference server (docs/multitenant.md): run.output_dir is DEPLOY_DIR, model the backbone;
+    # it serves every tenant recorded in deploy_dir/tenants/ with its own adapter (embedded backend only)
+    shared: SharedInferenceSettings | None = None
 
 
 class OrchestratorProcessConfig(Strict):
@@ -84,6 +88,20 @@ class TrainerProcessConfig(Strict):
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
     eval: EvalConfig = EvalConfig()  # eval.interval > 0: merge the online evaluations into metrics.jsonl
     mode: Literal["rl"] = "rl"
+
+
+class SharedTrainerProcessConfig(Strict):
+    """`DEPLOY_DIR/config/shared_trainer.json`: the shared trainer of a deployment (engines/trainer/shared.py). It
+    loads `model` (the backbone, no [model.lora]) once from run.output_dir's version 0 and trains every tenant
+    recorded in `deploy_dir`/tenants/ from that tenant's own OUTPUT_DIR/config/trainer.json."""
+
+    run: ComponentPaths  # the deployment directory, laid out like a run directory
+    model: ModelConfig  # the backbone; a tenant's [model] must equal it apart from [model.lora]
+    trainer: TrainerConfig  # the process's own settings (num_threads); each tenant trains with its own
+    seed: int
+    deploy_dir: str
+    shared: SharedConfig = SharedConfig()
+    mode: Literal["shared"] = "shared"
 
 
 class SFTRunSettings(Strict):

@@ -21,7 +21,7 @@ import os
 import socket
 import time
 
-from config.process import ComponentPaths, InferenceProcessConfig, sft_config
+from config.process import ComponentPaths, InferenceProcessConfig, SharedTrainerProcessConfig, sft_config
 from config.run import RunConfig
 from config.tenant import DeploymentRecord, SharedConfig, SharedInferenceSettings, SharedTrainerStatus
 from runtime.rundir import write_run_config
@@ -71,8 +71,6 @@ def backbone_committed(cfg: RunConfig) -> bool:
 
 def write_process_configs(cfg: RunConfig, run_id: str, inference_url: str) -> dict[str, str]:
     """config/inference.json, config/shared_trainer.json and deployment.json; returns component -> config URL."""
-    from config.process import SharedTrainerProcessConfig  # TODO(merge mt-trainer): top-level import
-
     assert cfg.shared is not None  # shared_problems refused the profile otherwise
     fs, root = get_fs(cfg.output_dir, cfg.storage)
     here = paths(cfg, run_id)

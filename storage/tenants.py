@@ -14,13 +14,14 @@ import os
 
 from pydantic import ValidationError
 
-from config.tenant import TENANT_NAME_RE, DeploymentRecord, TenantRecord, check_tenant_name
+from config.tenant import TENANT_NAME_RE, DeploymentRecord, SharedTrainerStatus, TenantRecord, check_tenant_name
 from storage.fs import get_fs, join, read_json, write_json
 
 log = logging.getLogger("rollflow.tenants")
 
 DEPLOYMENT_FILE = "deployment.json"
 TENANTS_DIR = "tenants"
+STATUS_FILE = "shared_trainer.json"  # in a tenant's OUTPUT_DIR: the shared trainer's word on it
 
 
 def tenant_path(deploy_dir: str, name: str) -> str:
@@ -82,3 +83,17 @@ def read_deployment(deploy_dir: str) -> DeploymentRecord:
         raise ValueError(f"{path}: no shared deployment here (start one with `rollflow shared up`)") from exc
     except (ValidationError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not a valid deployment record: {exc}") from exc
+
+
+def write_status(output_dir: str, status: SharedTrainerStatus) -> None:
+    """The shared trainer's status of a tenant, in the tenant's OUTPUT_DIR (atomically)."""
+    fs, root = get_fs(output_dir)
+    write_json(fs, join(root, STATUS_FILE), status.model_dump(mode="json"))
+
+
+def read_status(output_dir: str) -> SharedTrainerStatus | None:
+    """The tenant's status; None while the shared trainer has written none (or a half-written one is absent)."""
+    try:
+        return SharedTrainerStatus.model_validate(read_json(join(output_dir, STATUS_FILE)))
+    except FileNotFoundError:
+        return None

@@ -37,9 +37,12 @@ def publish(root: str, model_cfg: ModelConfig, version: int, seed: int) -> Causa
 
 
 @contextmanager
-def serving(root: str, model_cfg: ModelConfig, inference: dict | None = None) -> Iterator[httpx.Client]:
-    """The server on the newest publication under `root` with these `[inference]` settings (a free port), until
-    the block ends; a client with its base URL."""
+def serving(
+    root: str, model_cfg: ModelConfig, inference: dict | None = None, process: dict | None = None
+) -> Iterator[httpx.Client]:
+    """The server on the newest publication under `root` with these `[inference]` settings (a free port) and
+    other InferenceProcessConfig fields (`process`, e.g. `shared`), until the block ends; a client with its base
+    URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -48,6 +51,7 @@ def serving(root: str, model_cfg: ModelConfig, inference: dict | None = None) ->
         model=model_cfg,
         inference=InferenceConfig(**{**(inference or {}), "port": port}),
         seed=0,
+        **(process or {}),
     )
     path = f"{root}/inference.json"
     with open(path, "w") as f:

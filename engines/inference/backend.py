@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from config.registry import INFERENCE_BACKEND_GROUP, INFERENCE_BACKENDS, registered
 from config.vllm import SHAPE_KEYS
@@ -59,6 +59,10 @@ class Capabilities:
     vision: bool = False
     # why it does not, when it does not: the load-time check's message for a vision-language model
     no_vision_reason: str = ""
+    # serves a shared deployment's tenants, each with its own LoRA adapter (InferenceProcessConfig.shared,
+    # docs/multitenant.md); `no_shared_reason`: why not, the message of its refusal at load
+    shared: bool = False
+    no_shared_reason: str = ""
     # `module:attribute` of (RunConfig) -> {file name: text}: what `--dry-run` and every attempt write to
     # OUTPUT_DIR/config/ besides the component configs (e.g. the vLLM commands); None: nothing
     launch_plan: str | None = None
@@ -95,6 +99,7 @@ class Generation:
     # the request's images (bytes, in prompt order), decoded and checked against the model by the front end
     images: tuple[bytes, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
+    tenant: str | None = None  # a shared server: the tenant the request's `model` named and its token proved
 
     @property
     def chat(self) -> bool:
@@ -106,6 +111,15 @@ class Generation:
 Body = api.CompletionResponse | api.ChatResponse | dict[str, Any]
 
 
+class TenantAuth(Protocol):
+    """A shared server's gate (docs/multitenant.md): which tenant a request is for."""
+
+    def authorize(self, model: str | None, authorization: str | None) -> str:
+        """The tenant `model` names when `authorization` (the request's Authorization header) carries its token;
+        BackendError 404 (no such tenant), 401 (missing or wrong token), 403 (the tenant was refused)."""
+        ...
+
+
 class Backend(abc.ABC):
     """The engine behind the front end. Generation runs under asyncio cancellation: when the client goes
     away the front end cancels `generate`, or stops iterating `stream`, and the backend stops the work."""
@@ -115,6 +129,8 @@ class Backend(abc.ABC):
     # the served model's image token layout when it is a vision-language model; None: text only (the front end
     # refuses a request with images)
     vision_spec: VisionSpec | None = None
+    # a shared server's tenant gate: generation and /update_weights then need a tenant's token (no admin token)
+    tenant_auth: TenantAuth | None = None
 
     @abc.abstractmethod
     async def generate(self, gen: Generation) -> Body:
@@ -243,6 +259,18 @@ def check(
         for what, has in missing
     ]
     raise PluginError("the inference backend cannot run these settings:\n  " + "\n  ".join(lines))
+
+
+def check_shared(name: str) -> None:
+    """Refuse (PluginError) a shared deployment's server on a backend that cannot serve tenants' adapters."""
+    caps = spec(name).capabilities
+    if not caps.shared:
+        why = f" ({caps.no_shared_reason})" if caps.no_shared_reason else ""
+        others = ", ".join(n for n, c in _others(name).items() if c.shared) or "none"
+        raise PluginError(
+            f"a shared deployment (tenants' LoRA adapters): inference.backend = {name!r} does not serve it{why} "
+            f"(registered backends that do: {others})"
+        )
 
 
 def launch_plan(cfg: Any) -> dict[str, str]:

@@ -5,6 +5,10 @@
     POST /v1/completions, /v1/chat/completions    OpenAI-compatible; `stream=true` answers server-sent events
     POST /update_weights, /shutdown               admin: `Authorization: Bearer <token>`
 
+A shared deployment's server (a backend with `tenant_auth`, docs/multitenant.md) serves tenants: a generation's
+`model` names the tenant and its `Authorization: Bearer` carries that tenant's token (404 / 401 otherwise), and
+/update_weights takes a `tenant` and its token in place of the admin token (/shutdown stays the admin's).
+
 A request body is bounded in size (413, chunked bodies included), validated against engines/protocol.py (an
 unknown field, an unsupported value or one over a limit is a 400 naming it; the message lists the first few
 errors and a count), checked against the model's length (a text prompt before it is tokenised), admitted (at
@@ -54,8 +58,10 @@ ERRORS = {
     "that cannot run (empty prompt, token ids outside the vocabulary, prompt + max_tokens over max_model_len, "
     "n over the batch, more tokens of work than the server's whole budget, images to a text-only model, an image that "
     "does not decode or breaks a bound, image token runs that do not match the images)",
-    401: "admin route without the right bearer token",
-    404: "unknown model name, or no committed publication at that version or path",
+    401: "admin route without the right bearer token (a shared server: the tenant's token)",
+    403: "a shared server's tenant that was refused (its adapter's base is not the backbone, or no slot is free)",
+    404: "unknown model name (a shared server: no such tenant), or no committed publication at that version or path",
+    410: "a shared server's tenant that left (or restarted) while its request waited or ran",
     409: "a publication older than the served version",
     413: f"a request body over {MAX_BODY_BYTES} bytes",
     422: "a corrupted publication or one that does not fit the model (the file or the tensors are named)",
@@ -63,8 +69,9 @@ ERRORS = {
     "retry after the Retry-After header's seconds",
     503: "the backend cannot serve now (an upstream server is down)",
 }
-KINDS = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error",
-         500: "internal_error", 503: "service_unavailable_error"}  # fmt: skip
+KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 409: "conflict_error",
+         410: "not_found_error", 429: "rate_limit_error", 500: "internal_error",
+         503: "service_unavailable_error"}  # fmt: skip
 T = TypeVar("T")
 
 
@@ -303,9 +310,7 @@ def build_app(backend: Backend, settings: Settings) -> FastAPI:
         """Messages in (the chat template); with `stream=true`, `text/event-stream` chunks."""
         return await generate(req, http)
 
-    @app.post("/update_weights", dependencies=[admin], responses=_errors(400, 401, 404, 409, 422, 503))
-    async def update_weights(req: api.UpdateWeightsRequest) -> api.UpdateWeightsResponse:
-        return await backend.update_weights(req)
+    _update_route(app, backend, admin)
 
     @app.post("/shutdown", dependencies=[admin], responses=_errors(401))
     async def shutdown() -> dict:
@@ -314,6 +319,28 @@ def build_app(backend: Backend, settings: Settings) -> FastAPI:
         return {"status": "shutting down"}
 
     return app
+
+
+def _update_route(app: FastAPI, backend: Backend, admin) -> None:
+    """POST /update_weights: the admin token's, or on a shared server the named tenant's (its own token)."""
+    gate = backend.tenant_auth
+    if gate is None:
+
+        @app.post("/update_weights", dependencies=[admin], responses=_errors(400, 401, 404, 409, 422, 503))
+        async def update_weights(req: api.UpdateWeightsRequest) -> api.UpdateWeightsResponse:
+            return await backend.update_weights(req)
+
+        return
+
+    @app.post("/update_weights", responses=_errors(400, 401, 403, 404, 409, 410, 422, 503))
+    async def update_tenant(
+        req: api.UpdateWeightsRequest, authorization: str | None = Header(default=None)
+    ) -> api.UpdateWeightsResponse:
+        """A tenant's adapter: `tenant` and `version`, with the tenant's bearer token."""
+        if req.tenant is None or req.version is None:
+            raise HTTPException(400, "a shared server updates one tenant's adapter: give `tenant` and `version`")
+        gate.authorize(req.tenant, authorization)
+        return await backend.update_weights(req)
 
 
 class Admission:
@@ -384,7 +411,10 @@ def _generation_route(backend: Backend, settings: Settings, admission: Admission
     admission budget while the request runs, answer."""
 
     async def answer(body: api.CompletionRequest | api.ChatRequest, http: Request) -> Response:
-        if body.model is not None and body.model != backend.model_name:
+        tenant = None
+        if backend.tenant_auth is not None:  # a shared server: `model` names the tenant, its token proves it
+            tenant = backend.tenant_auth.authorize(body.model, http.headers.get("authorization"))
+        elif body.model is not None and body.model != backend.model_name:
             raise HTTPException(404, f"model {body.model!r} does not exist: this server serves {backend.model_name!r}")
         check_length(body, backend.max_model_len)
         work = cost(body, backend.max_model_len)
@@ -392,6 +422,7 @@ def _generation_route(backend: Backend, settings: Settings, admission: Admission
         release_here = True
         try:
             gen = generation(body, http.headers, settings.session_header)
+            gen.tenant = tenant
             spec = backend.vision_spec  # decoding images is CPU work: off the event loop (a text model's check is not)
             gen.images = await asyncio.to_thread(request_images, body, spec) if spec else request_images(body, None)
             if body.stream:

@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = InferenceProcessConfig.model_validate(read_process_config("engines.inference", __doc__, argv))
     try:
         backends.check(cfg.inference, cfg.weight_broadcast)
+        if cfg.shared is not None:
+            backends.check_shared(cfg.inference.backend)
     except PluginError as exc:
         raise SystemExit(str(exc)) from None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the backend's close() runs

@@ -160,3 +160,134 @@ def publish(publisher, model, cfg: LoRAConfig, version: int, files: dict[str, by
     merged = merged_state_dict(model) if cfg.save_merged else None
     config = adapter_config_json(cfg, model, base_path)
     return publisher.publish_adapter(version, adapter_state_dict(model), config, base_version, files, merged)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Multi-slot adapters for a shared inference server (docs/multitenant.md): one slot per tenant, slot 0 = none
+
+
+class SlotIndex:
+    """Which adapter slot each batch row uses in the next model call, shared by every `MultiLoRALinear` of a
+    model: the decoder sets it before each call (`set`), the layers read its groups (slot, row indices)."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.groups: list[tuple[int, torch.Tensor | None]] = []  # rows of each slot > 0; None: every row
+
+    def set(self, slots: torch.Tensor) -> None:
+        self.rows = len(slots)
+        distinct = [int(s) for s in torch.unique(slots).tolist() if s]
+        if len(distinct) == 1 and bool((slots == distinct[0]).all()):
+            self.groups = [(distinct[0], None)]
+        else:
+            self.groups = [(s, torch.nonzero(slots == s).flatten()) for s in distinct]
+
+
+class MultiLoRALinear(nn.Linear):
+    """A Linear layer with one low-rank update per slot, chosen per batch row (`SlotIndex`).
+
+    Slot s holds A [rank_s, in] and B [out, rank_s] in storage sized for `max_rank`, and its scaling; the rows of
+    slot s get `base(x) + scaling_s * B_s(A_s(x))` computed on those rows alone with the slot's own rank, the
+    operations `LoRALinear` runs, so a row's output equals a single-adapter layer's up to batch-size rounding.
+    Rows of slot 0, or of a slot with no adapter on this layer (its tenant does not target it), get the base
+    output unchanged."""
+
+    def __init__(self, base: nn.Linear, slots: int, max_rank: int, index: SlotIndex):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        dtype, device = base.weight.dtype, base.weight.device
+        # flat per slot, so a slot's [rank, in] and [out, rank] are contiguous views (as LoRALinear's weights)
+        self.slot_A: torch.Tensor
+        self.slot_B: torch.Tensor
+        a = torch.zeros(slots, max_rank * self.in_features, dtype=dtype, device=device)
+        self.register_buffer("slot_A", a, persistent=False)
+        self.register_buffer(
+            "slot_B", torch.zeros(slots, self.out_features * max_rank, dtype=dtype, device=device), persistent=False
+        )
+        self.ranks: dict[int, tuple[int, float]] = {}  # slot -> (rank, scaling) of the slots holding an adapter
+        self.index = index
+
+    def fill(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, scaling: float) -> None:
+        """Put an adapter in `slot` (None: none on this layer)."""
+        self.slot_A[slot].zero_()
+        self.slot_B[slot].zero_()
+        self.ranks.pop(slot, None)
+        if a is None or b is None:
+            return
+        rank = a.shape[0]
+        self._halves(slot, rank)[0].copy_(a)
+        self._halves(slot, rank)[1].copy_(b)
+        self.ranks[slot] = (rank, scaling)
+
+    def _halves(self, slot: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot `slot`'s A [rank, in] and B [out, rank], views of its storage."""
+        a = self.slot_A[slot, : rank * self.in_features].view(rank, self.in_features)
+        return a, self.slot_B[slot, : self.out_features * rank].view(self.out_features, rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if not self.ranks:
+            return y
+        if x.shape[0] != self.index.rows:
+            raise RuntimeError(f"adapter slots set for {self.index.rows} rows, the input has {x.shape[0]}")
+        for slot, rows in self.index.groups:
+            if slot not in self.ranks:
+                continue
+            rank, scaling = self.ranks[slot]
+            a, b = self._halves(slot, rank)
+            if rows is None:
+                y = y + F.linear(F.linear(x, a), b) * scaling
+            else:
+                part = F.linear(F.linear(x.index_select(0, rows), a), b) * scaling
+                y = y.index_add(0, rows, part)
+        return y
+
+
+def attach_slots(model, slots: int, max_rank: int) -> SlotIndex:
+    """Give every Linear layer of a rollflow text model `slots` adapter slots (slot 0 stays empty); the model's
+    `lora_slots` is the index the decoder sets. Refuses MoE models (their expert layers see gathered tokens)."""
+    if getattr(model.cfg, "num_experts", 0):
+        raise ValueError("a shared deployment serves dense models only: MoE expert layers see gathered tokens")
+    module, index = model.weights_module(), SlotIndex()
+    names = [n for n, m in module.named_modules() if type(m) is nn.Linear and n]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, child, MultiLoRALinear(getattr(parent, child), slots, max_rank, index))
+    model.lora_slots = index
+    return index
+
+
+def slot_index(model) -> SlotIndex | None:
+    return getattr(model, "lora_slots", None)
+
+
+def slot_layers(model) -> dict[str, MultiLoRALinear]:
+    return {n: m for n, m in model.weights_module().named_modules() if isinstance(m, MultiLoRALinear)}
+
+
+def check_slot_adapter(model, adapters: dict[str, torch.Tensor], max_rank: int) -> None:
+    """Raise ValueError unless `adapters` (model names, `<layer>.lora_A.weight` / `.lora_B.weight`) fit the
+    slot layers: every layer known, both halves present, rank <= max_rank, shapes matching the layer."""
+    layers = slot_layers(model)
+    for key, t in adapters.items():
+        layer, _, half = key.rpartition(".lora_")
+        if half not in ("A.weight", "B.weight") or layer not in layers:
+            raise ValueError(f"adapter tensor {key!r} names no adaptable layer of the served model")
+        other = f"{layer}.lora_{'B' if half[0] == 'A' else 'A'}.weight"
+        if other not in adapters:
+            raise ValueError(f"adapter tensor {key!r} has no {other!r}")
+        m, a = layers[layer], adapters[f"{layer}.lora_A.weight"]
+        rank, want = a.shape[0], (a.shape[0], m.in_features) if half[0] == "A" else (m.out_features, a.shape[0])
+        if rank > max_rank:
+            raise ValueError(f"adapter rank {rank} over the deployment's max_lora_rank {max_rank}")
+        if tuple(t.shape) != want:
+            raise ValueError(f"adapter tensor {key!r} has shape {tuple(t.shape)}, the served layer wants {want}")
+
+
+def fill_slot(model, slot: int, adapters: dict[str, torch.Tensor], scaling: float) -> None:
+    """Replace slot `slot`'s adapters on every layer (layers `adapters` leaves out get none); checked first."""
+    for name, m in slot_layers(model).items():
+        a, b = adapters.get(f"{name}.lora_A.weight"), adapters.get(f"{name}.lora_B.weight")
+        m.fill(slot, a, b, scaling)

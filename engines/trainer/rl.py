@@ -92,7 +92,7 @@ class RLTrainer:
         seed_everything(cfg.seed, self.tcfg.num_threads)
         self.fs, self.root = Storage(cfg.run.storage).open(cfg.run.output_dir)
         self.publisher = weights.Publisher(self.fs, self.root)
-        loaded = modeldir.load(cfg.model, pretrained=False)  # version 0 or a checkpoint is loaded next
+        loaded = self._load_model()  # version 0 or a checkpoint is loaded next
         self.tok, self.model = loaded.tokenizer, loaded.model
         self.vision_spec = self.model.vision_spec if is_vision(self.model) else None  # rows carry images
         self.lora = cfg.model.lora
@@ -124,7 +124,7 @@ class RLTrainer:
             checkpoint.restore(self.fs, self.root, cfg.resume_step, self.state, self.dist)
             log.info(f"resumed from checkpoint step={cfg.resume_step}")
         # the flow's URI: trainer.json holds it redacted, MLFLOW_TRACKING_URI in full (config/tracking.py)
-        uri = resolve_tracking_uri(cfg.tracking.tracking_uri, cfg.run.output_dir) if cfg.mlflow_run_id else None
+        uri = self._tracking_uri() if cfg.mlflow_run_id else None
         self.tracker = Tracker(self.fs, self.root, uri, cfg.mlflow_run_id)
         self.evals = EvalMerger(self.fs, self.root, self.tracker, cfg.eval)  # eval.interval > 0 only
         self.sender = None
@@ -132,6 +132,14 @@ class RLTrainer:
             from engines.weight_transport import Sender
 
             self.sender = Sender(cfg.weight_broadcast)
+        self.checkpoint_now = CHECKPOINT_NOW  # a shared trainer gives each tenant its own (engines/trainer/shared.py)
+
+    def _load_model(self) -> modeldir.LoadedModel:
+        """The policy before any weights are loaded (a shared trainer's tenant shares a backbone instead)."""
+        return modeldir.load(self.cfg.model, pretrained=False)
+
+    def _tracking_uri(self) -> str | None:
+        return resolve_tracking_uri(self.cfg.tracking.tracking_uri, self.cfg.run.output_dir)
 
     def _build_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
         o = self.tcfg.optim
@@ -402,22 +410,31 @@ class RLTrainer:
         else:
             self.publisher.publish(step, published, self.publication_files)
 
+    def ready(self, step: int) -> bool:
+        """Whether step `step`'s rollouts are committed (never blocks): `train_step` would not wait."""
+        return is_committed(self.fs, rollouts.step_path(self.root, step))
+
+    def train_step(self, step: int) -> dict:
+        """One whole step: train on step's rollouts (waiting for them), publish, report, checkpoint when due."""
+        row = self.step(step)
+        if self.dist.is_main:
+            self._report(step, row)
+            self.evals.merge(step)
+        # every rank must checkpoint at the same step: SIGUSR1 may reach them a step apart
+        nudged = distributed.all_reduce([float(self.checkpoint_now.is_set())], self.dist, "max")[0]
+        if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.max_steps or nudged:
+            self.checkpoint_now.clear()
+            written = checkpoint.save(self.fs, self.root, step, self.state, self.dist)
+            heartbeat().advance(f"checkpoint step={step} written")
+            if self.dist.is_main:
+                log.info(f"checkpoint written: {written}")
+                retention.enforce(self.fs, self.root, bases=self.publisher.bases)
+        return row
+
     def run(self) -> None:
         signal.signal(signal.SIGUSR1, lambda *_: CHECKPOINT_NOW.set())
         for step in range(self.version + 1, self.cfg.max_steps + 1):
-            row = self.step(step)
-            if self.dist.is_main:
-                self._report(step, row)
-                self.evals.merge(step)
-            # every rank must checkpoint at the same step: SIGUSR1 may reach them a step apart
-            nudged = distributed.all_reduce([float(CHECKPOINT_NOW.is_set())], self.dist, "max")[0]
-            if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.max_steps or nudged:
-                CHECKPOINT_NOW.clear()
-                written = checkpoint.save(self.fs, self.root, step, self.state, self.dist)
-                heartbeat().advance(f"checkpoint step={step} written")
-                if self.dist.is_main:
-                    log.info(f"checkpoint written: {written}")
-                    retention.enforce(self.fs, self.root, bases=self.publisher.bases)
+            self.train_step(step)
         if self.dist.is_main:
             with heartbeat().waiting_on("orchestrator", "waiting for the final evaluation"):
                 self.evals.wait_final(self.cfg.max_steps)

@@ -218,7 +218,8 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
             **no_eval,
         },
         "trainer": no_eval,
-        "inference": {"role": "policy", "serve_version": None, "pretrained": False},  # set by rollflow eval only
+        # role..pretrained: set by rollflow eval only; shared: by a shared deployment only
+        "inference": {"role": "policy", "serve_version": None, "pretrained": False, "shared": None},
         "sft": {"sft_run": None},  # None: the RL warm-up
     }
     for name, sub in slices.items():

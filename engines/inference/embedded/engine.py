@@ -7,6 +7,13 @@ and, once all its rows have ended, its completions. Every completion records the
 produced its first and last token. A request's images (a vision-language model) travel with it to the
 prefill (generate.py), so such rows join a running batch as any other. With `record_routes`
 (`inference.enable_return_routed_experts`, MoE models) it also records the experts each token was routed to.
+
+A shared server's model has adapter slots (engines/models/lora.py `MultiLoRALinear`, docs/multitenant.md): a
+request names its tenant's slot and the lease under which the slot is the tenant's, its rows carry the slot
+through the batch, and each slot has its own policy version and pending updates (`update_slot`), applied between
+decode steps like the base's and touching only that slot's rows. `close_slot` (the tenant left or restarted)
+fails that slot's queued and running requests and clears it before the next step. Nothing is cached across
+requests (each request's KV lives in its rows only), so no state of one tenant or version reaches another's.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.inference.embedded.generate import Completion, Decoder, Refused, Sampling
+from engines.models import lora
 from engines.models.decoder import CausalLM
 from engines.seeds import row_seeds
 
@@ -46,6 +54,10 @@ class Request:
     on_tokens: Callable[[TokenEvents], None] | None = None  # called from the engine thread after each step
     # a vision-language model's prompt images (bytes, prompt order; checked against prompt_ids by the front end)
     images: tuple[bytes, ...] = ()
+    # a shared server's tenant: its adapter slot, and the lease under which the slot was its (a stale lease: the
+    # tenant left or restarted, and the request fails rather than run on whatever the slot holds now)
+    slot: int = 0
+    lease: int = 0
     future: Future = field(default_factory=Future)
 
     def sampling(self, seed: int) -> list[Sampling]:
@@ -62,6 +74,7 @@ class Request:
                 top_logprobs=self.top_logprobs,
                 kept_sizes=self.kept_sizes,
                 prompt_logprobs=self.prompt_logprobs,
+                slot=self.slot,
             )
             for s in row_seeds(seed, self.n)
         ]
@@ -72,6 +85,20 @@ class _PendingUpdate:
     state_dict: dict
     version: int
     applied: Future = field(default_factory=Future)  # resolves to the version served afterwards
+    slot: int = 0  # > 0: a tenant's adapters (`state_dict` holds only them) for that slot, with `scaling`
+    scaling: float = 0.0
+    lease: int = 0
+
+
+class TenantGone(Exception):
+    """The request's or update's tenant left the shared server (or restarted) before it was served."""
+
+
+@dataclass
+class _Closing:
+    slot: int
+    error: Exception
+    done: Future = field(default_factory=Future)
 
 
 @dataclass
@@ -108,6 +135,11 @@ class Engine:
         self._queue: list[Request] = []
         self._pending: list[_PendingUpdate] = []
         self._aborted: list[Request] = []  # running requests to drop before the next step
+        # a shared server (model with adapter slots): each open slot's served version and lease, and the slots
+        # being closed (their rows leave the batch, then their adapters are cleared, before the next step)
+        self.slot_versions: dict[int, int] = {}
+        self._leases: dict[int, int] = {}
+        self._closing: list[_Closing] = []
         self._busy = False
         self._stopped = False
         self.stats = {"batches": 0, "joins": 0, "steps": 0, "sequences": 0, "tokens": 0, "updates": 0, "aborted": 0}
@@ -115,10 +147,18 @@ class Engine:
         self._thread.start()
 
     def submit(self, request: Request) -> Future:
-        with self._cv:
-            self._queue.append(request)
-            self._cv.notify()
+        self.submit_many([request])
         return request.future
+
+    def submit_many(self, requests: list[Request]) -> None:
+        """Queue `requests` at once (they join the batch together when they fit)."""
+        with self._cv:
+            for request in requests:
+                if request.slot and self._leases.get(request.slot) != request.lease:
+                    request.future.set_exception(TenantGone("the tenant left or restarted"))
+                else:
+                    self._queue.append(request)
+            self._cv.notify()
 
     def abort(self, request: Request) -> None:
         """Stop working on `request` (its client went away): a queued one leaves the queue, a running one's
@@ -146,32 +186,102 @@ class Engine:
                 self._apply_pending_locked()
         return update.applied.result(timeout)
 
+    def open_slot(self, slot: int, lease: int) -> None:
+        """Give adapter slot `slot` (> 0, free) to a tenant under `lease`; it serves no version (-1) until loaded."""
+        with self._cv:
+            if slot in self._leases or any(c.slot == slot for c in self._closing):
+                raise ValueError(f"adapter slot {slot} is not free")
+            self._leases[slot], self.slot_versions[slot] = lease, -1
+
+    def update_slot(
+        self, slot: int, lease: int, adapters: dict, scaling: float, version: int, timeout: float = 600.0
+    ) -> int:
+        """Serve `adapters` (checked by the caller: lora.check_slot_adapter) as slot `slot`'s `version` from the
+        next decode step on; only that slot's rows see it. Returns the slot's served version; TenantGone when the
+        slot is no longer the lease's."""
+        return self.queue_slot_update(slot, lease, adapters, scaling, version).result(timeout)
+
+    def queue_slot_update(self, slot: int, lease: int, adapters: dict, scaling: float, version: int) -> Future:
+        """`update_slot` without waiting: the future resolves to the slot's served version once applied."""
+        update = _PendingUpdate(adapters, version, slot=slot, scaling=scaling, lease=lease)
+        with self._cv:
+            if self._leases.get(slot) != lease:
+                raise TenantGone(f"adapter slot {slot} is no longer this tenant's")
+            self._pending.append(update)
+            if not self._busy:
+                self._apply_pending_locked()
+        return update.applied
+
+    def close_slot(self, slot: int, error: Exception, timeout: float = 600.0) -> None:
+        """Take slot `slot` back: its queued and running requests fail with `error` (nobody else's), then its
+        adapters are cleared; returns once the slot is free."""
+        closing = _Closing(slot, error)
+        with self._cv:
+            self._leases.pop(slot, None)
+            self.slot_versions.pop(slot, None)
+            for req in [r for r in self._queue if r.slot == slot]:
+                self._queue.remove(req)
+                req.future.set_exception(error)
+            self._closing.append(closing)
+            if not self._busy:
+                self._clear_closed_locked()
+        closing.done.result(timeout)
+
     def stop(self) -> None:
         with self._cv:
             self._stopped = True
             self._cv.notify()
 
     def _apply_pending_locked(self) -> None:
+        """Apply the queued updates, per slot (0: the base weights) the newest; a failure fails that slot's."""
         if not self._pending:
             return
         updates, self._pending = self._pending, []
-        newest = max(updates, key=lambda u: u.version)
+        for slot in sorted({u.slot for u in updates}):
+            group = [u for u in updates if u.slot == slot]
+            if slot:
+                stale = [u for u in group if self._leases.get(slot) != u.lease]
+                for u in stale:
+                    u.applied.set_exception(TenantGone(f"adapter slot {slot} is no longer this tenant's"))
+                group = [u for u in group if u not in stale]
+            if group:
+                self._apply_group(slot, group)
+
+    def _apply_group(self, slot: int, group: list[_PendingUpdate]) -> None:
+        newest = max(group, key=lambda u: u.version)
         try:
-            if newest.version > self.version:
+            if slot == 0 and newest.version > self.version:
                 self.model.load_published(newest.state_dict)
                 self.version = newest.version
                 self.stats["updates"] += 1
+            elif slot and newest.version > self.slot_versions[slot]:
+                lora.fill_slot(self.model, slot, newest.state_dict, newest.scaling)
+                self.slot_versions[slot] = newest.version
+                self.stats["updates"] += 1
         except Exception as exc:
-            for u in updates:
+            for u in group:
                 u.applied.set_exception(exc)
             return
-        for u in updates:
-            u.applied.set_result(self.version)
+        served = self.slot_versions[slot] if slot else self.version
+        for u in group:
+            u.applied.set_result(served)
 
-    def _between_steps(self) -> int:
+    def _clear_closed_locked(self) -> None:
+        """Clear the adapters of the slots being closed (their rows are out of the batch) and free them."""
+        closing, self._closing = self._closing, []
+        for c in closing:
+            try:
+                lora.fill_slot(self.model, c.slot, {}, 0.0)
+            except Exception as exc:  # never: clearing is zeroing; the slot stays closed either way
+                c.done.set_exception(exc)
+                continue
+            c.done.set_result(None)
+
+    def _between_steps(self) -> tuple[int, dict[int, int]]:
+        """Apply pending updates; the versions (base, and per open slot) the next forward computes with."""
         with self._cv:
             self._apply_pending_locked()
-            return self.version
+            return self.version, dict(self.slot_versions)
 
     def _wait_for_work(self) -> bool:
         """Block until a request is queued (True) or the engine stops (False)."""
@@ -203,19 +313,20 @@ class Engine:
             finally:
                 with self._cv:
                     self._busy = False
+                    self._clear_closed_locked()
                     self._apply_pending_locked()
 
     def _serve(self, running: dict[int, tuple[_Running, int]]) -> None:
         """Run the batch until it is empty and nothing is queued: admit, sample, deliver, update, forward."""
         decoder = Decoder(self.model, self.eos_id, self.pad_id, self.record_routes)
-        version = self._between_steps()
+        version, slots = self._between_steps()
         self._admit(decoder, running)
         self.stats["batches"] += 1
         while decoder.live and not self._stopped:
-            self._deliver(decoder.sample(version), running)
+            self._deliver(decoder.sample(version, slots), running)
             self.stats["steps"] += 1
-            self._drop_aborted(decoder, running)
-            version = self._between_steps()
+            self._drop_gone(decoder, running)
+            version, slots = self._between_steps()
             if decoder.live:
                 decoder.forward()
             if self.continuous or not decoder.live:
@@ -261,20 +372,25 @@ class Engine:
             running.update({origin: (entry, i) for i, (origin, _) in enumerate(rows)})
             start += req.n
 
-    def _drop_aborted(self, decoder: Decoder, running: dict[int, tuple[_Running, int]]) -> None:
-        """Take the aborted requests' rows out of the batch and resolve them with what they have."""
+    def _drop_gone(self, decoder: Decoder, running: dict[int, tuple[_Running, int]]) -> None:
+        """Take the rows of aborted requests (resolved with what they have) and of closing slots (failed with
+        the slot's error) out of the batch; then clear the closing slots' adapters."""
         with self._cv:
             aborted, self._aborted = {id(r) for r in self._aborted}, []
-        if not aborted:
-            return
-        rows = [o for o, (entry, _) in running.items() if id(entry.request) in aborted]
-        decoder.drop(rows)
-        for o in rows:
-            entry, _ = running.pop(o)
-            entry.left -= 1
-            if entry.left == 0:
-                self.stats["aborted"] += 1
-                entry.request.future.set_result(entry.outs)
+            closing = {c.slot: c.error for c in self._closing}
+            if not aborted and not closing:
+                return
+            rows = [o for o, (e, _) in running.items() if id(e.request) in aborted or e.request.slot in closing]
+            decoder.drop(rows)
+            for o in rows:
+                entry, _ = running.pop(o)
+                entry.left -= 1
+                if entry.left == 0 and entry.request.slot in closing:
+                    entry.request.future.set_exception(closing[entry.request.slot])
+                elif entry.left == 0:
+                    self.stats["aborted"] += 1
+                    entry.request.future.set_result(entry.outs)
+            self._clear_closed_locked()
 
     def _deliver(self, stepped: list[int], running: dict[int, tuple[_Running, int]]) -> None:
         """Hand each request its new tokens; resolve the requests whose rows have all ended."""
@@ -304,4 +420,4 @@ class Engine:
                     entry.request.future.set_result(entry.outs)
 
 
-__all__ = ["Completion", "Engine", "Request"]
+__all__ = ["Completion", "Engine", "Request", "TenantGone"]

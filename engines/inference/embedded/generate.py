@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from engines.inference.embedded.prefill import left_pad, prefill_mask, unique_prompts, vision_inputs
 from engines.inference.embedded.sampling import sample, truncate_kept
+from engines.models import lora
 from engines.models.decoder import CausalLM
 from engines.models.moe import Routing
 from engines.models.vlm import HFVisionLM, is_vision
@@ -99,6 +100,7 @@ class Sampling:
     top_logprobs: int = 0  # also record this many most likely (token, logprob) per position
     kept_sizes: bool = False  # also record each token's kept support size (top-k / top-p truncation)
     prompt_logprobs: int | None = None  # also score the prompt's tokens, with this many alternatives each
+    slot: int = 0  # a shared server's adapter slot (its tenant; engines/models/lora.py MultiLoRALinear); 0: none
 
 
 class _RouteLog:
@@ -139,6 +141,7 @@ class _Rows:
     ignore_eos: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    slots: torch.Tensor  # each row's adapter slot (a shared server), which follows it through joins and compaction
 
     @staticmethod
     def columns(params: list[Sampling]) -> dict[str, torch.Tensor]:
@@ -157,6 +160,7 @@ class _Rows:
             ignore_eos=col("ignore_eos", torch.bool),
             top_k=col("top_k", torch.int64),
             top_p=col("top_p", torch.float32),
+            slots=col("slot", torch.int64),
         )
 
     @classmethod
@@ -208,6 +212,7 @@ class Decoder:
         self.kept_rows: set[int] = set()  # origins that record their tokens' kept support sizes
         # a vision-language model's image token is never sampled (see the module docstring)
         self.image_token: int | None = cast(HFVisionLM, model).vision_spec.image_token_id if is_vision(model) else None
+        self.slot_index = lora.slot_index(model)  # a shared server's model: rows pick their tenant's adapters
 
     @property
     def live(self) -> int:
@@ -226,7 +231,7 @@ class Decoder:
             columns = _Rows.columns(params)
             scored = [s.prompt_logprobs for s in params]
             logits, cache, valid, next_pos, scores = self._prefill(
-                prompts, origins, max(s.max_tokens for s in params), scored, images
+                prompts, origins, max(s.max_tokens for s in params), scored, images, [s.slot for s in params]
             )
         except Exception as exc:
             if self.log:
@@ -266,15 +271,20 @@ class Decoder:
         max_tokens: int,
         scored: list[int | None],
         images: list[tuple[bytes, ...]] | None = None,
+        row_slots: list[int] | None = None,
     ):
-        """Prefill each distinct prompt (ids and images) once, then give every row its own copy of the cache.
+        """Prefill each distinct prompt (ids, images, adapter slot) once, then give every row its own copy of the cache.
 
         Returns (last-position logits per row, cache, valid mask per row, next position per row, the prompt
         scores of each row that asks for them (`scored[row]` alternatives; None: not asked)). Prompts with
         images (a vision-language model) take multimodal RoPE positions [3, B, L]; a row's next position is one
         past its largest, which runs behind its length (an image's tokens share positions).
         """
-        unique, row_of = unique_prompts(prompts, images if any(images or ()) else None)
+        slots = row_slots if self.slot_index is not None else None
+        unique, row_of = unique_prompts(prompts, images if any(images or ()) else None, slots)
+        if self.slot_index is not None and slots is not None:
+            firsts = {u: slots[i] for i, u in reversed(list(enumerate(row_of)))}  # each distinct prompt's slot
+            self.slot_index.set(torch.tensor([firsts[u] for u in range(len(unique))]))
         ids, valid = left_pad(unique, self.pad_id)
         cache = self.model.new_cache(len(unique), ids.shape[1] + max_tokens, next(self.model.parameters()).dtype)
         routing = Routing() if self.log else None
@@ -319,8 +329,9 @@ class Decoder:
         return logp, kept
 
     @torch.no_grad()
-    def sample(self, version: int) -> list[int]:
-        """Draw one token for every live row with the logits `version` produced; returns their origins.
+    def sample(self, version: int, slot_versions: dict[int, int] | None = None) -> list[int]:
+        """Draw one token for every live row with the logits `version` produced (a row of adapter slot s > 0: the
+        logits its tenant's version `slot_versions[s]` produced); returns their origins.
 
         Rows that end (end-of-sequence, their token limit, a stop) are marked finished and leave the batch.
         """
@@ -338,7 +349,10 @@ class Decoder:
             values, ids = logp.topk(min(max(self.alternatives.values()), logp.shape[-1]), dim=-1)
             alts = list(zip(ids.tolist(), values.tolist(), strict=True))
         sizes = kept.tolist() if kept is not None and self.kept_rows else None
-        stepped = self._record(tokens.tolist(), chosen.tolist(), eos.tolist(), full.tolist(), version, alts, sizes)
+        versions = [version] * len(tokens)
+        if slot_versions:
+            versions = [slot_versions.get(s, version) if s else version for s in rows.slots.tolist()]
+        stepped = self._record(tokens.tolist(), chosen.tolist(), eos.tolist(), full.tolist(), versions, alts, sizes)
         rows.steps += 1
         self.tokens = tokens
         self._end([o for o in stepped if self.out[o].finished])
@@ -374,7 +388,7 @@ class Decoder:
         logprobs: list[float],
         eos: list[bool],
         full: list[bool],
-        version: int,
+        versions: list[int],
         alts,
         kept: list[int] | None = None,
     ):
@@ -382,8 +396,9 @@ class Decoder:
         returns the origins that got one. A row ends at end-of-sequence or a stop ("stop"), or full ("length")."""
         assert self.rows is not None
         stepped = []
-        rows = zip(self.rows.origin.tolist(), self.rows.live.tolist(), tokens, logprobs, eos, full, strict=True)
-        for j, (origin, live, token, lp, is_eos, is_full) in enumerate(rows):
+        origins, lives = self.rows.origin.tolist(), self.rows.live.tolist()
+        rows = zip(origins, lives, tokens, logprobs, eos, full, versions, strict=True)
+        for j, (origin, live, token, lp, is_eos, is_full, version) in enumerate(rows):
             if not live:
                 continue
             c = self.out[origin]
@@ -424,6 +439,8 @@ class Decoder:
         mask = rows.valid.clone()
         mask[:, -1] = True  # finished rows attend to their own pad token: harmless, never NaN
         routing = Routing() if self.log else None
+        if self.slot_index is not None:
+            self.slot_index.set(rows.slots)
         self.logits = self.model(step_ids, rows.next_pos[:, None], mask[:, None, None, :], self.cache, routing)[:, -1]
         if self.log and routing:
             self.log.step(routing.stacked(), rows.origin.tolist(), rows.live.tolist())

@@ -30,15 +30,16 @@ def prefill_mask(valid: torch.Tensor) -> torch.Tensor:
 
 
 def unique_prompts(
-    prompts: list[list[int]], images: list[tuple[bytes, ...]] | None = None
+    prompts: list[list[int]], images: list[tuple[bytes, ...]] | None = None, slots: list[int] | None = None
 ) -> tuple[list[list[int]], list[int]]:
     """Distinct prompts in first-seen order, and each row's index among them. With `images` (per row), a prompt is
-    its ids and its images' digests: equal ids with other images are another prompt (another prefill)."""
+    its ids and its images' digests: equal ids with other images are another prompt (another prefill). With
+    `slots` (per row, a shared server's adapter slots) equal ids of another tenant are another prompt too."""
     index: dict[tuple, int] = {}
     firsts: list[list[int]] = []
     rows = []
     for i, p in enumerate(prompts):
-        key = (tuple(p), tuple(map(digest, images[i])) if images else ())
+        key = (tuple(p), tuple(map(digest, images[i])) if images else (), slots[i] if slots else 0)
         if key not in index:
             index[key] = len(firsts)
             firsts.append(p)

@@ -105,6 +105,7 @@ class Prepared:
     chat: bool
     id: str
     created: int
+    model: str = ""  # the response's `model` (a shared server: the tenant's name); "" the served name
 
 
 class Serving:
@@ -218,7 +219,11 @@ class Serving:
                 )
             )
         return api.CompletionResponse(
-            id=f"cmpl-{p.id}", created=p.created, model=self.model_name, choices=choices, usage=self.usage(p, outs)
+            id=f"cmpl-{p.id}",
+            created=p.created,
+            model=p.model or self.model_name,
+            choices=choices,
+            usage=self.usage(p, outs),
         )
 
     def chat(self, p: Prepared, outs: list[Completion]) -> api.ChatResponse:
@@ -237,7 +242,7 @@ class Serving:
                 )
             )
         return api.ChatResponse(
-            id=f"chatcmpl-{p.id}", created=p.created, model=self.model_name, choices=choices,
+            id=f"chatcmpl-{p.id}", created=p.created, model=p.model or self.model_name, choices=choices,
             usage=self.usage(p, outs), prompt_token_ids=p.prompt_ids if body.return_token_ids else None,
         )  # fmt: skip
 
@@ -315,11 +320,12 @@ class _Texts:
         self.first_version: list[int | None] = [None] * n
 
     def head(self) -> dict:
+        model = self.p.model or self.s.model_name
         if self.p.chat:
             return {"id": f"chatcmpl-{self.p.id}", "object": "chat.completion.chunk", "created": self.p.created,
-                    "model": self.s.model_name}  # fmt: skip
+                    "model": model}  # fmt: skip
         return {"id": f"cmpl-{self.p.id}", "object": "text_completion", "created": self.p.created,
-                "model": self.s.model_name}  # fmt: skip
+                "model": model}  # fmt: skip
 
     def chat_first(self) -> dict:
         first = {**self.head(), "choices": [

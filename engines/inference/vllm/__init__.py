@@ -21,6 +21,12 @@ NO_VISION = (
     'takes no images with token-id prompts; use inference.backend = "embedded"'
 )
 
+NO_SHARED = (
+    "serving a shared deployment's tenants through vLLM (--enable-lora, an adapter per tenant and version via "
+    "load_lora_adapter, cache_salt per tenant and version) is not implemented; its tenants' LoRA adapters are "
+    'served by inference.backend = "embedded"'
+)
+
 BACKEND = BackendSpec(
     Capabilities(
         replicas=True,
@@ -31,6 +37,8 @@ BACKEND = BackendSpec(
         deployment_keys=frozenset(DEPLOYMENT_KEYS),
         vision=False,
         no_vision_reason=NO_VISION,
+        shared=False,
+        no_shared_reason=NO_SHARED,
         launch_plan="launch.vllm:plan_files",
     ),
     create="engines.inference.vllm.backend:create",

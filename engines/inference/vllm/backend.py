@@ -249,6 +249,10 @@ async def create(cfg) -> VLLMBackend:
     from storage import weights
     from storage.fs import Storage
 
+    if getattr(cfg, "shared", None) is not None:  # the entry point refuses it first; a direct call too
+        from engines.inference.vllm import NO_SHARED
+
+        raise SystemExit(f"a shared deployment cannot run on the vLLM backend: {NO_SHARED}")
     processes.check_local(cfg.inference)
     python = processes.vllm_python(cfg.inference)
     fs, root = Storage(cfg.run.storage).open(cfg.run.output_dir)
