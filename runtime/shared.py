@@ -15,18 +15,19 @@ DEPLOY_DIR is laid out like a run directory:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import time
 
-from config.process import ComponentPaths, InferenceProcessConfig, sft_config
+from config.process import ComponentPaths, InferenceProcessConfig, SharedTrainerProcessConfig, sft_config
 from config.run import RunConfig
 from config.tenant import DeploymentRecord, SharedConfig, SharedInferenceSettings, SharedTrainerStatus
 from runtime.rundir import write_run_config
 from storage import weights
 from storage.fs import get_fs, is_committed, join, read_manifest, write_json
-from storage.tenants import read_deployment, read_tenants, write_deployment
+from storage.tenants import read_deployment, read_tenants, remove_tenant, write_deployment
 
 STATE_FILE = "shared_state.json"
 STOP_FILE = "shared.stop"
@@ -70,8 +71,6 @@ def backbone_committed(cfg: RunConfig) -> bool:
 
 def write_process_configs(cfg: RunConfig, run_id: str, inference_url: str) -> dict[str, str]:
     """config/inference.json, config/shared_trainer.json and deployment.json; returns component -> config URL."""
-    from config.process import SharedTrainerProcessConfig  # TODO(merge mt-trainer): top-level import
-
     assert cfg.shared is not None  # shared_problems refused the profile otherwise
     fs, root = get_fs(cfg.output_dir, cfg.storage)
     here = paths(cfg, run_id)
@@ -152,3 +151,18 @@ def status(deploy_dir: str) -> dict:
             report = None
         tenants[name] = {"output_dir": rec.output_dir, "attempt": rec.attempt, "trainer": report}
     return {"state": read_state(deploy_dir), "deployment": record, "tenants": tenants, "skipped": skipped}
+
+
+def fail_tenants(deploy_dir: str, why: str) -> list[str]:
+    """The shared trainer died: every attached tenant's attempt ends as if its own trainer had (its flow reads
+    `failed` and restarts from its checkpoint, with a new record), and the records go before a new trainer starts,
+    so that one never continues a tenant past a step the dead one left half done. Returns the tenants' names."""
+    records, _ = read_tenants(deploy_dir)
+    for name, record in records.items():
+        fs, root = get_fs(record.output_dir)
+        step = record.resume_step or 0
+        status = SharedTrainerStatus(attempt=record.attempt, state="failed", step=step, error=why, updated=time.time())
+        with contextlib.suppress(OSError):  # its storage is down: its flow's stall watch ends the attempt instead
+            write_json(fs, join(root, "shared_trainer.json"), status.model_dump(mode="json"))
+        remove_tenant(deploy_dir, name)
+    return sorted(records)
