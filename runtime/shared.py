@@ -34,6 +34,9 @@ STOP_FILE = "shared.stop"
 SHARED_COMPONENTS = {"inference": "engines.inference", "trainer": "engines.trainer.shared"}
 
 
+SHARED_BACKENDS = ("embedded", "vllm")  # the backends whose capabilities say `shared` (docs/inference.md)
+
+
 def shared_problems(cfg: RunConfig) -> list[str]:
     """What a deployment profile must change, each naming the key and the valid value."""
     problems = []
@@ -41,8 +44,10 @@ def shared_problems(cfg: RunConfig) -> list[str]:
         problems.append("[shared] is not set: a shared deployment's profile needs it (max_tenants, max_lora_rank)")
     if cfg.model.lora is not None:
         problems.append("model.lora is set: the deployment's [model] is the backbone; tenants bring the adapters")
-    if cfg.inference.backend != "embedded":
-        problems.append(f"inference.backend = {cfg.inference.backend!r}: the shared server is 'embedded'")
+    if cfg.inference.backend not in SHARED_BACKENDS:
+        problems.append(
+            f"inference.backend = {cfg.inference.backend!r}: a shared server is one of {list(SHARED_BACKENDS)}"
+        )
     if cfg.trainer.parallel.world_size != 1:
         problems.append(f"trainer.parallel.world_size = {cfg.trainer.parallel.world_size}: the shared trainer is 1")
     if cfg.teacher.enabled:
