@@ -4,20 +4,25 @@ with the real CLI, the checks every finished tenant run must pass, and `rollflow
 
     shared_deployment(tmp_path, api, *args) -> Deployment (up; its record read) -> tests start tenants on it
     -> shut_down(dep) in the test (asserted) -> on leaving, anything still running is killed and must be gone
+and the tools to follow and hurt tenants: step_times (metrics.jsonl rows), wait_until (bounded, while named runs
+must stay alive), kill_tree (SIGKILL a tenant run's whole process group, as a crash would).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conftest import ROOT, cli_argv, cli_env, processes_mentioning, start_cli
-from test_resume import _assert_nothing_lost_or_duplicated
+from conftest import ROOT, cli_argv, cli_env, descendants, processes_mentioning, start_cli
+from test_resume import _assert_nothing_lost_or_duplicated, _wait_gone
 
 from storage.fs import get_fs, read_manifest
 
@@ -123,3 +128,41 @@ def check_tenant(out: Path, backbone_sha: str, max_steps: int, snapshots: dict[i
     assert last["lora_base"]["path"] == "weights/step=000000"  # a base inside the tenant's own directory
     status = json.loads((out / "shared_trainer.json").read_text())
     assert status["state"] == "finished" and status["step"] == max_steps and status["trainer_s"] > 0
+
+
+def step_times(out: Path) -> list[tuple[int, float]]:
+    """(step, time) of every metrics.jsonl row, in file order (a row cut short by a kill is skipped)."""
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+            rows.append((int(row["step"]), float(row["time"])))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return rows
+
+
+def wait_until(what: str, cond: Callable[[], bool], alive: dict[str, subprocess.Popen], dep: Deployment,
+                timeout_s: float = 300.0) -> None:  # fmt: skip
+    """Until `cond()`, every run in `alive` still running throughout."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        for name, cli in alive.items():
+            assert cli.poll() is None, f"{name} ended while waiting for {what}:\n{dep.tail(name)}"
+        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
+        time.sleep(0.2)
+
+
+def kill_tree(cli: subprocess.Popen, out: Path) -> None:
+    """SIGKILL the tenant run's whole process group (flow, orchestrator, its local helpers), as a crash would."""
+    victims = [cli.pid, *descendants(cli.pid)]
+    os.killpg(cli.pid, signal.SIGKILL)
+    for pid in victims:  # anything that left the group
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    cli.wait()
+    _wait_gone(out)

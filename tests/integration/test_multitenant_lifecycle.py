@@ -12,19 +12,26 @@ Outage and step counts come from the tenants' own metrics.jsonl (each row's `tim
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import descendants
-from shared_deploy import TENANT, Deployment, check_tenant, shared_deployment, shut_down, write_profile
-from test_resume import _checkpoints, _committed_rollouts, _wait_gone
+from shared_deploy import (
+    TENANT,
+    Deployment,
+    check_tenant,
+    kill_tree,
+    shared_deployment,
+    shut_down,
+    step_times,
+    wait_until,
+    write_profile,
+)
+from test_resume import _checkpoints, _committed_rollouts
 
 pytestmark = pytest.mark.long
 # Measured here: a tenant step takes ~1.5-2.5 s, a tenant flow ~30 s from its start to its first trained step
@@ -40,50 +47,12 @@ PROFILES = {
 }
 
 
-def _step_times(out: Path) -> list[tuple[int, float]]:
-    """(step, time) of every metrics.jsonl row, in file order (a row cut short by a kill is skipped)."""
-    try:
-        lines = (out / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    rows = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-            rows.append((int(row["step"]), float(row["time"])))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return rows
-
-
 def _steps_after(out: Path, t: float, until: float = float("inf")) -> int:
-    return sum(1 for _, when in _step_times(out) if t < when < until)
-
-
-def _wait_until(what: str, cond: Callable[[], bool], alive: dict[str, subprocess.Popen], dep: Deployment,
-                timeout_s: float = 300.0) -> None:  # fmt: skip
-    """Until `cond()`, every run in `alive` still running throughout."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        for name, cli in alive.items():
-            assert cli.poll() is None, f"{name} ended while waiting for {what}:\n{dep.tail(name)}"
-        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
-        time.sleep(0.2)
+    return sum(1 for _, when in step_times(out) if t < when < until)
 
 
 def _joined(out: dict[str, Path]) -> bool:
-    return bool(_step_times(out["tenant-c"]) and _checkpoints(out["tenant-a"]))
-
-
-def _kill_tree(cli: subprocess.Popen, out: Path) -> None:
-    """SIGKILL the tenant run's whole process group (flow, orchestrator, its local helpers), as a crash would."""
-    victims = [cli.pid, *descendants(cli.pid)]
-    os.killpg(cli.pid, signal.SIGKILL)
-    for pid in victims:  # anything that left the group
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    cli.wait()
-    _wait_gone(out)
+    return bool(step_times(out["tenant-c"]) and _checkpoints(out["tenant-a"]))
 
 
 def _record(dep: Deployment, name: str) -> dict:
@@ -115,27 +84,27 @@ def test_three_tenants_join_get_killed_resume_and_finish_while_others_run(tmp_pa
         t0 = time.time()
         clis = {n: dep.tenant(n, profiles[n]) for n in ("tenant-a", "tenant-b")}
         try:
-            _wait_until("A and B trained a step", lambda: all(_step_times(out[n]) for n in clis), clis, dep)
+            wait_until("A and B trained a step", lambda: all(step_times(out[n]) for n in clis), clis, dep)
             clis["tenant-c"] = dep.tenant("tenant-c", profiles["tenant-c"])
             t_c = time.time()
-            _wait_until("C trained a step and A checkpointed", lambda: _joined(out), clis, dep)
+            wait_until("C trained a step and A checkpointed", lambda: _joined(out), clis, dep)
             attempt = _record(dep, "tenant-a")["attempt"]
             snapshots = _committed_rollouts(out["tenant-a"])
             t_kill = time.time()
-            _kill_tree(clis.pop("tenant-a"), out["tenant-a"])
-            at_kill = {n: len(_step_times(o)) for n, o in out.items()}
+            kill_tree(clis.pop("tenant-a"), out["tenant-a"])
+            at_kill = {n: len(step_times(o)) for n, o in out.items()}
             # The others keep training while A is dead (the shared trainer holds A, waiting for its rollouts).
             others = ("tenant-b", "tenant-c")
-            _wait_until("B and C trained during A's outage",
+            wait_until("B and C trained during A's outage",
                         lambda: all(_steps_after(out[n], t_kill) for n in others), {}, dep, 180)  # fmt: skip
             t_resume = time.time()
             clis["tenant-a"] = dep.resume("tenant-a")
-            _wait_until("A's resume registered", lambda: _record(dep, "tenant-a").get("attempt", 0) > attempt,
+            wait_until("A's resume registered", lambda: _record(dep, "tenant-a").get("attempt", 0) > attempt,
                         {"tenant-a": clis["tenant-a"]}, dep)  # fmt: skip
             ckpt = _record(dep, "tenant-a")["resume_step"]
             assert ckpt == _checkpoints(out["tenant-a"])[-1]  # from its newest checkpoint
-            _wait_until("A trained again", lambda: _steps_after(out["tenant-a"], t_resume) > 0, {}, dep)
-            t_back = min(t for _, t in _step_times(out["tenant-a"]) if t > t_resume)
+            wait_until("A trained again", lambda: _steps_after(out["tenant-a"], t_resume) > 0, {}, dep)
+            t_back = min(t for _, t in step_times(out["tenant-a"]) if t > t_resume)
             ended = _finish_all(dep, clis)
         finally:
             for cli in clis.values():
@@ -145,7 +114,7 @@ def test_three_tenants_join_get_killed_resume_and_finish_while_others_run(tmp_pa
         during = {n: _steps_after(out[n], t_kill, t_back) for n in others}
         assert all(during.values()), during
         assert ended["tenant-b"] < min(ended["tenant-a"], ended["tenant-c"])  # B finished while A and C ran
-        a_rows = _step_times(out["tenant-a"])
+        a_rows = step_times(out["tenant-a"])
         assert [s for s, t in a_rows if t < t_resume] == list(range(1, ckpt + 1))  # kept up to the checkpoint
         assert [s for s, t in a_rows if t > t_resume] == list(range(ckpt + 1, STEPS["tenant-a"] + 1))  # trained again
         for n in STEPS:
