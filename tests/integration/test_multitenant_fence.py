@@ -5,7 +5,10 @@ and keeps training that attempt's committed rollouts. The resume rolls the run d
 first and writes the new record after; a step of the old attempt trained in between would land in the rolled-back
 directory (a metrics row, a publication) and then be trained again by the new attempt. The test makes that window
 certain: the shared trainer is stopped (SIGSTOP) while the old attempt has a committed, untrained rollout step,
-the tenant is killed and resumed, and the trainer continues (SIGCONT) once the resume has rolled back."""
+the tenant is killed and resumed, and the trainer continues (SIGCONT) once the resume has rolled back. Without
+fencing, that step landed (measured: the old attempt trained its step 3 after the rollback). With it (the shared
+trainer writes a tenant's step under the lease the tenant's attempt held when it joined: storage/fence.py
+`scoped`) the old attempt's write is refused, that attempt alone fails, and the shared trainer goes on."""
 
 from __future__ import annotations
 
@@ -70,6 +73,8 @@ def test_a_killed_attempts_pending_step_never_lands_after_its_resume_rolled_back
             if cli.poll() is None:
                 os.killpg(cli.pid, signal.SIGKILL)
                 cli.wait()
-        print("A's metrics rows:", [s for s, _ in step_times(out)])
+        log = (dep.dir / "logs" / "shared-trainer.log").read_text()
+        assert "tenant tenant-a attempt 1 failed: LeaseLost" in log  # its pending step was refused, not written
+        assert _shared_trainer_pid(dep) == trainer  # by the step alone: the shared trainer went on (no restart)
         check_tenant(out, dep.record["backbone_sha256"], STEPS, snapshots)
         shut_down(dep)
