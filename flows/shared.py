@@ -7,7 +7,9 @@ Flow (this process, lease on DEPLOY_DIR held throughout)          subprocess tas
   processes, each supervised on its own --------------------------> python -m engines.inference --config ...
                                                                    python -m engines.trainer.shared --config ...
     one that exits, fails or stalls (its heartbeats, runtime/stall.py) is restarted alone after a backoff; the
-    other keeps serving. restart.max_restarts failures in a row of one process (none of which ran STABLE_S)
+    other keeps serving. Before a new trainer starts, every attached tenant's attempt is failed and its record
+    removed (runtime/shared.py fail_tenants): each tenant flow restarts from its checkpoint, as it would had its
+    own trainer died. restart.max_restarts failures in a row of one process (none of which ran STABLE_S)
     end the deployment as failed.
   stop: DEPLOY_DIR/shared.stop (`rollflow shared down`), the lease lost, or the flow cancelled (SIGTERM): both
     processes get SIGTERM, then SIGKILL after their grace; shared_state.json says down (or failed).
@@ -33,6 +35,7 @@ from runtime.shared import (
     SHARED_COMPONENTS,
     backbone_committed,
     clear_stop,
+    fail_tenants,
     shared_problems,
     stop_requested,
     write_process_configs,
@@ -115,6 +118,9 @@ class _Processes:
         delay = budget.failed(why)
         self.logger.warning(f"shared {name}: {why}\nrestarting it in {delay:.1f}s")
         if not self.stop.wait(delay):
+            if name == "trainer":  # its tenants restart from their checkpoints (runtime/shared.py fail_tenants)
+                ended = fail_tenants(self.cfg.output_dir, f"the shared trainer stopped ({why}); restarting the attempt")
+                self.logger.warning(f"shared trainer restarted: the attempts of {ended or 'no tenant'} restart")
             self.launch(name)
             self.restarts[name] += 1
 
@@ -155,9 +161,9 @@ def shared_deployment(config: dict) -> dict:
         try:
             write_state(deploy_dir, "starting", run_id=run_id)
             _backbone(cfg, run_id, logs, stop, logger)
-            port = cfg.inference.port or free_port(cfg.inference.host)
-            cfg = cfg.model_copy(update={"inference": cfg.inference.model_copy(update={"port": port})})
-            url = f"http://{cfg.inference.host}:{port}"
+            # one port for the deployment's life: deployment.json names it, restarts of the server keep it
+            cfg.inference.port = cfg.inference.port or free_port(cfg.inference.host)
+            url = f"http://{cfg.inference.host}:{cfg.inference.port}"
             procs = _Processes(cfg, write_process_configs(cfg, run_id, url), logs, stop, logger)
             logger.info(
                 f"shared deployment {deploy_dir} serving at {url}; `rollflow shared down {deploy_dir}` stops it"

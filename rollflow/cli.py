@@ -142,6 +142,10 @@ def check_teacher(cfg: RunConfig) -> None:
     from engines.orchestrator.teacher import check_tokenizer
     from engines.registry import PluginError
 
+    if cfg.teacher.inference.backend == "auto":
+        raise ConfigError(
+            "invalid teacher: teacher.inference.backend = 'auto' is the policy's only; name 'embedded' or 'vllm'"
+        )
     try:
         check_tokenizer(cfg.model, cfg.teacher)
         check(cfg.teacher.inference, WeightBroadcastConfig())
@@ -233,6 +237,7 @@ def check_backend(cfg: RunConfig) -> None:
     its capabilities do not cover (replicas, collective weights, routed experts, deployment keys, recording
     the support top-k / top-p sampling kept, images for a vision-language model) here instead of when the
     inference process starts."""
+    from engines.inference.auto import resolve_auto
     from engines.inference.backend import check
     from engines.registry import PluginError
 
@@ -241,10 +246,24 @@ def check_backend(cfg: RunConfig) -> None:
         from engines.models.modeldir import is_vision, resolve
 
         vision = is_vision(resolve(cfg.model))  # check_model has already read the directory (a bad one exits there)
+    choice = resolve_auto(cfg, vision)  # "auto" -> a named backend, stored in the run's config from here on
+    if choice is not None:
+        print(f"rollflow: {choice.line()}", file=sys.stderr)
     try:
         check(cfg.inference, cfg.weight_broadcast, cfg.orchestrator, cfg.trainer, vision=vision)
     except PluginError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _keep_auto_choice(cfg: RunConfig) -> None:
+    """`--resume` of a run whose backend "auto" chose: keep the stored choice (checked again against the settings)."""
+    from engines.inference.auto import keep_stored
+    from runtime.rundir import stored_config
+
+    line = keep_stored(cfg, stored_config(cfg.output_dir, cfg.storage))
+    if line is not None:
+        print(f"rollflow: {line}", file=sys.stderr)
+        check_backend(cfg)
 
 
 def _precheck(cfg: RunConfig, flags: set[str]) -> None:
@@ -261,6 +280,7 @@ def _precheck(cfg: RunConfig, flags: set[str]) -> None:
         if exists:
             refuse_if_running(cfg.output_dir, cfg.storage)
         if "resume" in flags:
+            _keep_auto_choice(cfg)
             check_resumable(cfg)
         elif exists and "overwrite" not in flags and "dry-run" not in flags:
             raise RunDirError(

@@ -108,7 +108,10 @@ def cmd_shared(tokens: list[str], launch_flow: Callable[[Callable[[], dict]], di
         return 0
     timeout = DOWN_TIMEOUT_S
     if len(rest) == 3 and rest[1] in ("--timeout-s", "--timeout_s"):
-        timeout = float(rest[2])
+        try:
+            timeout = float(rest[2])
+        except ValueError:
+            raise ConfigError(f"--timeout-s takes seconds, not {rest[2]!r}") from None
     elif len(rest) != 1:
         raise ConfigError("usage: " + SHARED_USAGE)
     return _down(rest[0], timeout)

@@ -31,6 +31,7 @@ RUN_ENTRIES = (
     SFT_DATA_FILE,
     "mlflow.db",
     runstate.STATE_FILE,
+    "shared_trainer.json",  # a shared deployment's report on this run as its tenant (runtime/tenancy.py)
 )
 DATA_ENTRIES = ("weights", "rollouts", "checkpoints")
 

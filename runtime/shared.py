@@ -15,22 +15,26 @@ DEPLOY_DIR is laid out like a run directory:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import time
 
-from config.process import ComponentPaths, InferenceProcessConfig, sft_config
+from config.process import ComponentPaths, InferenceProcessConfig, SharedTrainerProcessConfig, sft_config
 from config.run import RunConfig
 from config.tenant import DeploymentRecord, SharedConfig, SharedInferenceSettings, SharedTrainerStatus
 from runtime.rundir import write_run_config
 from storage import weights
 from storage.fs import get_fs, is_committed, join, read_manifest, write_json
-from storage.tenants import read_deployment, read_tenants, write_deployment
+from storage.tenants import read_deployment, read_tenants, remove_tenant, write_deployment
 
 STATE_FILE = "shared_state.json"
 STOP_FILE = "shared.stop"
 SHARED_COMPONENTS = {"inference": "engines.inference", "trainer": "engines.trainer.shared"}
+
+
+SHARED_BACKENDS = ("embedded", "vllm")  # the backends whose capabilities say `shared` (docs/inference.md)
 
 
 def shared_problems(cfg: RunConfig) -> list[str]:
@@ -40,8 +44,10 @@ def shared_problems(cfg: RunConfig) -> list[str]:
         problems.append("[shared] is not set: a shared deployment's profile needs it (max_tenants, max_lora_rank)")
     if cfg.model.lora is not None:
         problems.append("model.lora is set: the deployment's [model] is the backbone; tenants bring the adapters")
-    if cfg.inference.backend != "embedded":
-        problems.append(f"inference.backend = {cfg.inference.backend!r}: the shared server is 'embedded'")
+    if cfg.inference.backend not in SHARED_BACKENDS:
+        problems.append(
+            f"inference.backend = {cfg.inference.backend!r}: a shared server is one of {list(SHARED_BACKENDS)}"
+        )
     if cfg.trainer.parallel.world_size != 1:
         problems.append(f"trainer.parallel.world_size = {cfg.trainer.parallel.world_size}: the shared trainer is 1")
     if cfg.teacher.enabled:
@@ -70,8 +76,6 @@ def backbone_committed(cfg: RunConfig) -> bool:
 
 def write_process_configs(cfg: RunConfig, run_id: str, inference_url: str) -> dict[str, str]:
     """config/inference.json, config/shared_trainer.json and deployment.json; returns component -> config URL."""
-    from config.process import SharedTrainerProcessConfig  # TODO(merge mt-trainer): top-level import
-
     assert cfg.shared is not None  # shared_problems refused the profile otherwise
     fs, root = get_fs(cfg.output_dir, cfg.storage)
     here = paths(cfg, run_id)
@@ -152,3 +156,18 @@ def status(deploy_dir: str) -> dict:
             report = None
         tenants[name] = {"output_dir": rec.output_dir, "attempt": rec.attempt, "trainer": report}
     return {"state": read_state(deploy_dir), "deployment": record, "tenants": tenants, "skipped": skipped}
+
+
+def fail_tenants(deploy_dir: str, why: str) -> list[str]:
+    """The shared trainer died: every attached tenant's attempt ends as if its own trainer had (its flow reads
+    `failed` and restarts from its checkpoint, with a new record), and the records go before a new trainer starts,
+    so that one never continues a tenant past a step the dead one left half done. Returns the tenants' names."""
+    records, _ = read_tenants(deploy_dir)
+    for name, record in records.items():
+        fs, root = get_fs(record.output_dir)
+        step = record.resume_step or 0
+        status = SharedTrainerStatus(attempt=record.attempt, state="failed", step=step, error=why, updated=time.time())
+        with contextlib.suppress(OSError):  # its storage is down: its flow's stall watch ends the attempt instead
+            write_json(fs, join(root, "shared_trainer.json"), status.model_dump(mode="json"))
+        remove_tenant(deploy_dir, name)
+    return sorted(records)

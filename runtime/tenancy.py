@@ -3,7 +3,8 @@ before it starts and what its flow does around its one process, the orchestrator
 
     profile -> tenant_problems (against D's backbone and deployment.json)   refused at load, exit code 2
     attempt -> copy_backbone (D/weights/step=0 -> T/weights/step=0, model_sha256 checked)
-            -> Registration.attach (D/tenants/NAME.json, its token's SHA-256; the token itself by environment)
+            -> retire (the previous attempt's record, once the shared trainer let it go), rollback
+    -> Registration.attach (D/tenants/NAME.json, its token's SHA-256; the token itself by environment)
             -> the orchestrator runs; SharedTrainerWatch reads T/shared_trainer.json as the run's trainer
             -> Registration.detach (the run ended: finished, failed or cancelled)
 
@@ -26,12 +27,14 @@ from config.run import RunConfig
 from config.stall import StallConfig
 from config.tenant import DeploymentRecord, SharedTrainerStatus, TenantRecord, check_tenant_name
 from runtime.process import ComponentFailed, ComponentStalled
+from runtime.shared import read_state
 from storage import weights
 from storage.fs import MANIFEST_CHECKSUM, commit_dir, get_fs, is_committed, join, read_json, read_manifest
 from storage.fs import read_verified as read_file
 from storage.tenants import read_deployment, read_tenants, remove_tenant, write_tenant
 
-STATUS_FILE = "shared_trainer.json"  # T/shared_trainer.json: the shared trainer's report on this tenant
+# T/shared_trainer.json: the shared trainer's report on the tenant; DEPLOY_DIR/shared_trainer.json: its summary
+STATUS_FILE = "shared_trainer.json"
 
 
 class TenantError(ValueError):
@@ -193,6 +196,36 @@ class Registration:
         held = records.get(self.target.name)
         if held is not None and held.run_id == self.run_id:
             remove_tenant(self.target.deploy_dir, self.target.name)
+
+
+def retire(target: SharedTarget, output_dir: str, timeout_s: float, poll_s: float = 0.1) -> bool:
+    """Before an attempt rolls the run directory back: remove the run's record left by its previous attempt and
+    wait until the shared trainer let that attempt go (its summary, DEPLOY_DIR/shared_trainer.json, written after
+    the poll that follows the removal, no longer names the tenant), so no step of the old attempt commits into
+    the directory after the rollback; a step in progress ends first. True at once without such a record; False
+    when the wait ran out or the deployment is not up (no trainer runs then)."""
+    held = read_tenants(target.deploy_dir)[0].get(target.name)
+    if held is None or held.output_dir.rstrip("/") != output_dir.rstrip("/"):
+        return True
+    remove_tenant(target.deploy_dir, target.name)
+    since = time.time()
+    deadline = since + timeout_s
+    while time.time() < deadline:
+        summary = _trainer_summary(target.deploy_dir)
+        if summary.get("updated", 0) > since and target.name not in summary.get("tenants", {}):
+            return True
+        if (read_state(target.deploy_dir) or {}).get("state") != "up":
+            return False
+        time.sleep(poll_s)
+    return False
+
+
+def _trainer_summary(deploy_dir: str) -> dict:
+    try:
+        summary = read_json(join(deploy_dir, STATUS_FILE))  # the shared trainer's view of every tenant it holds
+    except (FileNotFoundError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
 
 
 class SharedTrainerWatch:

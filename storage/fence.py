@@ -8,6 +8,11 @@ this owner and generation. In the flow's process it also refuses once the lease 
 deadline passed. A second flow that took the run over thus makes the first one's next commit fail, in any of
 its processes, so the two never interleave commits.
 
+A process that writes for several runs in turn (the shared trainer of a multi-tenant deployment, one step of
+one tenant at a time) cannot inherit one fence: it `capture`s each run's fence from its lease.json when that
+run's attempt joins, and holds it over that run's writes with `scoped`, so an attempt whose run was taken over
+(killed and resumed) cannot land a step in the resumed run directory.
+
 What is left: the window between the check and the rename it guards (microseconds on a local disk, one GET
 before the PUT on an object store). The holder stops itself before a taker can take over (runtime/lease.py),
 which closes that window unless a process stalls inside it for longer than the lease's TTL.
@@ -19,6 +24,8 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import fsspec
@@ -46,6 +53,7 @@ class Fence:
 
 _installed: Fence | None = None
 _from_env: tuple[str, Fence | None] = ("", None)
+_scoped: Fence | None = None  # `scoped`: a run's fence held over some writes, in this process only
 
 
 def install(root: str, lease: Lease) -> Fence:
@@ -75,6 +83,24 @@ def active() -> Fence | None:
     return _from_env[1]
 
 
+def capture(fs: fsspec.AbstractFileSystem, root: str) -> Fence | None:
+    """The fence of the lease `root`'s lease.json names now (its holder's writes pass); None: no lease."""
+    lease = read_lease(fs, root.rstrip("/"))
+    return Fence(root.rstrip("/"), lease.owner, lease.generation) if lease is not None else None
+
+
+@contextmanager
+def scoped(fence: Fence | None) -> Iterator[None]:
+    """Check every write under `fence.root` against `fence` for the block (this process only, not exported);
+    writes elsewhere keep this process's own fence."""
+    global _scoped
+    previous, _scoped = _scoped, fence
+    try:
+        yield
+    finally:
+        _scoped = previous
+
+
 def generation_for(root: str) -> int | None:
     f = active()
     return f.generation if f is not None and f.root == root.rstrip("/") else None
@@ -82,7 +108,7 @@ def generation_for(root: str) -> int | None:
 
 def check(fs: fsspec.AbstractFileSystem, path: str) -> None:
     """Raise `LeaseLost` if `path` is under a fenced run directory whose lease this process no longer holds."""
-    f = active()
+    f = _scoped if _scoped is not None and _scoped.covers(path) else active()
     if f is None or not f.covers(path):
         return
     if f.lost.is_set():

@@ -23,6 +23,9 @@ Every request names its session in the configured session header (inference.rout
 a session's turns on the replica that holds its KV cache.
 With a `[teacher]` each group's samples are also scored by the teacher's server and every token gets its own
 advantage (engines/orchestrator/teacher.py: the `teacher_logprobs` and `token_advantages` columns).
+As a tenant of a shared deployment (`tenant` set; engines/orchestrator/tenant.py, docs/multitenant.md) every
+request names the tenant as its `model` with the tenant's bearer token, and the weight sync follows the tenant's
+own version on the shared server.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from engines.models import modeldir
 from engines.trainer.common import seed_everything
 from engines.trainer.tenant import TenantTrainer, tenant_config
 from storage import weights
+from storage.fence import Fence, capture, scoped
 from storage.fs import Storage, join, read_manifest, write_json
 from storage.tenants import read_deployment, read_tenants, write_status
 
@@ -76,6 +77,7 @@ class Tenant:
     trainer: TenantTrainer | None = None  # None once finished or failed (its memory is freed)
     final_deadline: float | None = None  # after max_steps: until when its final evaluation is awaited
     steps: int = 0  # steps of this attempt trained by this process
+    fence: Fence | None = None  # the tenant run's lease when its attempt joined: its steps write under it only
 
 
 def load_backbone(cfg: SharedTrainerProcessConfig, sha256: str) -> torch.nn.Module:
@@ -136,6 +138,7 @@ class SharedTrainer:
         t0 = time.perf_counter()
         try:
             cfg = tenant_config(record, self.cfg.model, self.cfg.shared)
+            tenant.fence = capture(*Storage(cfg.run.storage).open(record.output_dir))
             tenant.trainer = TenantTrainer(cfg, self.backbone, self.deployment.backbone_sha256)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - any refusal stays this tenant's
             return self._fail(tenant, exc)
@@ -170,7 +173,8 @@ class SharedTrainer:
         self._set(tenant, state="training")
         with heartbeat().hold():
             try:
-                tenant.trainer.train_once()
+                with scoped(tenant.fence):  # a run taken over (killed, resumed) refuses its old attempt's writes
+                    tenant.trainer.train_once()
             except (Exception, SystemExit) as exc:  # noqa: BLE001 - a tenant's failure is its own
                 self._fail(tenant, exc, trainer_s=tenant.trainer.trainer_s)
                 return name

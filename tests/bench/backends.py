@@ -14,20 +14,26 @@ max_tokens and ignore_eos). Then the weight update: a new publication loaded by 
 from __future__ import annotations
 
 import asyncio
+import copy
 import subprocess
 import time
 from pathlib import Path
 
+from engines.inference.embedded.packed import pack_linears
 from tests.bench.harness import QUICK, Stats, Workspace, ratio_stats, repeats, table
 from tests.bench.inference import WIDE, Case, Pair
 
 TITLE = "8. Generation backends: embedded engine vs vLLM CPU vs HF generate()"
 NEW_TOKENS = 24
 LARGE = {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 4, "intermediate_size": 2048}
-SHAPES = [  # (name, model overrides, prompts, group, natural stop measured)
+# SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M's config.json; random weights, tied embeddings)
+SMOL = LARGE | {"hidden_size": 576, "num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "intermediate_size": 1536}
+SMOL |= {"vocab_size": 49152, "tie_word_embeddings": True}
+SHAPES = [  # (name, model overrides, prompts, group, natural stop measured): ~1M, ~12M, ~76M, ~135M parameters
     ("tiny", {}, 32, 8, True),
     ("wide", WIDE, 16, 8, False),
     ("large", LARGE, 8, 8, False),
+    ("smollm2", SMOL, 8, 8, False),
 ]
 THREADS = "1"  # every backend on one core: torch threads for ours and HF, vLLM's OMP threads bound to core 0
 
@@ -160,6 +166,8 @@ def measure_shape(ws: Workspace, name: str, model: dict, prompts: int, group: in
     model_dir = materialize(fs, root, 0, cache)
     server = VLLMServer(model_dir, mc.max_seq_len, out / "vllm.log")
     r: dict = {"name": name, "params_m": params(pair), "rows": len(pair.prompts), "start_s": server.start_s}
+    packed = copy.deepcopy(pair.ours)  # the engine with inference.onednn_linear (weights packed at its first call)
+    pack_linears(packed)
     try:
         modes = [("natural", False, pair.new_tokens)] if natural else []
         modes.append(("fixed", True, NEW_TOKENS))
@@ -168,6 +176,7 @@ def measure_shape(ws: Workspace, name: str, model: dict, prompts: int, group: in
             pair.hf.generation_config.eos_token_id = None if fixed else pair.tok.eos_id
             sides = {
                 "engine": lambda t=tokens: pair.ours_generate(t),
+                "onednn": lambda t=tokens: pair.ours_generate(t, packed),
                 "hf": lambda t=tokens: pair.hf_generate(t),
                 "vllm": lambda t=tokens, f=fixed: vllm_generate(server, pair, group, t, f),
             }
@@ -206,7 +215,7 @@ def report(results: list[dict]) -> str:
             if mode not in r:
                 continue
             res = r[mode]
-            eng, hf, vl = _tps(res["engine"]), _tps(res["hf"]), _tps(res["vllm"])
+            eng, hf, vl, dnn = _tps(res["engine"]), _tps(res["hf"]), _tps(res["vllm"]), _tps(res["onednn"])
             per_row = " / ".join(f"{sum(c for _, c in res[k]) / len(res[k]) / r['rows']:.1f}" for k in res)
             rows.append(
                 [
@@ -216,11 +225,13 @@ def report(results: list[dict]) -> str:
                     Stats(hf).fmt(),
                     "**" + ratio_stats(eng, hf).fmt() + "x**",
                     "**" + ratio_stats(eng, vl).fmt() + "x**",
+                    Stats(dnn).fmt(),
+                    "**" + ratio_stats(dnn, vl).fmt() + "x**",
                     per_row,
                 ]
             )
     headers = ["model, stop", "engine tok/s", "vLLM CPU tok/s", "HF tok/s", "engine / HF", "engine / vLLM"]
-    headers.append("tokens / row (engine / HF / vLLM)")
+    headers += ["engine + oneDNN tok/s", "engine + oneDNN / vLLM", "tokens / row (engine / oneDNN / HF / vLLM)"]
     upd = [
         [
             f"{r['name']} ({r['params_m']:.1f}M)",
@@ -240,16 +251,19 @@ def report(results: list[dict]) -> str:
 
 
 DEFINITIONS = f"""\
-Engine: `engines.inference.embedded.generate.generate` in this process (the function the engine's worker runs; no HTTP).
-vLLM: one server (`python -m vllm.entrypoints.openai.api_server`, the backend's rendered command with
-`--enforce-eager`), timed from this process over HTTP (requests, detokenization and the HTTP layer are
+Engine: `engines.inference.embedded.generate.generate` in this process (the function the engine's worker runs;
+no HTTP). vLLM: one server (`python -m vllm.entrypoints.openai.api_server`, the backend's rendered command
+with `--enforce-eager`), timed from this process over HTTP (requests, detokenization and the HTTP layer are
 inside its figure), one OMP thread bound to core 0 (`VLLM_CPU_OMP_THREADS_BIND=0`). HF:
-`LlamaForCausalLM.generate`. Each backend on one thread. tokens/s = generated tokens / wall time of the
-whole batch (vLLM: `usage.completion_tokens`). Fixed = {NEW_TOKENS} tokens per row. Shapes: tiny = the
-workload's model (hidden 192, 3 layers); wide = hidden 512, 4 layers, MLP 1536; large = hidden 768,
-12 layers, 12 heads (4 KV), MLP 2048. Weight update: engine = `weights.load` + `load_published` (what its
-/update_weights runs after the HTTP call); vLLM = `materialize` (publication -> local safetensors) and
-the vLLM backend's `apply_update` (pause keep, `collective_rpc` rollflow_load, resume) over HTTP.
+`LlamaForCausalLM.generate`. Engine + oneDNN: the same engine with `inference.onednn_linear` (its Linear
+layers on oneDNN packed weights, engines/inference/embedded/packed.py). Each backend on one thread. tokens/s =
+generated tokens / wall time of the whole batch (vLLM: `usage.completion_tokens`). Fixed = {NEW_TOKENS} tokens
+per row. Shapes: tiny = the workload's model (hidden 192, 3 layers); wide = hidden 512, 4 layers, MLP 1536;
+large = hidden 768, 12 layers, 12 heads (4 KV), MLP 2048; smollm2 = SmolLM2-135M's shape (hidden 576, 30
+layers, 9 heads (3 KV), MLP 1536, vocabulary 49,152, tied embeddings), random weights. Weight update: engine =
+`weights.load` + `load_published` (what its /update_weights runs after the HTTP call); vLLM = `materialize`
+(publication -> local safetensors) and the vLLM backend's `apply_update` (pause keep, `collective_rpc`
+rollflow_load, resume) over HTTP.
 """
 
 

@@ -56,13 +56,14 @@ class Pair:
         mc = cfg.model.model_copy(update=case.model)
         self.tok = CharTokenizer()
         torch.manual_seed(0)
-        self.ours = CausalLM(mc, self.tok.vocab_size).eval()
+        vocab = mc.vocab_size or self.tok.vocab_size  # a shape may set its own (SmolLM2's 49,152)
+        self.ours = CausalLM(mc, vocab).eval()
         if case.workload:
             fs, root = get_fs(str(ws.template()))
             self.ours.load_published(weights.load(fs, weights.version_dir(root, 0)))
         self.eos = self.tok.eos_id if case.workload else -1
         self.new_tokens = cfg.orchestrator.max_new_tokens if case.workload else NEW_TOKENS
-        self.hf = transformers.LlamaForCausalLM(hf_config(mc, self.tok.vocab_size)).eval()
+        self.hf = transformers.LlamaForCausalLM(hf_config(mc, vocab)).eval()
         self.hf.load_state_dict(self.ours.publishable_state_dict(), strict=False)  # lm_head is tied
         # eos off means fixed-length outputs on both sides (eos_id=-1 on ours)
         self.hf.generation_config.eos_token_id = self.tok.eos_id if case.workload else None
@@ -71,14 +72,14 @@ class Pair:
         texts = [mix.task(f"bench/{i}").prompt for i in range(case.prompts)]
         self.prompts = [self.tok.encode(t) for t in texts for _ in range(case.group)]
 
-    def ours_generate(self, new_tokens: int) -> tuple[float, int]:
-        """(seconds, tokens generated)."""
+    def ours_generate(self, new_tokens: int, model=None) -> tuple[float, int]:
+        """(seconds, tokens generated) of `model` (default: ours)."""
         from engines.inference.embedded.generate import generate
 
         n = len(self.prompts)
         t0 = time.perf_counter()
         outs = generate(
-            self.ours, self.prompts, max_new_tokens=[new_tokens] * n, temperatures=[1.0] * n,
+            model or self.ours, self.prompts, max_new_tokens=[new_tokens] * n, temperatures=[1.0] * n,
             eos_id=self.eos, pad_id=self.tok.pad_id, seeds=list(range(n)),
         )  # fmt: skip
         return time.perf_counter() - t0, sum(len(c.token_ids) for c in outs)

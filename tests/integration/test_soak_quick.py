@@ -1,8 +1,9 @@
-"""The shortened soak (`make test-long`; `make soak` runs the full one): the driver in --quick mode (one fault of each class that fits a local run:
-a SIGKILL, a SIGSTOP past the stall timeout, a corrupt newest shard/publication/checkpoint, a second resume, a
-full tmpfs) against a real tiny run, and the audit must pass. The S3 outage, MoE and multi-turn segments run in
-`make soak` only (each costs a run of its own). Measured on the shared 2-core machine (load 4-8 from other
-work) with 60 steps: 176 s and 210 s for the pytest call, of which the soaked run itself 147-186 s."""
+"""The shortened soak (`make test-long`; `make soak` runs the full one): the driver in --quick mode (one fault of
+each class that fits a local run: a SIGKILL, a SIGSTOP past the stall timeout, a corrupt newest
+shard/publication/checkpoint, a second resume, a full tmpfs) against a real tiny run, and the audit must pass. The
+S3 outage, MoE and multi-turn segments run in `make soak` only (each costs a run of its own). Measured on the
+shared 2-core machine (load 4-8 from other work) with 60 steps: 176 s and 210 s for the pytest call, of which the
+soaked run itself 147-186 s."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from engines.orchestrator.tenant import TenantClient, wait_registered
 from rollflow.cli import main
 from runtime.process import ComponentFailed, ComponentStalled
 from runtime.rundir import write_run_config
+from runtime.shared import write_state
 from runtime.tenancy import (
     STATUS_FILE,
     Registration,
@@ -32,6 +34,7 @@ from runtime.tenancy import (
     TenantError,
     check_slot,
     copy_backbone,
+    retire,
     tenant_problems,
 )
 from storage import weights
@@ -288,3 +291,26 @@ def test_shared_up_refuses_a_profile_that_is_not_a_deployment_and_plans_one_that
         f"-m engines.trainer.shared --config {tmp_path}/d/config/shared_trainer.json"
     )
     assert plan["shared"]["max_lora_rank"] == 16 and not (tmp_path / "d").exists()
+
+
+def test_a_new_attempt_waits_until_the_shared_trainer_let_the_previous_one_go(tmp_path):
+    d, record = _deployment(tmp_path)
+    target, out = SharedTarget(str(d), record, "alice"), str(tmp_path / "a")
+    assert retire(target, out, timeout_s=5) is True  # no record: nothing to wait for
+    Registration(target, out, "run-a").attach(1, None)
+    write_state(str(d), "up")
+    (d / STATUS_FILE).write_text(json.dumps({"updated": time.time(), "tenants": {"alice": {}}}))
+
+    def trainer_polls() -> None:  # the shared trainer's next summary, after it dropped the removed record
+        time.sleep(0.5)
+        (d / STATUS_FILE).write_text(json.dumps({"updated": time.time(), "tenants": {}}))
+
+    polls = threading.Thread(target=trainer_polls)
+    t0 = time.monotonic()
+    polls.start()
+    assert retire(target, out, timeout_s=10) is True
+    polls.join()
+    assert 0.4 < time.monotonic() - t0 < 5 and read_tenants(str(d))[0] == {}
+    Registration(target, out, "run-a").attach(2, None)
+    write_state(str(d), "down")  # no trainer runs: nothing to wait for
+    assert retire(target, out, timeout_s=10) is False and read_tenants(str(d))[0] == {}

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from config.eval import EvalConfig
+from config.inference import AUTO_VLLM_MIN_PARAMS
 from config.loader import stored_with_sources
 from config.process import component_configs
 from config.resume import resume_changes
@@ -253,6 +254,8 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
             stored["tracking"] = TrackingConfig.model_validate(stored["tracking"]).model_dump(mode="json")
         if "inference" in stored:  # admission limits came later: their defaults (an unset token budget rises at load)
             stored["inference"] = {**stored["inference"], **_admission(sub)}
+            stored["inference"]["auto_vllm_min_params"] = AUTO_VLLM_MIN_PARAMS  # backend "auto" came later: its default
+            stored["inference"]["onednn_linear"] = False  # so did the oneDNN linear option: off
         assert sub.model_dump(mode="json") == {**stored, **added.get(name, {})}, name
     script = vllm_launch.plan_script(vllm_launch.render(cfg.inference, max_model_len=64, under_slurm=True))
     # added since that run was written: vLLM answers the proxy only

@@ -55,3 +55,18 @@ def test_a_row_samples_the_same_tokens_alone_or_in_any_batch():
     crowded = run([TOK.encode("sort:zyxwvutsr="), target, TOK.encode("x=")], [5, 99, 6])[1]
     assert alone.token_ids == crowded.token_ids
     torch.testing.assert_close(torch.tensor(alone.logprobs), torch.tensor(crowded.logprobs), rtol=0, atol=1e-5)
+
+
+def test_chunked_in_place_sampling_draws_the_reference_tokens():
+    """`sample` (rows in L2-sized chunks, in-place scratch buffers) equals the plain whole-batch definition bit for bit,
+    over several chunks, per-row positions, truncated (-inf) entries and a vocabulary that is not a power of two."""
+    from engines.inference.embedded.sampling import CHUNK_BYTES, sample_reference
+
+    vocab = 49152 + 7
+    rows = 3 * max(1, CHUNK_BYTES // (16 * vocab)) + 1  # three full chunks and a partial one
+    g = torch.Generator().manual_seed(0)
+    logp = torch.log_softmax(torch.randn(rows, vocab, generator=g) * 3, dim=-1)
+    logp[0, 100:] = float("-inf")  # a truncated row
+    seeds = torch.randint(0, 2**62, (rows,), generator=g)
+    for position in (0, 5, torch.arange(rows) * 3):
+        assert torch.equal(sample(logp, seeds, position), sample_reference(logp, seeds, position))

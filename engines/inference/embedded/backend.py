@@ -106,6 +106,10 @@ def load_engine(cfg, output_root_url: str, storage):
         model.load_published(state)
     # inference.dtype: the sampler may run in lower precision than the fp32 trainer (as vLLM serves bf16)
     model.to(getattr(torch, cfg.inference.dtype))
+    if cfg.inference.onednn_linear:
+        from engines.inference.embedded.packed import pack_linears
+
+        log.info(f"inference.onednn_linear: {pack_linears(model)} Linear layers on oneDNN packed weights")
     inf = cfg.inference
     routes = inf.enable_return_routed_experts
     engine = Engine(model, version, tokenizer.eos_id, tokenizer.pad_id, inf.max_batch_size, cfg.seed, routes)
