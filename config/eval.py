@@ -2,7 +2,7 @@
 `interval > 0`). docs/evaluation.md has the metrics and where results go.
 
 Checked here: the settings among themselves (greedy means one sample per task, every k of pass@k at most n, a
-name that is one safe folder). Checked at load, with the environments built (rollflow/cli.py `check_eval`): each
+name that is one safe folder). Checked at load, with the environments built (rollflow/evalcmd.py `check_eval`): each
 evaluated environment has a held-out split of at least `num_tasks` tasks, and `envs` names configured entries.
 """
 

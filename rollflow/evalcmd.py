@@ -201,7 +201,8 @@ def compare(before: str, after: str) -> dict:
 
 
 def cmd_eval(tokens: list[str]) -> int:
-    from rollflow.cli import check_loaded, split_args, with_prefect_api
+    from rollflow.checks import check_loaded
+    from rollflow.cli import split_args, with_prefect_api
 
     if tokens[:1] == ["--compare"]:
         if len(tokens) != 3:

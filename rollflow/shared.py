@@ -119,7 +119,8 @@ def cmd_shared(tokens: list[str], launch_flow: Callable[[Callable[[], dict]], di
 
 def _up(tokens: list[str], launch_flow: Callable[[Callable[[], dict]], dict]) -> int:
     from config.loader import load_with_sources
-    from rollflow.cli import check_loaded, split_args
+    from rollflow.checks import check_loaded
+    from rollflow.cli import split_args
     from runtime.shared import shared_problems
 
     profiles, overrides, flags = split_args(tokens)

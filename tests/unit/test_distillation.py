@@ -219,7 +219,7 @@ def _model_dir(tmp_path, name: str):
 
 
 def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
-    from rollflow.cli import ConfigError, check_teacher
+    from rollflow.checks import ConfigError, check_teacher
 
     same = _model_dir(tmp_path, "same")
     modeldir.check_same_tokenizer(ModelConfig(), ModelConfig(path=str(same)))  # the built-in tokenizer's files
