@@ -132,3 +132,19 @@ def wait_health(client: httpx.Client, ok: Callable[[dict], bool], timeout: float
             return health
         assert time.monotonic() < deadline, f"timed out; last /health: {health}"
         time.sleep(0.1)
+
+
+def served_gap(model, response, version: int, prompt: list[int]) -> float:
+    """Largest |served logprob - `model`'s| over a completion's sampled tokens (a full forward of prompt + tokens),
+    after checking the answer is 200 and came wholly from policy `version` (a shared server's tenant answers)."""
+    import torch
+
+    from engines.models.decoder import token_logprobs
+
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["policy_version"] == choice["policy_version_end"] == version
+    ids = torch.tensor([prompt + choice["token_ids"]])
+    with torch.no_grad():
+        expected = token_logprobs(model(ids)[:, :-1], ids[:, 1:], 1.0)[0, len(prompt) - 1 :]
+    return float((expected - torch.tensor(choice["logprobs"]["token_logprobs"])).abs().max())

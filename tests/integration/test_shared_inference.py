@@ -15,12 +15,12 @@ import torch
 
 from config.model import LoRAConfig, ModelConfig
 from config.tenant import SharedConfig, SharedInferenceSettings
-from engines.models.decoder import CausalLM, token_logprobs
+from engines.models.decoder import CausalLM
 from engines.models.tokenizer import CharTokenizer
 from storage import weights
 from storage.fs import get_fs
 from storage.tenants import remove_tenant
-from tests.inference_fixture import ADMIN, TenantRun, serving, tenant_record, wait_health
+from tests.inference_fixture import ADMIN, TenantRun, served_gap, serving, tenant_record, wait_health
 
 MODEL = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, max_seq_len=1600)
 TOK = CharTokenizer()
@@ -38,14 +38,9 @@ def _generate(client: httpx.Client, model: str, auth: dict, **extra) -> httpx.Re
 
 
 def _assert_served_by(model: CausalLM, response: httpx.Response, version: int) -> None:
-    """The answer's logprobs are those of the tenant's single-adapter model at that version (full forward)."""
-    assert response.status_code == 200, response.text
-    choice = response.json()["choices"][0]
-    assert choice["policy_version"] == choice["policy_version_end"] == version
-    ids = torch.tensor([PROMPT + choice["token_ids"]])
-    with torch.no_grad():
-        expected = token_logprobs(model(ids)[:, :-1], ids[:, 1:], 1.0)[0, len(PROMPT) - 1 :]
-    assert torch.allclose(expected, torch.tensor(choice["logprobs"]["token_logprobs"]), atol=1e-4)
+    """The answer's logprobs are those of the tenant's single-adapter model at that version (full forward); the
+    engine-level parity is 1.9e-6 with other tenants in the batch (tests/unit/test_multitenant_engine.py)."""
+    assert served_gap(model, response, version, PROMPT) <= 1e-5
 
 
 @pytest.fixture

@@ -17,14 +17,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from config.model import LoRAConfig
 from config.tenant import SharedConfig, SharedInferenceSettings
-from engines.models.decoder import CausalLM, token_logprobs
 from engines.models.tokenizer import CharTokenizer
 from storage.tenants import remove_tenant
-from tests.inference_fixture import ADMIN, TenantRun, serving, tenant_record, wait_health
+from tests.inference_fixture import ADMIN, TenantRun, served_gap, serving, tenant_record, wait_health
 from tests.vllm_fixture import publish_hf, tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
@@ -45,17 +43,6 @@ def _generate(client: httpx.Client, model: str | None, auth: dict, seed: int = 1
     body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": seed, "logprobs": 0}
     body |= {"return_token_ids": True} | ({"model": model} if model else {})
     return client.post("/v1/completions", json=body, headers=auth, timeout=300)
-
-
-def _gap(model: CausalLM, response: httpx.Response, version: int) -> float:
-    """Largest |vLLM logprob - rollflow's single-adapter model's| over the sampled tokens (a full forward)."""
-    assert response.status_code == 200, response.text
-    choice = response.json()["choices"][0]
-    assert choice["policy_version"] == choice["policy_version_end"] == version
-    ids = torch.tensor([PROMPT + choice["token_ids"]])
-    with torch.no_grad():
-        expected = token_logprobs(model(ids)[:, :-1], ids[:, 1:], 1.0)[0, len(PROMPT) - 1 :]
-    return float((expected - torch.tensor(choice["logprobs"]["token_logprobs"])).abs().max())
 
 
 @pytest.fixture
@@ -86,11 +73,11 @@ def test_vllm_serves_each_tenant_its_own_adapter_and_updates_one_alone(deploymen
         with ThreadPoolExecutor(4) as pool:
             jobs = [(m, v, pool.submit(_generate, client, n, auth, s)) for s in (1, 2) for n, m, v, auth in
                     (("a", a1, 1, auth_a), ("b", b1, 1, auth_b))]  # fmt: skip
-            gaps = [_gap(m, job.result(), v) for m, v, job in jobs]
+            gaps = [served_gap(m, job.result(), v, PROMPT) for m, v, job in jobs]
         print(f"vLLM vs rollflow's single-adapter model, two tenants: largest logprob gap {max(gaps):.1e}")
         assert max(gaps) < GAP
         # the adapters matter: the backbone alone gives other logprobs
-        assert _gap(a.models[0], _generate(client, "a", auth_a), 1) > 100 * GAP
+        assert served_gap(a.models[0], _generate(client, "a", auth_a), 1, PROMPT) > 100 * GAP
         assert _generate(client, "a", auth_a).json()["model"] == "a"
 
         # the gate: the embedded shared server's answers
@@ -113,12 +100,12 @@ def test_vllm_serves_each_tenant_its_own_adapter_and_updates_one_alone(deploymen
         health = client.get("/health").json()
         assert health["tenants"] == {"a": 2, "b": 1}
         assert health["stats"]["lora_adapters"] == 2  # a's version 1 was unloaded after the switch
-        gap2 = _gap(a2, _generate(client, "a", auth_a), 2)
+        gap2 = served_gap(a2, _generate(client, "a", auth_a), 2, PROMPT)
         after = _generate(client, "b", auth_b, seed=5).json()["choices"][0]
         print(f"after a's update: a's gap {gap2:.1e}; b's answer unchanged: {after == before}")
         assert gap2 < GAP
         assert after["token_ids"] == before["token_ids"] and after["logprobs"] == before["logprobs"]
-        assert _gap(b1, _generate(client, "b", auth_b), 1) < GAP
+        assert served_gap(b1, _generate(client, "b", auth_b), 1, PROMPT) < GAP
         assert client.post("/update_weights", json={"tenant": "a", "version": 9}, headers=auth_a).status_code == 404
         assert client.post("/update_weights", json={"tenant": "a", "version": 1}, headers=auth_a).status_code == 409
 
@@ -126,4 +113,4 @@ def test_vllm_serves_each_tenant_its_own_adapter_and_updates_one_alone(deploymen
         remove_tenant(deploy, "b")
         wait_health(client, lambda h: h["tenants"] == {"a": 2} and h["stats"]["lora_adapters"] == 1, timeout=30)
         assert _generate(client, "b", auth_b).status_code == 404
-        assert _gap(a2, _generate(client, "a", auth_a), 2) < GAP
+        assert served_gap(a2, _generate(client, "a", auth_a), 2, PROMPT) < GAP
