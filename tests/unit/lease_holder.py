@@ -69,6 +69,9 @@ def main() -> int:
             supervise("component", argv, {}, lambda line: print(f"[component] {line}", flush=True), stop, grace_s=5)
         except ComponentFailed as exc:  # the component's own fence refused before the flow stopped it
             print(f"component failed: {exc}", flush=True)
+            # as the flow's next attempt would: the keeper's next renewal (within ttl / RENEWALS_PER_TTL) finds the
+            # lease taken; a component fenced first only means its commit came before that renewal
+            lease.fence.lost.wait(timeout=ttl)
         print(f"component stopped; lease lost: {lease.lost}", flush=True)
         return 3 if lease.lost else 0
 
