@@ -106,6 +106,26 @@ def shared_deployment(tmp_path: Path, api: str, *args: str) -> Iterator[Deployme
         assert processes_mentioning(str(deploy)) == [], "the shared processes outlived `shared down`"
 
 
+@contextmanager
+def tenant_runs(dep: Deployment) -> Iterator[dict[str, subprocess.Popen]]:
+    """The tenant runs a test starts in the block (name -> CLI process); `finish()` waits for each to exit 0. Any
+    still running when the block ends (a failed assertion) is killed."""
+    runs: dict[str, subprocess.Popen] = {}
+    try:
+        yield runs
+    finally:
+        for cli in runs.values():
+            if cli.poll() is None:
+                cli.kill()
+                cli.wait()
+
+
+def finish(dep: Deployment, runs: dict[str, subprocess.Popen], timeout_s: float = 600) -> None:
+    """Every run exits 0 within `timeout_s` (its log's tail otherwise)."""
+    for name, cli in runs.items():
+        assert cli.wait(timeout=timeout_s) == 0, dep.tail(name)
+
+
 def shut_down(dep: Deployment) -> None:
     """`rollflow shared down D`: it says down and `shared up` exits 0."""
     down = subprocess.run(

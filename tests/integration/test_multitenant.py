@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -16,9 +15,11 @@ import pytest
 from shared_deploy import (
     TENANT,
     check_tenant,
+    finish,
     shared_deployment,
     shut_down,
     step_times,
+    tenant_runs,
     wait_until,
     write_profile,
 )
@@ -40,17 +41,10 @@ def _tenant_b(tmp_path: Path) -> Path:
 def test_two_tenants_share_one_deployment_to_completion(tmp_path, prefect_api):
     with shared_deployment(tmp_path, prefect_api) as dep:
         t0 = time.monotonic()
-        tenants = {}
-        try:
+        with tenant_runs(dep) as tenants:
             for name, extra in (("tenant-a", []), ("tenant-b", [_tenant_b(tmp_path)])):
                 tenants[name] = dep.tenant(name, [*TENANT, *extra])
-            for name, cli in tenants.items():
-                assert cli.wait(timeout=600) == 0, dep.tail(name)
-        finally:
-            for cli in tenants.values():
-                if cli.poll() is None:
-                    cli.kill()
-                    cli.wait()
+            finish(dep, tenants)
         t_tenants = time.monotonic() - t0
         for name in tenants:
             check_tenant(tmp_path / name, dep.record["backbone_sha256"], MAX_STEPS)
@@ -75,19 +69,12 @@ def test_a_killed_shared_trainer_is_restarted_and_its_tenants_restart_from_their
     checkpoint (as a standalone run does when its trainer dies), and both finish with their lakes whole."""
     steps = 6
     with shared_deployment(tmp_path, prefect_api) as dep:
-        tenants: dict[str, subprocess.Popen] = {}
-        try:
+        with tenant_runs(dep) as tenants:
             for name, extra in (("tenant-a", []), ("tenant-b", [_tenant_b(tmp_path)])):
                 tenants[name] = dep.tenant(name, [*TENANT, *extra], "--max-steps", str(steps))
             wait_until("tenant-a's step 3", lambda: len(step_times(tmp_path / "tenant-a")) >= 3, tenants, dep)
             os.kill(_shared_trainer_pid(dep.dir), signal.SIGKILL)
-            for name, cli in tenants.items():
-                assert cli.wait(timeout=600) == 0, dep.tail(name)
-        finally:
-            for cli in tenants.values():
-                if cli.poll() is None:
-                    cli.kill()
-                    cli.wait()
+            finish(dep, tenants)
         for name in tenants:
             check_tenant(tmp_path / name, dep.record["backbone_sha256"], steps)
         assert json.loads((dep.dir / "shared_state.json").read_text())["restarts"] == {"inference": 0, "trainer": 1}
