@@ -5,8 +5,8 @@ Data flow: profile `[deployment]` -> `SlurmPlacementConfig` (validated here: nod
 values well-formed and of characters that cannot break out of the batch script, config/script_text.py;
 numbers given for `mem` or `time_limit` are read as text) -> `launch.slurm` renders the
 sbatch script (`rollflow submit`, the Slurm worker, `--dry-run`) and, inside an allocation, the `srun`
-placement of each component. A local run ignores this section. Imports only pydantic, like the rest of
-the config.
+placement of each component. A local run ignores this section except `[deployment.cpus]`, the CPU binding of
+its components (config/cpus.py). Imports only pydantic, like the rest of the config.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import re
 from pydantic import Field, field_validator, model_validator
 
 from config.base import Strict
+from config.cpus import CpuBindingConfig
 from config.script_text import SLURM_NAME, check_name, check_sbatch_option
 
 # Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, and no limit (the partition's maximum).
@@ -83,6 +84,7 @@ class SlurmPlacementConfig(Strict):
     inference_nodes: int = Field(1, gt=0)
     trainer_nodes: int = Field(1, gt=0)
     slurm: SlurmJobConfig = SlurmJobConfig()
+    cpus: CpuBindingConfig = CpuBindingConfig()  # a local run's CPU binding (config/cpus.py)
 
     @model_validator(mode="after")
     def _counts_add_up(self) -> SlurmPlacementConfig:

@@ -19,6 +19,8 @@ from typing import Any
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from config.base import Strict
+from config.cpus import CpuPlan
+from config.cpus import plan as cpu_plan
 from config.envs import EnvFacts, EnvSpec
 from config.eval import EvalConfig
 from config.inference import InferenceConfig
@@ -273,6 +275,14 @@ class RunConfig(Strict):
                 if not f.demonstrations
             ]
         return problems
+
+    def cpu_plan(self, usable: set[int]) -> CpuPlan:
+        """Where a local attempt's components run on this machine's `usable` cores (config/cpus.py): the
+        inference server's threads (one set per local vLLM replica) and the trainer's (per rank)."""
+        inf = self.inference
+        replicas = inf.vllm.num_infer_replicas if inf.backend != "embedded" else 1
+        trainer = self.trainer.num_threads * self.trainer.parallel.world_size
+        return cpu_plan(self.placement.cpus, usable, inf.num_threads * replicas, trainer)
 
     def _check_algorithm(self) -> None:
         """The trainer's loss schedule against the step's size and the trainer's process layout."""

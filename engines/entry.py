@@ -1,15 +1,35 @@
 """What every process entry module does first: `python -m engines.X --config FILE`.
 
-Parses `--config`, sets up logging, and returns the resolved config's JSON (written by the run's
-`config/` step, runtime/rundir.py); the entry module validates it with its own typed config.
+Parses `--config`, binds the process to the cores the flow gave it (`ROLLFLOW_CPUS`, config/cpus.py; before
+any thread pool starts, so every later thread inherits them), sets up logging, and returns the resolved config's
+JSON (written by the run's `config/` step, runtime/rundir.py); the entry module validates it with its own typed
+config.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 
+from config.cpus import CPUS_ENV, parse_cpu_list
 from storage.fs import read_json
+
+log = logging.getLogger(__name__)
+
+
+def bind_cpus() -> list[int] | None:
+    """Run this process (and what it starts) on the cores `ROLLFLOW_CPUS` names; unset: anywhere.
+    A list that is not a CPU list, or names no core this process may use, is an error naming it."""
+    text = os.environ.get(CPUS_ENV)
+    if not text:
+        return None
+    try:
+        cpus = parse_cpu_list(text)
+        os.sched_setaffinity(0, cpus)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"{CPUS_ENV}={text!r}: cannot bind this process to it ({exc})") from None
+    return cpus
 
 
 def read_process_config(prog: str, description: str | None, argv: list[str] | None = None) -> dict:
@@ -18,4 +38,6 @@ def read_process_config(prog: str, description: str | None, argv: list[str] | No
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if (cpus := bind_cpus()) is not None:
+        log.info(f"bound to CPU(s) {os.environ[CPUS_ENV]} ({len(cpus)} core(s))")
     return read_json(args.config)

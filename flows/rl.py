@@ -22,6 +22,7 @@ Flow (this process)               subprocess tasks
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import secrets
 import threading
 import time
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from config.cpus import CpuPlan
 from config.process import EXIT_REFUSED, warmup_parallel
 from config.run import RunConfig
 from config.stall import HEARTBEAT_ENV
@@ -160,6 +162,7 @@ class Placement:
     trainer_launcher: list[str]  # torchrun's arguments when the trainer has ranks (one agent per trainer node)
     warmup_launcher: list[str]  # the warm-up's, on the first trainer node (config.process.warmup_parallel)
     trainer_nodes: list[str] = field(default_factory=list)  # several: agents meet under a per-attempt id
+    cpus: CpuPlan = field(default_factory=CpuPlan)  # locally: the cores of each component (config/cpus.py)
 
     def for_attempt(self, cfg: RunConfig, run_id: str, attempt: int) -> Placement:
         """This placement with the trainer's rendezvous id of this run and attempt (launch/torchrun.py)."""
@@ -174,7 +177,9 @@ def _placement(cfg: RunConfig, logger) -> Placement:
     p, warmup = cfg.trainer.parallel, torchrun_args(warmup_parallel(cfg).world_size)
     nodes = allocation_nodes(cfg.placement)
     if nodes is None:
-        return Placement({}, None, torchrun_args(p.world_size), warmup)
+        cpus = cfg.cpu_plan(os.sched_getaffinity(0))
+        logger.info(cpus.describe())
+        return Placement({}, None, torchrun_args(p.world_size), warmup, cpus=cpus)
     logger.info("Slurm placement: " + ", ".join(f"{k} on {','.join(v)}" for k, v in nodes.items()))
     srun = {name: srun_prefix(name, n, cfg.placement.slurm) for name, n in nodes.items()}
     if cfg.teacher.enabled:  # the teacher's server beside the first inference server
@@ -222,7 +227,7 @@ def _attempt_loop(cfg, storage, run, logger, watch, lease, tenant: Registration 
         write_state(fs, root, run.state)
         budget.attempt_from(attempt.resume_step)
         try:
-            env = _component_env(cfg, run.tracking_uri)
+            env = {k: {**v, **placed.cpus.env(k)} for k, v in _component_env(cfg, run.tracking_uri).items()}
             if tenant is not None:
                 number, stall_cfg = run.state.attempts, cfg.restart.stall
                 run_tenant_attempt(attempt, number, tenant, logs, env["orchestrator"], watch, lease, stall_cfg, logger)

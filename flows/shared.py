@@ -18,6 +18,7 @@ Flow (this process, lease on DEPLOY_DIR held throughout)          subprocess tas
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import secrets
 import threading
 import time
@@ -85,7 +86,10 @@ class _Processes:
 
     def __init__(self, cfg: RunConfig, urls: dict[str, str], logs: str, stop: threading.Event, logger):
         self.cfg, self.urls, self.logs, self.stop, self.logger = cfg, urls, logs, stop, logger
-        self.env = {"inference": {**_env(cfg), ADMIN_TOKEN_ENV: secrets.token_hex(16)}, "trainer": _env(cfg)}
+        cpus = cfg.cpu_plan(os.sched_getaffinity(0))  # the backbone's profile's deployment.cpus (config/cpus.py)
+        logger.info(cpus.describe())
+        admin = {ADMIN_TOKEN_ENV: secrets.token_hex(16)}
+        self.env = {name: {**_env(cfg), **cpus.env(name), **(admin if name == "inference" else {})} for name in urls}
         self.budgets = {n: RestartBudget(cfg.restart) for n in urls}
         self.stable = dict.fromkeys(urls, 0)
         self.restarts = dict.fromkeys(urls, 0)

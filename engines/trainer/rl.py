@@ -451,11 +451,14 @@ class RLTrainer:
 
     def run(self) -> None:
         signal.signal(signal.SIGUSR1, lambda *_: CHECKPOINT_NOW.set())
-        for step in range(self.version + 1, self.cfg.max_steps + 1):
-            self.train_step(step)
-        if self.dist.is_main:
-            with heartbeat().waiting_on("orchestrator", "waiting for the final evaluation"):
-                self.evals.wait_final(self.cfg.max_steps)
+        try:
+            for step in range(self.version + 1, self.cfg.max_steps + 1):
+                self.train_step(step)
+            if self.dist.is_main:
+                with heartbeat().waiting_on("orchestrator", "waiting for the final evaluation"):
+                    self.evals.wait_final(self.cfg.max_steps)
+        finally:
+            self.tracker.close()  # what MLflow has not taken yet (metrics.jsonl has every row)
         distributed.shutdown(self.dist)
 
     def _report(self, step: int, row: dict) -> None:

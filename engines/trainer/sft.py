@@ -238,12 +238,16 @@ class SFTJob:
             save_tokenizer(self.files, self.fs, join(self.root, "tokenizer"))
             write_json(self.fs, join(self.root, SFT_DATA_FILE), self.report(dataset))
         steps = self.steps()
-        for step in range(start + 1, steps + 1):
-            row = self.timed_step(step, steps)
+        try:
+            for step in range(start + 1, steps + 1):
+                row = self.timed_step(step, steps)
+                if tracker is not None:
+                    tracker.record(row)
+                if step % job.checkpoint.interval == 0 or step == steps:
+                    self.commit(step, state)
+        finally:
             if tracker is not None:
-                tracker.record(row)
-            if step % job.checkpoint.interval == 0 or step == steps:
-                self.commit(step, state)
+                tracker.close()  # what MLflow has not taken yet (metrics.jsonl has every row)
 
     def timed_step(self, step: int, steps: int) -> dict:
         t0 = time.perf_counter()

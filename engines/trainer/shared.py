@@ -148,8 +148,16 @@ class SharedTrainer:
         self._set(tenant)
         self._after_step(tenant)  # a resume at max_steps has nothing left to train
 
+    @staticmethod
+    def _release(tenant: Tenant) -> None:
+        """Free the tenant's trainer (its memory), after its MLflow metrics are sent (bounded)."""
+        if tenant.trainer is not None:
+            tenant.trainer.tracker.close()
+            tenant.trainer = None
+
     def _leave(self, name: str) -> None:
         tenant = self.tenants.pop(name)
+        self._release(tenant)
         self.rr.forget(name)
         log.info(f"tenant {name} attempt {tenant.record.attempt} left ({tenant.status.state})")
 
@@ -191,7 +199,7 @@ class SharedTrainer:
         if tenant.final_deadline is None:
             tenant.final_deadline = time.monotonic() + trainer.cfg.eval.final_timeout_s
         if trainer.final_eval_merged() or time.monotonic() > tenant.final_deadline:
-            tenant.trainer = None
+            self._release(tenant)
             self._set(tenant, state="finished")
             log.info(f"tenant {tenant.record.name} attempt {tenant.record.attempt} finished")
 
@@ -207,7 +215,7 @@ class SharedTrainer:
     def _fail(self, tenant: Tenant, exc: BaseException | str, **changes) -> None:
         error = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
         log.error(f"tenant {tenant.record.name} attempt {tenant.record.attempt} failed: {error}")
-        tenant.trainer = None
+        self._release(tenant)
         self.rr.forget(tenant.record.name)
         self._set(tenant, state="failed", error=error[:2000], **changes)
 

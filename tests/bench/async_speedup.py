@@ -1,15 +1,20 @@
 """Benchmark 1: async speedup. The same workload (fixed steps, long-tailed completion lengths) with
 async_level 0, 1 and 2, interleaved per repeat; the speedup against async_level 0 of the same repeat,
-and the ideal speedup from that synchronous run's own generation and training times."""
+and the ideal speedup from that synchronous run's own generation and training times. Then the default
+profile (profiles/tiny-cpu.toml alone) at async_level 0 and 1, with the components' CPU binding off and
+auto (`deployment.cpus`, config/cpus.py), interleaved per repeat: its fraction of ideal the same way."""
 
 from __future__ import annotations
 
 import statistics
 
-from tests.bench.harness import RunTimes, Stats, Workspace, ratio_stats, repeats, table
+from tests.bench.harness import QUICK, ROOT, RunTimes, Stats, Workspace, ratio_stats, repeats, table
 
 TITLE = "1. Async speedup"
 LEVELS = (0, 1, 2)
+DEFAULT_PROFILE = [ROOT / "profiles/tiny-cpu.toml"]
+DEFAULT_STEPS = 3 if QUICK else 16
+BINDINGS = ("off", "auto")
 
 
 def measure(ws: Workspace, n: int) -> dict[int, list[RunTimes]]:
@@ -101,5 +106,52 @@ as the flow does but without Prefect (benchmark 5 measures Prefect). Steady stat
 """
 
 
+def measure_default(ws: Workspace, n: int) -> dict[str, tuple[list[RunTimes], list[RunTimes]]]:
+    """binding -> (async_level 0 runs, async_level 1 runs) of the default profile, interleaved per repeat."""
+    runs: dict[str, tuple[list[RunTimes], list[RunTimes]]] = {b: ([], []) for b in BINDINGS}
+    for r in range(n):
+        for binding in BINDINGS:
+            for lvl in (0, 1):
+                name = f"default-{binding}-a{lvl}-r{r}"
+                over = {"async_level": lvl, "max_steps": DEFAULT_STEPS, "deployment.cpus.mode": binding}
+                runs[binding][lvl].append(RunTimes.read(ws.run(name, DEFAULT_PROFILE, **over)))
+    return runs
+
+
+def report_default(runs: dict[str, tuple[list[RunTimes], list[RunTimes]]]) -> str:
+    rows = []
+    for binding, (sync, overlapped) in runs.items():
+        speedup = ratio_stats([t.wall_per_step for t in sync], [t.wall_per_step for t in overlapped])
+        ideals = Stats([ideal(t) for t in sync])
+        of_ideal = Stats([s / ideal(t0) for s, t0 in zip(speedup.values, sync, strict=True)])
+        rows.append(
+            [
+                binding,
+                Stats([t.wall_per_step for t in sync]).fmt(unit=" s"),
+                Stats([t.wall_per_step for t in overlapped]).fmt(unit=" s"),
+                speedup.fmt() + "x",
+                ideals.fmt() + "x",
+                f"**{of_ideal.fmt()}**",
+            ]
+        )
+    headers = [
+        "deployment.cpus.mode",
+        "async 0: wall / step",
+        "async 1: wall / step",
+        "speedup",
+        "ideal",
+        "fraction of ideal",
+    ]
+    return (
+        f"### Default profile\n\nWorkload: `profiles/tiny-cpu.toml` alone (its environments, 32 x 8 samples, "
+        f"`max_new_tokens = 12`), {DEFAULT_STEPS} steps from the same warm-up weights, async_level 0 and 1, "
+        "with the CPU binding of `deployment.cpus` off (the kernel places every thread) and auto (inference on "
+        "the first core, the trainer on the second, the orchestrator anywhere), the four runs interleaved in "
+        "each repeat; ideal and fraction of ideal as above, from each repeat's own synchronous run. "
+        "Target: fraction of ideal >= 0.95.\n\n" + table(headers, rows)
+    )
+
+
 def run(ws: Workspace) -> str:
-    return DEFINITIONS + "\n" + report(measure(ws, repeats(3)))
+    main = DEFINITIONS + "\n" + report(measure(ws, repeats(3)))
+    return main + "\n\n" + report_default(measure_default(ws, repeats(3)))

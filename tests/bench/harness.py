@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from config.cpus import CpuPlan
 from config.loader import load_run_config
 from config.run import RunConfig
 
@@ -177,10 +178,11 @@ def demoted(markdown: str) -> str:
 # --- real runs -------------------------------------------------------------------------------------------
 
 
-def bench_config(output_dir: Path, **overrides: object) -> RunConfig:
-    """The benchmark workload (profiles/tiny-cpu.toml + tests/bench/bench.toml) with dotted overrides."""
+def bench_config(output_dir: Path, profiles: Sequence[Path] = PROFILES, **overrides: object) -> RunConfig:
+    """The benchmark workload (profiles/tiny-cpu.toml + tests/bench/bench.toml, or `profiles`) with dotted
+    overrides."""
     pairs = [(k, json.dumps(v) if not isinstance(v, str) else v) for k, v in overrides.items()]
-    cfg = load_run_config(PROFILES, [("output_dir", str(output_dir)), *pairs])
+    cfg = load_run_config(list(profiles), [("output_dir", str(output_dir)), *pairs])
     if QUICK:
         cfg.max_steps = min(cfg.max_steps, 3)
         cfg.sft.steps = min(cfg.sft.steps, 20)
@@ -191,9 +193,11 @@ def _component_argv(module: str, config_url: str) -> list[str]:
     return [sys.executable, "-m", module, "--config", config_url]
 
 
-def _supervise_all(names: Sequence[str], urls: dict[str, str], env: dict[str, str], logs: Path) -> None:
-    """Start components like the flow does (own process groups, output to logs/); return when the trainer
-    exits, then stop the rest. Raises if any component fails."""
+def _supervise_all(
+    names: Sequence[str], urls: dict[str, str], env: dict[str, str], logs: Path, cpus: CpuPlan | None = None
+) -> None:
+    """Start components like the flow does (own process groups, output to logs/, on the cores `cpus` gives
+    each); return when the trainer exits, then stop the rest. Raises if any component fails."""
     from config.registry import COMPONENT_MODULES as modules
     from runtime.process import supervise
 
@@ -203,7 +207,8 @@ def _supervise_all(names: Sequence[str], urls: dict[str, str], env: dict[str, st
     def one(name: str) -> None:
         try:
             argv = _component_argv(modules[name], urls[name])
-            supervise(name, argv, env, lambda _line: None, stop, str(logs / f"{name}.log"))
+            own = {**env, **(cpus.env(name) if cpus is not None else {})}
+            supervise(name, argv, own, lambda _line: None, stop, str(logs / f"{name}.log"))
         except BaseException as exc:  # noqa: BLE001 - reported after the others stop
             errors.append(exc)
         finally:
@@ -245,7 +250,8 @@ def direct_run(cfg: RunConfig, template: Path) -> Path:
     from engines.protocol import ADMIN_TOKEN_ENV
 
     token = {ADMIN_TOKEN_ENV: os.urandom(16).hex()}
-    _supervise_all(["inference", "orchestrator", "trainer"], urls, token, out / "logs")
+    cpus = cfg.cpu_plan(os.sched_getaffinity(0))
+    _supervise_all(["inference", "orchestrator", "trainer"], urls, token, out / "logs", cpus)
     return out
 
 
@@ -302,8 +308,8 @@ class Workspace:
             self._template = warm_up(bench_config(self.root / "warmup"))
         return self._template
 
-    def run(self, name: str, **overrides: object) -> Path:
-        out = direct_run(bench_config(self.root / name, **overrides), self.template())
+    def run(self, name: str, profiles: Sequence[Path] = PROFILES, **overrides: object) -> Path:
+        out = direct_run(bench_config(self.root / name, profiles, **overrides), self.template())
         self.runs[name] = out
         return out
 

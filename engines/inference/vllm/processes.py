@@ -30,6 +30,7 @@ import threading
 import time
 from pathlib import Path
 
+from config.cpus import CPUS_ENV, format_cpu_list, parse_cpu_list, split
 from config.inference import InferenceConfig
 from config.redact import MissingReference, resolve_env
 from config.vllm import DisaggregatedDeployment, MultiNodeDeployment
@@ -42,6 +43,7 @@ WORKER_DIR = Path(__file__).resolve().parent / "worker"
 KEEP_MATERIALIZED = 2  # the served version and the one being loaded
 
 
+OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM CPU: the cores of a server's OpenMP threads
 RECORD = ".rollflow-materialized.json"  # in a materialized directory: what it was built from, each file's sha256
 
 
@@ -192,19 +194,38 @@ def process_env(p: vllm_launch.Process, token: str) -> dict[str, str]:
         env = {**os.environ, **resolve_env(p.env, os.environ, where=f"the environment of {p.name}")}
     except MissingReference as exc:
         raise SystemExit(str(exc.args[0])) from None
-    if p.argv[1:3] == ["-m", vllm_launch.API_SERVER]:
+    if _is_server(p):
         env[vllm_launch.TOKEN_ENV] = token
     return env
+
+
+def _is_server(p: vllm_launch.Process) -> bool:
+    return p.argv[1:3] == ["-m", vllm_launch.API_SERVER]
+
+
+def core_shares(processes: list[vllm_launch.Process]) -> dict[str, dict[str, str]]:
+    """When this server is bound to cores (ROLLFLOW_CPUS, config/cpus.py), each local vLLM server's OpenMP
+    threads get their own share of them (VLLM_CPU_OMP_THREADS_BIND), unless its environment names its own."""
+    text = os.environ.get(CPUS_ENV)
+    servers = [p for p in processes if _is_server(p) and OMP_BIND_ENV not in p.env]
+    if not text or not servers:
+        return {}
+    shares = split(parse_cpu_list(text), len(servers))
+    return {p.name: {OMP_BIND_ENV: format_cpu_list(c)} for p, c in zip(servers, shares, strict=True)}
 
 
 def launch(replicas: list[vllm_launch.Replica], token: str) -> list[subprocess.Popen]:
     """Start every process of `replicas`; each vLLM server answers only requests that carry `token`."""
     procs = []
-    for p in (p for r in replicas for p in r.processes):
+    processes = [p for r in replicas for p in r.processes]
+    cores = core_shares(processes)
+    for p in processes:
         log.info(f"starting {p.name}: {p.shell()}")  # secrets as references or masked (Process.shell)
+        if p.name in cores:
+            log.info(f"{p.name}: OpenMP threads on CPU(s) {cores[p.name][OMP_BIND_ENV]}")
         proc = subprocess.Popen(
             p.argv,
-            env=process_env(p, token),
+            env=process_env(p, token) | cores.get(p.name, {}),
             preexec_fn=_die_with_parent,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
