@@ -21,6 +21,10 @@ from config.stall import split_beat
 from runtime.stall import StallWatch
 
 STALL_POLL_S = 0.5
+# glibc gives each thread that allocates an arena of its own (up to 8 per core) and reuses freed memory only in the
+# same arena; a component's threads (heartbeat, MLflow, pyarrow, the HTTP server) each keep theirs. Two arenas cut
+# about 30 MB of a tiny-cpu run's peak at the same step time (docs/benchmarks.md); the caller's setting wins.
+MALLOC_ARENAS = {"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2")}
 
 
 class ComponentFailed(RuntimeError):
@@ -144,7 +148,7 @@ def supervise(
         errors="replace",
         bufsize=1,
         preexec_fn=die_with_parent,  # noqa: PLW1509 - only a preloaded C call runs in the child
-        env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, **env, "PYTHONUNBUFFERED": "1", **MALLOC_ARENAS},
         start_new_session=True,
     )
     if stall is not None:

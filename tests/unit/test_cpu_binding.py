@@ -52,7 +52,8 @@ def test_auto_binds_nothing_when_the_threads_do_not_fit() -> None:
 
 def test_manual_lists_are_checked_against_the_usable_cores() -> None:
     manual = CpuBindingConfig(mode="manual", inference="0", trainer="1", orchestrator="0-1")
-    assert plan(manual, {0, 1}, 1, 1).cpus == {"inference": "0", "trainer": "1", "orchestrator": "0-1", "teacher": "0-1"}
+    want = {"inference": "0", "trainer": "1", "orchestrator": "0-1", "teacher": "0-1"}
+    assert plan(manual, {0, 1}, 1, 1).cpus == want
     with pytest.raises(ValueError, match=r"deployment.cpus.trainer='1': core\(s\) 1 are not usable here"):
         plan(CpuBindingConfig(mode="manual", inference="0", trainer="1"), {0}, 1, 1)
 
