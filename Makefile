@@ -68,10 +68,10 @@ lint: install
 # was (the page it would have written: docs/benchmarks.failed.md).
 # `make bench`: async speedup, inference, weight update, trainer, orchestration, scaling, storage, the TRL peer,
 # the trainer's MFU against the measured matmul peak.
-# Duration: about 13-16 min on an idle 2-core machine, an ESTIMATE (not run since the split): the last whole run's
-# module times (async 113 s, orchestration 143 s, the rest under 30 s each; inference ~1 min with its mid-batch case)
-# plus the TRL peer's three 100-step runs (~6 min from issue 25's figures). Its quick mode measured 8.0 min at load
-# 3-10 (2026-11-27, part of `make bench-quick` below).
+# Duration: 22.8 min on an idle 2-core machine (commit 3435364, 2026-11-27, the page's header): async 447 s (of which
+# ~300 s the default profile with and without CPU binding), peer 416 s, mfu 201 s, orchestration 172 s, the rest
+# under 35 s each. Over the issue's 20-minute budget by the CPU-binding comparison; its quick mode measured 8.0 min
+# at load 3-10 (part of `make bench-quick` below).
 bench: install $(BENCH_STAMP)
 	ROLLFLOW_BENCH_COMMAND="make bench" $(BIN)/python -m tests.bench
 
