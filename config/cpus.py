@@ -33,7 +33,6 @@ from config.base import Strict
 
 CPUS_ENV = "ROLLFLOW_CPUS"  # a component's cores, as a Linux CPU list; unset: unbound
 CPU_LIST = re.compile(r"\d{1,4}(-\d{1,4})?(,\d{1,4}(-\d{1,4})?)*")
-BOUND = ("inference", "trainer")  # the components that get their own cores
 SHARING = ("orchestrator", "teacher")  # what is left over, or anywhere (the warm-up runs alone: anywhere)
 
 
