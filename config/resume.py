@@ -6,6 +6,7 @@ from config.envs import STRING_TASK_DEFAULTS, EnvSpec
 from config.eval import EvalConfig
 from config.inference import InferenceConfig
 from config.orchestrator import OrchestratorConfig
+from config.placement import SlurmPlacementConfig
 from config.registry import STRING_TASKS
 from config.run import RestartConfig, resolve_seed_keys
 from config.sft import SFTConfig
@@ -57,6 +58,7 @@ def _current_keys(config: dict) -> dict:
             ("inference", InferenceConfig),
             ("restart", RestartConfig),
             ("tracking", TrackingConfig),
+            ("deployment", SlurmPlacementConfig),
         ):
             if isinstance(config.get(name), dict):
                 config = {**config, name: model.model_validate(config[name]).model_dump(mode="json")}
