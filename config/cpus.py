@@ -1,8 +1,9 @@
 """CPU binding of a local run's components: which cores the inference server and the trainer may run on.
 
-On a small machine generation and training fight for the same cores: the kernel migrates their threads between
-cores and the orchestrator's bursts land on either. `[deployment.cpus]` gives each of the two heavy components
-its own cores.
+`[deployment.cpus]` can give each of the two heavy components cores of its own, so generation and training do not
+fight for the same ones. Off by default: on 2 cores `auto` lowered the default profile's async overlap to 0.90 of
+ideal from 0.97 unbound (docs/benchmarks.md, benchmark 1), because the orchestrator and Prefect then share a
+bound core; it is for machines with cores to spare.
 
 Data flow: profile `[deployment.cpus]` -> `CpuBindingConfig` (validated here) -> the flow, at each attempt, calls
 `plan(binding, usable, ...)` with the cores this process may use (`os.sched_getaffinity(0)`) -> a `CpuPlan`:
@@ -14,8 +15,8 @@ Modes:
 - "off": nothing bound (every component may run anywhere; the kernel places threads).
 - "auto": inference gets the first `inference_threads` usable cores, the trainer the next `trainer_threads`; the
   orchestrator and the teacher share what is left, or run anywhere when nothing is; the warm-up, which runs
-  alone before them, runs anywhere. When the two
-  do not fit side by side, nothing is bound and `CpuPlan.reason` says why.
+  alone before them, runs anywhere. When the two do not fit side by side, nothing is bound and `CpuPlan.reason`
+  says why.
 - "manual": the lists given, each checked against the usable cores.
 Inside a Slurm job srun places the components (`deployment.slurm`); this section is for local runs.
 Imports only pydantic and the standard library, like the rest of config/.
