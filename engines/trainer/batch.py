@@ -55,6 +55,8 @@ class Batch:
     images_dropped: torch.Tensor | None = None  # [B] bool: rows whose images failed their checks (train nothing)
     # [B, T-1] the tokens whose mismatch_kl the loss's first forward measures (engines/trainer/rl.py); None: none
     measured: torch.Tensor | None = None
+    # [B] tokens per row (prompt + completion, images' included): what micro_batches keeps; None: the full width
+    lengths: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -154,6 +156,7 @@ def make_batch(table: pa.Table, pad_id: int, keep_sampling_mask: bool = True, sp
         if "routed_experts" in table.column_names
         else None,
         kept=kept_tensor(table, (mask.shape[0], mask.shape[1])) if keep_sampling_mask else None,
+        lengths=torch.tensor([len(p) + len(c) for p, c in zip(cols["prompt_ids"], cols["completion_ids"], strict=True)]),
     )
     return batch if spec is None else with_images(batch, table, spec, pad_id)
 
@@ -294,8 +297,34 @@ B = TypeVar("B", Batch, PackedBatch)
 
 
 def micro_batches(batch: B, size: int) -> list[B]:
-    """Consecutive slices of `size` rows (samples, or packed rows of several samples)."""
-    return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
+    """Slices of `size` rows (samples, or packed rows of several samples). A padded batch's rows go shortest
+    first and each slice drops the padding columns none of its rows reaches, so a forward costs about its real
+    tokens rather than rows x the step's longest sample (on the tiny profile's steps, 4.5k against 6.4k). Every
+    loss sums per token (sample_index groups within a slice), so the grouping changes only the rounding."""
+    if isinstance(batch, Batch) and batch.lengths is not None and len(batch) > size:
+        batch = batch.select(torch.argsort(batch.lengths, stable=True))
+    slices = [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
+    return [trim_padding(mb) if isinstance(mb, Batch) else mb for mb in slices]
+
+
+def trim_padding(batch: Batch) -> Batch:
+    """`batch` cut to its longest row (`lengths`): every [B, T] and [B, T-1] field loses the columns only padding
+    fills; a batch without `lengths` stays whole."""
+    if batch.lengths is None or len(batch) == 0:
+        return batch
+    length = max(2, int(batch.lengths.max()))
+    if length >= batch.input_ids.shape[1]:
+        return batch
+    cut = dict(batch.__dict__)
+    cut["input_ids"] = batch.input_ids[:, :length]
+    if batch.routes is not None:
+        cut["routes"] = batch.routes[:, :length]
+    for name in ("targets", "loss_mask", "sampler_logprobs", "kept", "measured"):
+        if cut[name] is not None:
+            cut[name] = cut[name][:, : length - 1]
+    if batch.advantages.dim() == 2:
+        cut["advantages"] = batch.advantages[:, : length - 1]
+    return Batch(**cut)
 
 
 def sample_index(mb: Batch | PackedBatch) -> torch.Tensor:

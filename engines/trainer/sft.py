@@ -87,6 +87,7 @@ def to_batch(samples: list[Sample], pad_id: int, spec: VisionSpec | None = None)
         mask[i, : len(s.ids) - 1] = torch.tensor(s.mask[1:], dtype=torch.float32)
     ones, zeros = torch.ones(len(samples)), torch.zeros(len(samples), dtype=torch.long)
     batch = Batch(ids, ids[:, 1:], mask, torch.zeros_like(mask), ones, ones.clone(), zeros, zeros.clone())
+    batch.lengths = torch.tensor([len(s.ids) for s in samples])
     if spec is not None:
         batch.pixels = [pixel_inputs(s.images, spec) for s in samples]
         batch.image_counts = torch.tensor([len(s.images) for s in samples], dtype=torch.long)

@@ -113,3 +113,31 @@ def test_mismatch_kl_is_the_same_packed_or_padded():
     packed = history.mismatch_kl(batch, 4, pack_pad_id=TOK.pad_id)
     assert padded[1] == packed[1] > 0
     assert packed[0] == pytest.approx(padded[0], rel=1e-5)
+
+
+def test_micro_batches_sort_by_length_and_drop_padding_without_changing_the_loss():
+    batch = make_batch(_table(seed=3, n=16), TOK.pad_id)
+    n_tokens = float(batch.loss_mask.sum())
+    mbs = micro_batches(batch, 4)
+    widths = [mb.input_ids.shape[1] for mb in mbs]
+    assert widths == sorted(widths) and widths[0] < batch.input_ids.shape[1]  # shortest rows first, trimmed
+    assert sum(len(mb) * w for mb, w in zip(mbs, widths, strict=True)) < batch.input_ids.numel()
+    assert sorted(int(x) for mb in mbs for x in mb.lengths) == sorted(batch.lengths.tolist())
+    assert float(sum(mb.loss_mask.sum() for mb in mbs)) == n_tokens  # no trained token is cut
+
+    def grads(parts) -> tuple[float, list[torch.Tensor]]:
+        model = _model()
+        total = 0.0
+        for mb in parts:
+            loss, _ = Objective(TrainerConfig())(token_scores(mb, batch_logprobs(model, mb)), StepCounts(n_tokens, 16))
+            loss.backward()
+            total += float(loss.detach())
+        return total, [p.grad.clone() for p in model.parameters()]
+
+    whole = make_batch(_table(seed=3, n=16), TOK.pad_id)
+    whole.lengths = None  # one forward at the full width, rows in table order
+    loss_whole, g_whole = grads([whole])
+    loss_micro, g_micro = grads(mbs)
+    assert loss_micro == pytest.approx(loss_whole, abs=1e-6)
+    for a, b in zip(g_micro, g_whole, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
