@@ -41,3 +41,16 @@ def read_process_config(prog: str, description: str | None, argv: list[str] | No
     if (cpus := bind_cpus()) is not None:
         log.info(f"bound to CPU(s) {os.environ[CPUS_ENV]} ({len(cpus)} core(s))")
     return read_json(args.config)
+
+
+def exit_done() -> None:
+    """End a process whose work is done and written: flush its output, then leave without the interpreter's
+    teardown, which takes about 0.9 s with torch loaded (measured: `import torch` then exit, 2.56 s against
+    1.69 s) and sits on the path to the first RL step when it ends the warm-up. Every file the process wrote
+    is already closed and synced; nothing it leaves needs an exit handler."""
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -183,9 +183,28 @@ def in_child(operation: str, *args: Any) -> Any:
     return json.loads(results[-1].removeprefix(RESULT_PREFIX))
 
 
+def _warm_store_code() -> None:
+    """Open a scratch copy of the migrated template store: MLflow's first client on a sqlite store loads its
+    SQLAlchemy and Alembic code (0.8 s measured; the next store opens in 0.03 s). Done by a prestarted child
+    while its parent starts up, it is off the path to the run's first step. A failure only loses the head start."""
+    import tempfile
+
+    from mlflow.tracking import MlflowClient
+
+    template = _migrated_template()
+    if template is None:
+        return
+    with tempfile.TemporaryDirectory(prefix="rollflow-mlflow-warm-") as tmp:
+        scratch = Path(tmp) / "warm.db"
+        shutil.copyfile(template, scratch)
+        MlflowClient(f"sqlite:///{scratch}").get_experiment_by_name("rollflow")
+
+
 def _child_main() -> None:
     import mlflow.tracking  # noqa: F401 - first, before waiting for the operation (prestart)
 
+    with contextlib.suppress(Exception):
+        _warm_store_code()
     raw = sys.stdin.read()
     if not raw:  # a prestarted child nobody used: its parent exited
         return

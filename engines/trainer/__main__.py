@@ -2,7 +2,7 @@
 `--config sft.json` (the warm-up, or a `rollflow sft` run); the config's `mode` field picks which. A dataset
 the SFT trainer refuses exits with EXIT_REFUSED, which the flow does not restart."""
 
-from engines.entry import read_process_config
+from engines.entry import exit_done, read_process_config
 from engines.heartbeat import heartbeat
 
 
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
         from engines.trainer.rl import RLTrainer
 
         RLTrainer(TrainerProcessConfig.model_validate(data)).run()
+    exit_done()
 
 
 main()

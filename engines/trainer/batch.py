@@ -132,7 +132,8 @@ def make_batch(table: pa.Table, pad_id: int, keep_sampling_mask: bool = True, sp
         ["prompt_ids", "completion_ids", "completion_logprobs", "advantage", "temperature"]
         + ["policy_version", "policy_version_end"]
     ).to_pydict()
-    ids = right_pad([p + c for p, c in zip(cols["prompt_ids"], cols["completion_ids"], strict=True)], pad_id)
+    seqs = [p + c for p, c in zip(cols["prompt_ids"], cols["completion_ids"], strict=True)]
+    ids = right_pad(seqs, pad_id)
     mask = torch.zeros((ids.shape[0], ids.shape[1] - 1))
     sampler = torch.zeros_like(mask)
     # multi-turn episodes mark environment tokens 0 (never trained); a null mask (or a shard written before
@@ -156,7 +157,7 @@ def make_batch(table: pa.Table, pad_id: int, keep_sampling_mask: bool = True, sp
         if "routed_experts" in table.column_names
         else None,
         kept=kept_tensor(table, (mask.shape[0], mask.shape[1])) if keep_sampling_mask else None,
-        lengths=torch.tensor([len(p) + len(c) for p, c in zip(cols["prompt_ids"], cols["completion_ids"], strict=True)]),
+        lengths=torch.tensor([len(s) for s in seqs]),
     )
     return batch if spec is None else with_images(batch, table, spec, pad_id)
 

@@ -357,7 +357,6 @@ class RLTrainer:
         stats = self.optimize(batch, sums)
         mismatch = sums.result() if sums else Mismatch(None, 0, None)
         t2 = time.perf_counter()
-        mfu = self._mfu(batch, t2 - t1)
         published = parallel.full_state_dict(self.model, self.dist)  # a collective; rank 0 keeps the weights
         broadcast_s = None
         if self.dist.is_main:
@@ -370,15 +369,16 @@ class RLTrainer:
             self.history.add_state(step, published)
         elif self.history:
             self.history.add(step, self.model)
-        t3 = time.perf_counter()
+        t3, finished = time.perf_counter(), time.time()
         heartbeat().advance(f"published step {step}")
+        mfu = self._mfu(batch, t2 - t1)  # after publishing: the first call measures the peak (~0.3 s)
         if self.dist.is_main:  # a few samples' images, every tracking.image_every steps (engines/trainer/tracking.py)
             self.tracker.log_samples(step, table, self.cfg.tracking)
         stale = [staleness(step, v) for v in table.column("policy_version").to_pylist()]
         rewards = table.column("reward").to_pylist()
         return {
             "step": step,
-            "time": time.time(),
+            "time": finished,
             "reward_mean": sum(rewards) / len(rewards),
             "mismatch_kl": mismatch.kl,
             **{f"mismatch_kl/images={k}": kl for k, kl in (mismatch.by_images or {}).items()},

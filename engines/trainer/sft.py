@@ -164,7 +164,9 @@ def run_sft(cfg: SFTProcessConfig) -> None:
     if cfg.sft_run is not None and cfg.sft_run.resume_step is not None:
         checkpoint.restore_weights(fs, root, cfg.sft_run.resume_step, model)  # before the model is sharded
     parallel.parallelize(model, dist, cfg.parallel, loaded.source.impl)
-    job.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft.lr)
+    # a warm-up without steps only publishes version 0: no optimizer (its first use imports torch._dynamo, ~1.5 s)
+    if cfg.sft_run is not None or job.steps() > 0:
+        job.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft.lr)
     if cfg.sft_run is None:
         job.warm_up()
     else:

@@ -90,6 +90,29 @@ def test_later_stores_copy_one_migrated_template_with_the_default_experiment_mad
     assert client.get_run(run.info.run_id).info.status == "RUNNING"
 
 
+def test_a_prestarted_child_warms_mlflow_on_a_scratch_copy_and_leaves_the_template_and_tmp_as_they_were(
+    tmp_path, monkeypatch
+):
+    """runtime/tracking._warm_store_code opens a copy of the template (so the run's own store then opens in
+    milliseconds) and removes it; the shared template is never written."""
+    import hashlib
+
+    from runtime.tracking import _migrated_template, _warm_store_code
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    template = _migrated_template()
+    assert template is not None
+    before = hashlib.sha256(template.read_bytes()).hexdigest(), template.stat().st_mtime_ns
+    _warm_store_code()
+    assert (hashlib.sha256(template.read_bytes()).hexdigest(), template.stat().st_mtime_ns) == before
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
 def test_the_trainer_mirrors_every_row_to_mlflow_off_the_step_and_survives_a_broken_store(tmp_path, caplog):
     """engines/trainer/tracking.py: rows go to metrics.jsonl at once and to MLflow from the sink's thread; after
     `close` MLflow has every step. A store that cannot open costs a warning, and metrics.jsonl keeps every row."""
