@@ -10,6 +10,7 @@ Failures to create or update are logged and the run goes on.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import cast
@@ -19,16 +20,22 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
+from runtime.local_api import LOCAL_API_ENV
 from runtime.progress import POLL_S, MetricsWatcher, ProgressView, progress_view
 from storage.metrics import MetricsFollower
 
+TEMPORARY_API_POLL_S = 60.0
 PROGRESS_KEY = "rl-progress"
 STATUS_KEY = "rl-run-status"
 
 
 @contextmanager
-def live_progress(fs, root: str, max_steps: int, run_id: str, logger, interval_s: float = POLL_S) -> Iterator[None]:
-    """Keep the run's progress artifacts current for the duration of the block."""
+def live_progress(
+    fs, root: str, max_steps: int, run_id: str, logger, interval_s: float | None = None
+) -> Iterator[None]:
+    """Keep the run's progress artifacts current for the duration of the block, every `interval_s` (default
+    `poll_interval()`)."""
+    interval_s = poll_interval() if interval_s is None else interval_s
     publish = _publisher(max_steps, run_id, logger)
     if publish is None:
         yield
@@ -38,6 +45,14 @@ def live_progress(fs, root: str, max_steps: int, run_id: str, logger, interval_s
         yield
     last = f"; the last at step {shown[-1].step} / {max_steps}" if shown else ""
     logger.info(f"live progress: {watcher.published} update(s) of {PROGRESS_KEY} and {STATUS_KEY}{last}")
+
+
+def poll_interval() -> float:
+    """POLL_S; TEMPORARY_API_POLL_S against the CLI's temporary local API (runtime/local_api.py), which serves no
+    UI, so nobody sees the view until the run has ended (the last update is made then). Each update is two
+    artifact writes and their events, a third of what the temporary API spent during a run's steps."""
+    url = os.environ.get("PREFECT_API_URL")
+    return TEMPORARY_API_POLL_S if url and url == os.environ.get(LOCAL_API_ENV) else POLL_S
 
 
 def _publisher(max_steps: int, run_id: str, logger):

@@ -160,6 +160,8 @@ def with_prefect_api(run: Callable[[], dict], kind: str | None = None) -> dict:
 
     def while_starting(url: str) -> None:
         os.environ["PREFECT_API_URL"] = url  # before Prefect is first imported
+        # the API keeps the run's log for later (it serves no UI); one batch every 10 s costs it less than every 2
+        os.environ.setdefault("PREFECT_LOGGING_TO_API_BATCH_INTERVAL", "10")
         if kind is not None:
             _flow(kind)
 

@@ -21,6 +21,7 @@ from config.stall import split_beat
 from runtime.stall import StallWatch
 
 STALL_POLL_S = 0.5
+WATCH_S = 0.25  # how soon the supervisor sees its process exit (`stop` wakes it at once)
 # glibc gives each thread that allocates an arena of its own (up to 8 per core) and reuses freed memory only in the
 # same arena; a component's threads (heartbeat, MLflow, pyarrow, the HTTP server) each keep theirs. Two arenas cut
 # about 30 MB of a tiny-cpu run's peak at the same step time (docs/benchmarks.md); the caller's setting wins.
@@ -117,7 +118,7 @@ def _watch(proc: subprocess.Popen, stop: threading.Event, nudge: threading.Event
             next_check = time.monotonic() + STALL_POLL_S
             if (why := stuck()) is not None:
                 return why
-        time.sleep(0.1)
+        stop.wait(WATCH_S)
     return None
 
 
