@@ -1,11 +1,14 @@
 """Benchmark 1: async speedup. The same workload (fixed steps, long-tailed completion lengths) with
 async_level 0, 1 and 2, interleaved per repeat; the speedup against async_level 0 of the same repeat,
 and the ideal speedup from that synchronous run's own generation and training times. Then the default
-profile (profiles/tiny-cpu.toml alone) at async_level 0 and 1, with the components' CPU binding off and
-auto (`deployment.cpus`, config/cpus.py), interleaved per repeat: its fraction of ideal the same way."""
+profile (profiles/tiny-cpu.toml alone) at async_level 0 and 1, with the components' CPU binding off (its
+default, `deployment.cpus`, config/cpus.py), interleaved per repeat: its fraction of ideal the same way.
+`ROLLFLOW_BENCH_BINDINGS=off,auto python -m tests.bench async --out FILE` adds the `auto` binding to that
+comparison (12 runs instead of 6; `make bench` leaves it out to stay within its 20 minutes)."""
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from tests.bench.harness import QUICK, ROOT, RunTimes, Stats, Workspace, ratio_stats, repeats, table
@@ -14,7 +17,7 @@ TITLE = "1. Async speedup"
 LEVELS = (0, 1, 2)
 DEFAULT_PROFILE = [ROOT / "profiles/tiny-cpu.toml"]
 DEFAULT_STEPS = 3 if QUICK else 16
-BINDINGS = ("off", "auto")
+BINDINGS = tuple(os.environ.get("ROLLFLOW_BENCH_BINDINGS", "off").split(","))
 
 
 def measure(ws: Workspace, n: int) -> dict[int, list[RunTimes]]:
@@ -145,9 +148,9 @@ def report_default(runs: dict[str, tuple[list[RunTimes], list[RunTimes]]]) -> st
     return (
         f"### Default profile\n\nWorkload: `profiles/tiny-cpu.toml` alone (its environments, 32 x 8 samples, "
         f"`max_new_tokens = 12`), {DEFAULT_STEPS} steps from the same warm-up weights, async_level 0 and 1, "
-        "with the CPU binding of `deployment.cpus` off (the kernel places every thread) and auto (inference on "
-        "the first core, the trainer on the second, the orchestrator anywhere), the four runs interleaved in "
-        "each repeat; ideal and fraction of ideal as above, from each repeat's own synchronous run. "
+        f"with the CPU binding of `deployment.cpus` {' and '.join(runs)} (off: the kernel places every thread; "
+        "auto: inference on the first core, the trainer on the second, the orchestrator anywhere), the runs "
+        "interleaved in each repeat; ideal and fraction of ideal as above, from each repeat's own synchronous run. "
         "Target: fraction of ideal >= 0.95.\n\n" + table(headers, rows)
     )
 

@@ -81,7 +81,7 @@ def measure(quick: bool) -> list[dict]:
 
     from engines.trainer.flops import linear_shapes, matmul_peak, step_flops
 
-    min_s, steps = (0.05, 2) if quick else (0.3, 5)
+    min_s, steps = (0.05, 2) if quick else (0.3, 3)
     rows_out = []
     for name, (shape, vocab, (rows, seq)) in SHAPES.items():
         if quick and "SmolLM2" in name:
