@@ -68,10 +68,9 @@ lint: install
 # was (the page it would have written: docs/benchmarks.failed.md).
 # `make bench`: async speedup, inference, weight update, trainer, orchestration, scaling, storage, the TRL peer,
 # the trainer's MFU against the measured matmul peak.
-# Duration: 22.8 min on an idle 2-core machine (commit 3435364, 2026-11-27, the page's header): async 447 s (of which
-# ~300 s the default profile with and without CPU binding), peer 416 s, mfu 201 s, orchestration 172 s, the rest
-# under 35 s each. Over the issue's 20-minute budget by the CPU-binding comparison; its quick mode measured 8.0 min
-# at load 3-10 (part of `make bench-quick` below).
+# Duration: 16.2 min on an idle 2-core machine (commit 17c8511, 2026-11-28, the page's header): peer 366 s, async 223 s
+# (15 RL runs), orchestration 143 s, mfu 133 s, the rest under 30 s each. Its quick mode
+# measured 8.0 min at load 3-10 (part of `make bench-quick` below).
 bench: install $(BENCH_STAMP)
 	ROLLFLOW_BENCH_COMMAND="make bench" $(BIN)/python -m tests.bench
 
