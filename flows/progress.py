@@ -50,7 +50,7 @@ def live_progress(
 def poll_interval() -> float:
     """POLL_S; TEMPORARY_API_POLL_S against the CLI's temporary local API (runtime/local_api.py), which serves no
     UI, so nobody sees the view until the run has ended (the last update is made then). Each update is two
-    artifact writes and their events, a third of what the temporary API spent during a run's steps."""
+    artifact writes and their events: 170 of the 285 events the temporary API stored over six short runs."""
     url = os.environ.get("PREFECT_API_URL")
     return TEMPORARY_API_POLL_S if url and url == os.environ.get(LOCAL_API_ENV) else POLL_S
 

@@ -25,9 +25,9 @@ from runtime.rundir import free_port
 
 LOCAL_API_ENV = "ROLLFLOW_LOCAL_PREFECT_API"  # the temporary API's URL while it serves (flows/progress.py reads it)
 # Services a temporary API serving one run has no use for, off unless the environment says otherwise: the event
-# vacuum (a long-lived server's retention chore) and automation triggers (no automation can be defined on a server
-# that lives for one command). Measured with the worker's slower polling (flows/local_api_app.py) and the
-# progress view's pace (flows/progress.py) in docs/benchmarks.md, "Orchestration overhead".
+# vacuum (a long-lived server's retention chore) and automation triggers (automations belong on a server that
+# outlives the command). Measured with the worker's slower polling (flows/local_api_app.py) and the progress
+# view's pace (flows/progress.py): docs/benchmarks.md, "Third pass".
 QUIET_SERVICES = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED": "false",
