@@ -77,9 +77,9 @@ bench: install $(BENCH_STAMP)
 # `make bench-long`: router replay (3 seeds of the tiny MoE), the generation backends at four model sizes with a
 # vLLM server each (needs `make vllm`, else its section says skipped), and K = 2, 3 tenants on one shared
 # deployment vs K standalone runs (tests/bench/multitenant.py).
-# Duration: about 25-35 min on an idle 2-core machine, an ESTIMATE: each ran alone before the split (router replay
-# 679 s at load ~12, the backends 26.9 min at load ~22, multitenant 4.8 min at load ~10); the first two's quick
-# modes measured 2.9 min at load ~7.
+# Duration: 10.8 min on an idle 2-core machine (commit 17c8511, 2026-11-28, the page's header; "+changes" there is
+# the page itself, just rewritten by `make bench`): backends 444 s (four vLLM starts of 25-28 s), multitenant 106 s,
+# router replay 95 s.
 bench-long: install $(BENCH_STAMP)
 	ROLLFLOW_BENCH_COMMAND="make bench-long" $(BIN)/python -m tests.bench --long
 
