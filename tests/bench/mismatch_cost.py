@@ -41,12 +41,13 @@ def _trainer(run: str):
 
 def _row_kl(t, batch) -> torch.Tensor:
     """[B, 2] float64: each row's k3 sum and token count, scored by the history's scratch (the sampling policy)."""
-    from engines.trainer.batch import micro_batches
     from engines.trainer.common import train_logprobs
     from engines.trainer.losses.kl import k3_kl
 
+    # slices in row order at the batch's full width (the trainer's micro_batches sort and trim them)
+    slices = [batch.select(slice(i, i + 64)) for i in range(0, len(batch), 64)]
     with torch.no_grad():
-        lp = torch.cat([train_logprobs(t.history.scratch, mb) for mb in micro_batches(batch, 64)])
+        lp = torch.cat([train_logprobs(t.history.scratch, mb) for mb in slices])
     rows = [k3_kl(lp[i : i + 1], batch.sampler_logprobs[i : i + 1], batch.loss_mask[i : i + 1]) for i in range(len(lp))]
     return torch.tensor(rows, dtype=torch.float64)
 
