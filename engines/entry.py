@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from config.cpus import CPUS_ENV, parse_cpu_list
 from storage.fs import read_json
@@ -48,8 +49,6 @@ def exit_done() -> None:
     teardown, which takes about 0.9 s with torch loaded (measured: `import torch` then exit, 2.56 s against
     1.69 s) and sits on the path to the first RL step when it ends the warm-up. Every file the process wrote
     is already closed and synced; nothing it leaves needs an exit handler."""
-    import sys
-
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -138,6 +138,7 @@ def test_micro_batches_sort_by_length_and_drop_padding_without_changing_the_loss
     whole.lengths = None  # one forward at the full width, rows in table order
     loss_whole, g_whole = grads([whole])
     loss_micro, g_micro = grads(mbs)
-    assert loss_micro == pytest.approx(loss_whole, abs=1e-6)
+    # measured: loss 6e-9 apart, gradients at most 7e-9 (fp32 rounding of a different summation order)
+    assert loss_micro == pytest.approx(loss_whole, abs=5e-8)
     for a, b in zip(g_micro, g_whole, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=0, atol=5e-8)
