@@ -48,6 +48,7 @@ from engines.environments.base import EnvironmentRefused, EnvMix, Task
 from engines.environments.episodes import GroupEnvironment, MultiTurnEnvironment, is_multi_turn
 from engines.heartbeat import heartbeat
 from engines.models import modeldir
+from engines.orchestrator import http_client
 from engines.orchestrator.admission import admit
 from engines.orchestrator.estimators import StepEstimators
 from engines.orchestrator.multiturn import EpisodeGroup, post_completion, truncation
@@ -344,7 +345,7 @@ async def run(cfg: OrchestratorProcessConfig) -> None:
 
 def _client(cfg: OrchestratorProcessConfig, token: str) -> httpx.AsyncClient:
     """The engine's client; a tenant's names the tenant and carries its token on every request (tenant.py)."""
-    settings: dict = {"base_url": cfg.inference_url, "timeout": httpx.Timeout(600.0)}
+    settings = http_client.settings(cfg.inference_url, 600.0)
     return httpx.AsyncClient(**settings) if cfg.tenant is None else TenantClient(cfg.tenant, token, **settings)
 
 

@@ -22,6 +22,7 @@ import httpx
 from config.model import ModelConfig
 from config.teacher import TeacherConfig
 from engines.models import modeldir
+from engines.orchestrator import http_client
 from engines.protocol import CompletionRequest, CompletionResponse, PromptLogprob
 from storage.rollouts import RolloutRow, mean_teacher_gap
 
@@ -64,7 +65,7 @@ class Teacher:
 
     def __init__(self, cfg: TeacherConfig, url: str):
         self.cfg = cfg
-        self.client = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(cfg.timeout_s))
+        self.client = httpx.AsyncClient(**http_client.settings(url, cfg.timeout_s))
         self.limit = asyncio.Semaphore(cfg.requests_in_flight)
 
     async def score(self, rows: list[RolloutRow]) -> None:

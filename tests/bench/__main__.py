@@ -52,6 +52,7 @@ TOOLS = {
     "cp_memory": "tests.bench.cp_memory",
     "trainer_mfu": "tests.bench.trainer_mfu",
     "memory": "tests.bench.memory",
+    "interference": "tests.bench.interference",
 }
 MODULES = {**MAIN, **LONG, **TOOLS}
 PAGE = harness.ROOT / "docs/benchmarks.md"

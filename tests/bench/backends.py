@@ -166,6 +166,7 @@ def measure_shape(ws: Workspace, name: str, model: dict, prompts: int, group: in
     model_dir = materialize(fs, root, 0, cache)
     server = VLLMServer(model_dir, mc.max_seq_len, out / "vllm.log")
     r: dict = {"name": name, "params_m": params(pair), "rows": len(pair.prompts), "start_s": server.start_s}
+    r["roofline"] = roofline(pair, NEW_TOKENS)
     packed = copy.deepcopy(pair.ours)  # the engine with inference.onednn_linear (weights packed at its first call)
     pack_linears(packed)
     try:
@@ -204,6 +205,22 @@ def measure_shape(ws: Workspace, name: str, model: dict, prompts: int, group: in
     return r
 
 
+def roofline(pair: Pair, tokens: int) -> float:
+    """Tokens/s at this CPU's matmul peak: the best fp32 `mm` FLOP/s measured now at the decode step's shapes
+    (the batch's rows x each Linear's) over one generated token's FLOPs (every Linear, lm_head included, and
+    attention over the mean context of a fixed-length row). No generator on this core can run faster."""
+    import torch
+
+    from engines.trainer import flops
+
+    rows = len(pair.prompts)  # every prompt already repeated `group` times
+    context = sum(len(p) for p in pair.prompts) / rows + tokens / 2
+    per_token = flops.step_flops(pair.ours, 1, context) / 3  # forward only: a third of forward + backward
+    with torch.no_grad():
+        peak = flops.matmul_peak(flops.linear_shapes(pair.ours), rows, torch.float32, min_s=0.2)
+    return peak / per_token
+
+
 def _tps(samples: list[tuple[float, int]]) -> list[float]:
     return [count / seconds for seconds, count in samples]
 
@@ -227,11 +244,14 @@ def report(results: list[dict]) -> str:
                     "**" + ratio_stats(eng, vl).fmt() + "x**",
                     Stats(dnn).fmt(),
                     "**" + ratio_stats(dnn, vl).fmt() + "x**",
+                    f"{r['roofline']:,.0f}",
+                    f"{r['roofline'] / Stats(hf).median:.2f}x",
                     per_row,
                 ]
             )
     headers = ["model, stop", "engine tok/s", "vLLM CPU tok/s", "HF tok/s", "engine / HF", "engine / vLLM"]
-    headers += ["engine + oneDNN tok/s", "engine + oneDNN / vLLM", "tokens / row (engine / oneDNN / HF / vLLM)"]
+    headers += ["engine + oneDNN tok/s", "engine + oneDNN / vLLM", "roofline tok/s", "roofline / HF"]
+    headers += ["tokens / row (engine / oneDNN / HF / vLLM)"]
     upd = [
         [
             f"{r['name']} ({r['params_m']:.1f}M)",
@@ -264,6 +284,10 @@ layers, 9 heads (3 KV), MLP 1536, vocabulary 49,152, tied embeddings), random we
 `weights.load` + `load_published` (what its /update_weights runs after the HTTP call); vLLM = `materialize`
 (publication -> local safetensors) and the vLLM backend's `apply_update` (pause keep, `collective_rpc`
 rollflow_load, resume) over HTTP.
+Roofline: the tokens/s one core would reach if every generated token's FLOPs (each Linear, lm_head included,
+2 FLOPs per weight; attention over the mean context) ran at the best fp32 `torch.mm` rate measured in this run
+at the decode step's shapes (rows x each Linear); roofline / HF is then the most any generator could gain over
+`generate()` on this core (engines/trainer/flops.py's counts and peak).
 """
 
 
