@@ -53,6 +53,7 @@ TOOLS = {
     "trainer_mfu": "tests.bench.trainer_mfu",
     "memory": "tests.bench.memory",
     "interference": "tests.bench.interference",
+    "component_cpu": "tests.bench.component_cpu",
 }
 MODULES = {**MAIN, **LONG, **TOOLS}
 PAGE = harness.ROOT / "docs/benchmarks.md"

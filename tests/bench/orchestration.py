@@ -2,7 +2,7 @@
 
 Prefect: the same workload through the real CLI (`rollflow rl`: Prefect flow, warm-up, three supervised
 subprocesses whose every output line goes to the Prefect logger) against the same components supervised
-directly by `runtime.process.supervise` (no Prefect), interleaved per repeat, 30 steps each. During the
+directly by `runtime.process.supervise` (no Prefect), interleaved per repeat, 20 steps each. During the
 Prefect run, the CPU time of every process in the CLI's tree is read from /proc at the first and the last
 step's metrics row, split into the components (`python -m engines.*`) and the rest (the flow and Prefect's
 API server).
@@ -39,8 +39,8 @@ from tests.bench.harness import (
 
 TITLE = "5. Orchestration overhead"
 # Prefect's CPU share is read in /proc's 10 ms ticks: over the workload's 8 steps one tick moved it by 0.2 points,
-# over 30 steps by about 0.05.
-STEPS = 30
+# over 20 steps by about 0.08.
+STEPS = 20
 
 
 def _proc_table() -> dict[int, tuple[int, str, float]]:
@@ -60,19 +60,32 @@ def _proc_table() -> dict[int, tuple[int, str, float]]:
     return table_
 
 
-def cpu_by_role(root: int) -> dict[str, float]:
-    """CPU seconds of `root` and its descendants: the components, the flow process (`root`: the CLI, the
-    flow, its supervisor threads and log forwarding) and the rest (Prefect's temporary API server)."""
+def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
+    """pid -> (command line, CPU seconds so far) of `root` and its descendants."""
     procs = _proc_table()
     tree, frontier = set(), {root}
     while frontier:
         tree |= frontier
         frontier = {pid for pid, (ppid, _, _) in procs.items() if ppid in frontier} - tree
-    out = {"components": 0.0, "flow": 0.0, "api": 0.0}
-    for pid in tree & procs.keys():
-        _, cmd, cpu = procs[pid]
-        out["components" if " -m engines." in cmd else "flow" if pid == root else "api"] += cpu
+    return {pid: procs[pid][1:] for pid in tree & procs.keys()}
+
+
+def cpu_between(a: dict[int, tuple[str, float]], b: dict[int, tuple[str, float]], role) -> dict[str, float]:
+    """CPU seconds each role used from reading `a` to reading `b`, per process (one that started in between counts
+    from 0); `role(pid, command)` names a process from whichever reading has its command line (/proc can give an
+    empty one)."""
+    out: dict[str, float] = {}
+    for pid, (cmd, cpu) in b.items():
+        before_cmd, before = a.get(pid, ("", 0.0))
+        name = role(pid, cmd or before_cmd)
+        out[name] = out.get(name, 0.0) + cpu - before
     return out
+
+
+def _role(pid: int, cmd: str, root: int) -> str:
+    """The components (`python -m engines.*`), the flow process (`root`: the CLI, the flow, its supervisor threads
+    and log forwarding) and the rest (Prefect's temporary API server)."""
+    return "components" if " -m engines." in cmd else "flow" if pid == root else "api"
 
 
 def _steps_done(out: Path) -> int:
@@ -104,13 +117,13 @@ def prefect_run(out: Path, steps: int) -> dict:
     }
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    cpu: list[dict[str, float]] = []
+    readings: list[dict[int, tuple[str, float]]] = []
     reader = threading.Thread(target=lambda: setattr(proc, "output", proc.stdout.read()), daemon=True)
     reader.start()
     while proc.poll() is None:
         done = _steps_done(out)
-        if (len(cpu) == 0 and done >= 1) or (len(cpu) == 1 and done >= steps):
-            cpu.append(cpu_by_role(proc.pid))
+        if (len(readings) == 0 and done >= 1) or (len(readings) == 1 and done >= steps):
+            readings.append(tree_cpu(proc.pid))
         time.sleep(0.05)
     wall = time.time() - t0
     reader.join()
@@ -122,7 +135,7 @@ def prefect_run(out: Path, steps: int) -> dict:
         "times": RunTimes.read(out),
         "warmup": warmup_end - (out / "config" / "run.json").stat().st_mtime,
         "phase": rl_phase(out),
-        "cpu": {k: cpu[1][k] - cpu[0][k] for k in cpu[0]} if len(cpu) == 2 else None,
+        "cpu": cpu_between(*readings, role=lambda pid, cmd: _role(pid, cmd, proc.pid)) if len(readings) == 2 else None,
     }
 
 
@@ -184,8 +197,8 @@ def report(m: dict) -> str:
     overhead = Stats([(pp - dd) / dd for pp, dd in zip(p, d, strict=True)])
     fixed = Stats([r["wall"] - r["warmup"] - r["phase"] for r in m["prefect"]])
     cpus = [r["cpu"] for r in m["prefect"] if r["cpu"]]
-    share = Stats([(c["flow"] + c["api"]) / sum(c.values()) for c in cpus])
-    per_step = {k: Stats([c[k] / (m["steps"] - 1) for c in cpus]) for k in ("flow", "api")}
+    share = Stats([(c.get("flow", 0.0) + c.get("api", 0.0)) / sum(c.values()) for c in cpus])
+    per_step = {k: Stats([c.get(k, 0.0) / (m["steps"] - 1) for c in cpus]) for k in ("flow", "api")}
     rows = [
         ["direct supervision (baseline)", Stats(d).fmt(unit=" s"), "-"],
         ["Prefect flow (`rollflow rl`)", Stats(p).fmt(unit=" s"), ratio_stats(p, d).fmt() + "x"],
