@@ -68,8 +68,8 @@ lint: install
 # was (the page it would have written: docs/benchmarks.failed.md).
 # `make bench`: async speedup, inference, weight update, trainer, orchestration, scaling, storage, the TRL peer,
 # the trainer's MFU against the measured matmul peak.
-# Duration: 16.2 min on an idle 2-core machine (commit 17c8511, 2026-11-28, the page's header): peer 366 s, async 223 s
-# (15 RL runs), orchestration 143 s, mfu 133 s, the rest under 30 s each. Its quick mode
+# Duration: 17.4 min on an idle 2-core machine (commit a69b5b7, 2026-11-28, the page's header): peer 369 s, async 230 s
+# (15 RL runs), orchestration 198 s (6 runs of 20 steps), mfu 133 s, the rest under 32 s each. Its quick mode
 # measured 8.0 min at load 3-10 (part of `make bench-quick` below).
 bench: install $(BENCH_STAMP)
 	ROLLFLOW_BENCH_COMMAND="make bench" $(BIN)/python -m tests.bench
@@ -77,9 +77,9 @@ bench: install $(BENCH_STAMP)
 # `make bench-long`: router replay (3 seeds of the tiny MoE), the generation backends at four model sizes with a
 # vLLM server each (needs `make vllm`, else its section says skipped), and K = 2, 3 tenants on one shared
 # deployment vs K standalone runs (tests/bench/multitenant.py).
-# Duration: 10.8 min on an idle 2-core machine (commit 17c8511, 2026-11-28, the page's header; "+changes" there is
-# the page itself, just rewritten by `make bench`): backends 444 s (four vLLM starts of 25-28 s), multitenant 106 s,
-# router replay 95 s.
+# Duration: 10.4 min on an idle 2-core machine (commit a69b5b7, 2026-11-28, the page's header; "+changes" there is
+# the page itself, just rewritten by `make bench`): backends 429 s (four vLLM starts of 24-28 s), multitenant 102 s,
+# router replay 93 s.
 bench-long: install $(BENCH_STAMP)
 	ROLLFLOW_BENCH_COMMAND="make bench-long" $(BIN)/python -m tests.bench --long
 

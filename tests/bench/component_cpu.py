@@ -19,17 +19,10 @@ from pathlib import Path
 
 from tests.bench import harness, peer_trl
 from tests.bench.harness import QUICK, Workspace, table
-from tests.bench.orchestration import cpu_between, tree_cpu
+from tests.bench.orchestration import _steps_done, cpu_between, tree_cpu
 
 TITLE = "CPU per RL step by process (tests/bench/component_cpu.py)"
 ROLES = ("engines.trainer", "engines.inference", "engines.orchestrator", "mlflow", "uvicorn", "rollflow.cli")
-
-
-def _rows(out: Path) -> int:
-    try:
-        return sum(1 for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip())
-    except OSError:
-        return 0
 
 
 def _role(pid: int, cmd: str) -> str:
@@ -49,7 +42,7 @@ def measure(root: Path, steps: int) -> dict:
     snaps: list[tuple[float, dict[int, tuple[str, float]]]] = []
     deadline = time.monotonic() + 120 + 30 * steps
     while proc.poll() is None and time.monotonic() < deadline:
-        done = _rows(out)
+        done = _steps_done(out)
         if (len(snaps) == 0 and done >= first) or (len(snaps) == 1 and done >= last):
             snaps.append((time.time(), tree_cpu(proc.pid)))
         time.sleep(0.05)
