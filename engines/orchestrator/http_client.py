@@ -1,16 +1,16 @@
 """The orchestrator's HTTP client to inference and teacher servers: httpx's API over aiohttp's connections.
 
-Every rollout is an HTTP request, and httpx's own connection pool (httpcore over anyio) spends about 1.5 ms of
-CPU per request on this 2-core machine, aiohttp about 0.4 ms, at 16 concurrent group requests (docs/benchmarks.md,
-"Fourth pass"). Those milliseconds come off the cores that generation and training share. The callers keep
-httpx's interface (`AsyncClient`, `Response`, its exceptions: `wait_healthy` catches `httpx.TransportError`);
-only the transport underneath changes.
+Every rollout is an HTTP request. With its own connection pool (httpcore over anyio) httpx spent 1.3-1.7 ms of
+client CPU per request on this 2-core machine at 16 concurrent group requests, over this transport 0.6-0.7 ms
+(docs/benchmarks.md, "Fourth pass"). Those milliseconds come off the cores that generation and training
+share. The callers keep httpx's interface (`AsyncClient`, `Response`, its exceptions: `wait_healthy` catches
+`httpx.TransportError`); only the transport underneath changes.
 
-Data flow: `httpx.AsyncClient(**settings(base_url, timeout_s))` -> a client whose transport is `AiohttpTransport` -> per
-request, httpx builds the request (URL, headers, JSON body) -> `handle_async_request` sends it on a pooled
-aiohttp connection with httpx's connect and read timeouts -> the whole body is read and handed back as an
-`httpx.Response` (httpx decodes its content encoding). aiohttp's errors are raised as httpx's, so a refused
-connection is `httpx.ConnectError` and a silent server `httpx.ReadTimeout`.
+Data flow: `httpx.AsyncClient(**settings(base_url, timeout_s))` -> a client whose transport is
+`AiohttpTransport` -> per request, httpx builds the request (URL, headers, JSON body) -> `handle_async_request`
+sends it on a pooled aiohttp connection with httpx's connect and read timeouts -> the whole body is read and handed
+back as an `httpx.Response` (httpx decodes its content encoding). aiohttp's errors are raised as httpx's, so a
+refused connection is `httpx.ConnectError` and a silent server `httpx.ReadTimeout`.
 """
 
 from __future__ import annotations
