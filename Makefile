@@ -94,9 +94,8 @@ bench-install: $(BENCH_STAMP)
 # CI's smoke run (.ci/run): every benchmark module, of `make bench`, `make bench-long` and the stand-alone commands
 # (tests/bench/__main__.py TOOLS), in its quick mode (1 repeat, tiny sizes, 2-3 RL steps), so none rots; the page
 # goes to BENCH_QUICK_OUT, never docs/benchmarks.md. Fails when any module fails.
-# Measured 16.1 min (967 s: 8.0 min the main set, 2.9 the long set, 5.0 the stand-alone commands) on the shared
-# 2-core machine at load 2.9 at start and 7-10 during, 2026-11-27 (commit 5a6dc25); the `bench` extra installs in
-# seconds.
+# Measured 9.1 min in a fresh-clone `.ci/run` on the idle 2-core machine, 2026-11-28 (commit 39d878e, 21 modules:
+# multitenant 101 s, peer 56 s and async 46 s the longest); the `bench` extra installs in seconds.
 BENCH_QUICK_OUT ?= /tmp/rollflow-bench-quick.md
 bench-quick: install $(BENCH_STAMP)
 	ROLLFLOW_BENCH_COMMAND="make bench-quick" $(BIN)/python -m tests.bench --every --quick --out "$(BENCH_QUICK_OUT)"
