@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,11 +32,8 @@ def measure(root: Path, steps: int) -> dict:
     publication = harness.warm_up(peer_trl.run_config(root / "warmup")) / "weights" / "step=000000"
     out = root / "run"
     shutil.rmtree(out, ignore_errors=True)
-    argv = [sys.executable, "-m", "rollflow.cli", "rl"]
-    for profile in peer_trl.PROFILES:
-        argv += ["@", str(profile)]
-    argv += ["--output-dir", str(out), "--max-steps", str(steps), "--model.path", str(publication), "--sft.steps", "0"]
     first, last = 3, steps - 1
+    argv = peer_trl.rollflow_argv(publication, out, steps)
     proc = subprocess.Popen(argv, env=peer_trl.base_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     snaps: list[tuple[float, dict[int, tuple[str, float]]]] = []
     deadline = time.monotonic() + 120 + 30 * steps

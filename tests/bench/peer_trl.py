@@ -201,10 +201,15 @@ class Side:
         }
 
 
-def rollflow_side(cfg, publication: Path, out: Path, n_steps: int) -> Side:
-    argv = [sys.executable, "-m", "rollflow.cli", "rl", "@", str(PROFILES[0]), "@", str(PEER_PROFILE),
+def rollflow_argv(publication: Path, out: Path, n_steps: int) -> list[str]:
+    """`rollflow rl` on the peer workload from `publication` (version 0; the warm-up only publishes it)."""
+    return [sys.executable, "-m", "rollflow.cli", "rl", "@", str(PROFILES[0]), "@", str(PEER_PROFILE),
             "--output-dir", str(out), "--max-steps", str(n_steps), "--model.path", str(publication),
             "--sft.steps", "0", "--overwrite"]  # fmt: skip
+
+
+def rollflow_side(cfg, publication: Path, out: Path, n_steps: int) -> Side:
+    argv = rollflow_argv(publication, out, n_steps)
     m = measure(argv, base_env(), out.with_suffix(".log"), limit_s=60 + 30 * n_steps)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "reward_mean" in r]
