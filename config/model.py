@@ -51,10 +51,10 @@ class VLMConfig(Strict):
     attributes name where transformers' model keeps its parts, as in the seed's VLM registry.
 
     Precision: the seed makes bfloat16 mandatory for VLMs because vLLM serves them in bfloat16 and a trainer in
-    another precision skews the importance ratio. rollflow's trainer has no optimization/reduce dtype to refuse:
-    it computes in float32 always (on CPU too, where float32 is the default); the sampler's precision is
-    `inference.dtype` (float32, or bfloat16, which runs on the CPU's AMX units here), and the gap between the
-    two is what `mismatch_kl` (per number of images: `mismatch_kl/images=K`) measures and the loss corrects."""
+    another precision skews the importance ratio. rollflow's trainer keeps float32 weights and optimizer state
+    whatever its matmuls' precision (`trainer.compute_dtype`); the sampler's is `inference.dtype`, and the gap
+    between the two is what `mismatch_kl` (per number of images: `mismatch_kl/images=K`) measures and the loss
+    corrects."""
 
     vision_encoder_attr: str = Field(
         "model.visual", min_length=1, description="dotted attribute of the vision encoder in the transformers model"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from config.base import Strict
@@ -25,6 +27,14 @@ class TrainerConfig(Strict):
     mini_batches: int = Field(1, gt=0, description="optimizer steps per epoch over each rollout step's samples")
     epochs: int = Field(1, gt=0, description="passes over each rollout step's samples")
     num_threads: int = Field(1, gt=0)
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="the precision of the trainer's forwards (the loss's, the proximal and reference scoring, "
+        "mismatch_kl's history): bfloat16 casts the parameters for each forward, as an engine serving a bf16 copy "
+        "computes; weights, gradients, AdamW's state and the log-softmax stay float32. Faster only on CPUs with bf16 "
+        "matmul units (AMX, AVX512-BF16); belongs with inference.dtype = bfloat16 (docs/algorithm.md \"Trainer "
+        "precision\"); one trainer process only",
+    )
     micro_batch_size: int = Field(64, gt=0)
     packing: bool = Field(
         False, description="pack several samples per row (block-diagonal attention) instead of padding each"
@@ -44,8 +54,8 @@ class TrainerConfig(Strict):
     report_mfu: bool = Field(
         True,
         description="report each step's model FLOPs utilisation (`mfu`): the step's matmul FLOPs over train_s, "
-        "against this CPU's matmul peak at the model's shapes, measured once at the first step (about 0.1 s; "
-        "engines/trainer/flops.py); one trainer process only",
+        "against this CPU's matmul peak at the model's shapes in compute_dtype, measured once at the first step "
+        "(about 0.1 s; engines/trainer/flops.py); one trainer process only",
     )
     keep_sampling_mask: bool = Field(
         True,
@@ -70,6 +80,12 @@ class TrainerConfig(Strict):
                 f"loss.old_policy = 'proximal' with one optimizer step per rollout step (mini_batches = "
                 f"{self.mini_batches}, epochs = {self.epochs}) makes the ratio 1 and the clip inert: raise "
                 "trainer.mini_batches or trainer.epochs, or use loss.old_policy = 'sampler'"
+            )
+        if self.compute_dtype != "float32" and self.parallel.world_size > 1:
+            raise ValueError(
+                f"trainer.compute_dtype = {self.compute_dtype!r} is for one trainer process; under torchrun "
+                f"(parallel.world_size = {self.parallel.world_size}) FSDP sets the precision (bfloat16 parameters "
+                "on GPU ranks, float32 on CPU ranks): use compute_dtype = 'float32'"
             )
         if sequence_level(self.loss) and self.parallel.cp > 1:
             raise ValueError(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
+from collections.abc import Iterator
 from typing import NamedTuple, cast
 
 import torch
@@ -20,6 +22,28 @@ def seed_everything(seed: int, num_threads: int) -> None:
     torch.set_num_threads(num_threads)
     torch.manual_seed(seed)
     random.seed(seed)
+
+
+@contextlib.contextmanager
+def bf16_parameters(model: torch.nn.Module) -> Iterator[None]:
+    """Within: every parameter of `model` reads as its bfloat16 cast (tied ones stay tied), so a forward computes
+    in bfloat16 end to end, as an engine serving a bf16 copy does, while autograd carries the gradients back to
+    the float32 parameters (FSDP's `MixedPrecisionPolicy(param_dtype=bfloat16)` for one process). Backward may run
+    after the block: the graph holds the casts."""
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    casts: dict[int, torch.Tensor] = {}
+    try:
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                low = casts.setdefault(id(p), p.to(torch.bfloat16))
+                delattr(module, name)
+                setattr(module, name, low)  # a plain attribute while the parameter is out
+                swapped.append((module, name, p))
+        yield
+    finally:
+        for module, name, p in reversed(swapped):
+            delattr(module, name)
+            module.register_parameter(name, p)
 
 
 def padded_logits(model: CausalLM, batch: Batch, routing: Routing | None = None) -> torch.Tensor:

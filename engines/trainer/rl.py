@@ -11,6 +11,7 @@ loss's forward before the step's first optimizer step, scores them with exactly 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import threading
@@ -29,7 +30,7 @@ from engines.models.moe import Routing
 from engines.models.vlm import is_vision
 from engines.trainer import checkpoint, context_parallel, distributed, flops, parallel
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
-from engines.trainer.common import Scored, log, routing_for, scored_tokens, seed_everything
+from engines.trainer.common import Scored, bf16_parameters, log, routing_for, scored_tokens, seed_everything
 from engines.trainer.eval_merge import EvalMerger
 from engines.trainer.losses.objective import MAX_STATS, Objective, StepCounts, step_metrics, token_scores
 from engines.trainer.mismatch import Mismatch, MismatchSums, PolicyHistory, stale_sample
@@ -163,11 +164,18 @@ class RLTrainer:
         batch.measured = batch.loss_mask * reused[:, None] if bool(reused.any()) else None
         pack_pad = self.tok.pad_id if self.tcfg.packing and batch.packable else None
         args = (self.tcfg.micro_batch_size, pack_pad, self.tcfg.enable_router_replay)
-        self.history.score(sums, batch, current & ~reused, *args)
         older = torch.nonzero(qualifying & ~current).flatten()
         rows, weight = stale_sample(ids, older, self.tcfg.mismatch_sample_fraction, step)
-        self.history.score(sums, batch, torch.isin(torch.arange(len(batch)), rows), *args, weight=weight)
+        with self.precision(self.history.scratch):
+            self.history.score(sums, batch, current & ~reused, *args)
+            self.history.score(sums, batch, torch.isin(torch.arange(len(batch)), rows), *args, weight=weight)
         return sums
+
+    def precision(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+        """The context of a trainer forward of `model`: its parameters cast to bfloat16 under `trainer.compute_dtype
+        = "bfloat16"` (`bf16_parameters`), else a no-op. The history's forward takes it too, so mismatch_kl
+        measures the numbers the loss sees."""
+        return bf16_parameters(model) if self.tcfg.compute_dtype == "bfloat16" else contextlib.nullcontext()
 
     def _reused_rows(self, batch: Batch, zero: torch.Tensor) -> torch.Tensor:
         """[B] bool: rows a forward of `optimize` scores with the weights before the update and with the
@@ -287,7 +295,7 @@ class RLTrainer:
     def _score(self, model: CausalLM, mb: Batch | PackedBatch, routing: Routing | None = None) -> Scored:
         """`model`'s logprobs of `mb`'s targets (on the sampler's kept support), as the loss forward takes them."""
         routing = routing or routing_for(mb, self.tcfg.enable_router_replay)
-        with context_parallel.gathered_kv(self.dist):
+        with context_parallel.gathered_kv(self.dist), self.precision(model):
             return scored_tokens(model, mb, routing)
 
     def _optimizer_step(
@@ -302,7 +310,7 @@ class RLTrainer:
             replayed = 0.0
             if routing is not None and routing.replay is not None:
                 replayed = float(((routing.replay[..., 0, 0] >= 0) & (_scoring(mb) > 0)).sum())
-            with context_parallel.gathered_kv(self.dist):
+            with context_parallel.gathered_kv(self.dist), self.precision(self.model):
                 scored = scored_tokens(self.model, mb, routing, entropy=True)  # on the sampler's kept support
             if mismatch is not None and mb.measured is not None:  # before this step's update: the sampler's weights
                 mismatch.add(mb, scored.logprobs.detach(), mb.measured, routing)
@@ -423,8 +431,9 @@ class RLTrainer:
         if self.peak_flops is None:
             shapes = flops.linear_shapes(self.model)
             tokens_mb = min(1024, int(lengths.max()) * min(len(batch), self.tcfg.micro_batch_size))  # a micro-batch's
-            self.peak_flops = flops.matmul_peak(shapes, max(1, tokens_mb), torch.float32)
-            log.info(f"measured matmul peak at the model's shapes: {self.peak_flops / 1e9:.1f} GFLOP/s (fp32)")
+            dtype = getattr(torch, self.tcfg.compute_dtype)
+            self.peak_flops = flops.matmul_peak(shapes, max(1, tokens_mb), dtype)
+            log.info(f"measured matmul peak at the model's shapes: {self.peak_flops / 1e9:.1f} GFLOP/s ({dtype})")
         achieved = self.tcfg.epochs * flops.step_flops(self.model, int(tokens), float(lengths.mean())) / train_s
         return {"mfu": achieved / self.peak_flops, "train_gflops": achieved / 1e9}
 

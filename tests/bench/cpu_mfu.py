@@ -8,8 +8,8 @@ A trainer step is rollflow's model (engines/models/decoder.py) doing what engine
 micro-batch: forward, the trainer's logprobs (log-softmax over the vocabulary), the default policy loss, backward,
 gradient clipping and AdamW, fp32 (the trainer's dtype) and under bf16 autocast. MFU = the step's matmul FLOPs
 (engines/trainer/flops.py: 6 x Linear parameters + causal attention, per token) / step time / the peak of the same
-dtype and threads. Where bf16's peak is below fp32's (a CPU without bf16 matmul units: AVX2 only, no AVX512-BF16
-or AMX), the bf16 step is not run: it would take minutes (SmolLM2's shape) and its row says so.
+dtype and threads. bf16 is measured only where a small bf16 matmul beats fp32 (`bf16_probe`): on a CPU without bf16
+matmul units (AVX2 only, no AVX512-BF16 or AMX) it is ~30x slower and one step of SmolLM2's shape takes minutes.
 Shapes: the tiny model of profiles/tiny-cpu.toml at its micro-batch (64 rows of 32 tokens) and SmolLM2-135M's
 shape (random weights: the FLOPs do not depend on them) at 8 rows of 128 tokens.
 """
@@ -77,13 +77,26 @@ def train_step_s(model, rows: int, seq: int, bf16: bool, steps: int) -> float:
     return statistics.median(times)
 
 
-def measure(quick: bool) -> list[dict]:
+def bf16_probe() -> dict[str, float]:
+    """FLOP/s of one [256, 256] x [256, 256] matmul per dtype, one thread: whether bf16 has matmul units here."""
     import torch
 
-    DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # noqa: N806
+    from engines.trainer.flops import matmul_peak
+
+    torch.set_num_threads(1)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    return {d: matmul_peak({(256, 256)}, 256, t, 0.05) for d, t in dtypes.items()}
+
+
+def measure(quick: bool) -> dict:
+    """{"rows": one per model, threads and dtype measured; "probe": `bf16_probe()`}. bf16 is measured only where
+    its probe beats fp32: without bf16 matmul units (AVX2 only) one bf16 step of SmolLM2's shape takes minutes."""
+    import torch
 
     from engines.trainer.flops import linear_shapes, matmul_peak, step_flops
 
+    probe = bf16_probe()
+    dtypes = {"fp32": torch.float32} | ({"bf16": torch.bfloat16} if probe["bf16"] > probe["fp32"] else {})
     min_s, steps = (0.05, 2) if quick else (0.3, 3)
     rows_out = []
     for name, (shape, vocab, (rows, seq)) in SHAPES.items():
@@ -94,29 +107,35 @@ def measure(quick: bool) -> list[dict]:
         flops = step_flops(model, rows * seq, seq)
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            peaks = {d: matmul_peak(shapes, rows * seq, t, min_s) for d, t in DTYPES.items()}
-            for dtype, peak in peaks.items():
-                row = {"model": name, "threads": threads, "dtype": dtype, "tokens": rows * seq, "peak": peak}
-                if dtype == "bf16" and peak < peaks["fp32"]:
-                    rows_out.append(row)  # no bf16 matmul units: a step would take minutes and teach nothing
-                    continue
+            for dtype, torch_dtype in dtypes.items():
+                peak = matmul_peak(shapes, rows * seq, torch_dtype, min_s)
                 step_s = train_step_s(model, rows, seq, dtype == "bf16", steps)
-                rows_out.append(row | {"step_s": step_s, "achieved": flops / step_s, "mfu": flops / step_s / peak})
+                rows_out.append({"model": name, "threads": threads, "dtype": dtype, "tokens": rows * seq,
+                                 "peak": peak, "step_s": step_s, "achieved": flops / step_s,
+                                 "mfu": flops / step_s / peak})  # fmt: skip
     torch.set_num_threads(1)
-    return rows_out
+    return {"rows": rows_out, "probe": probe}
 
 
-def report(results: list[dict]) -> str:
+def report(results: dict) -> str:
     rows = [
-        [r["model"], r["threads"], r["dtype"], r["tokens"], num(r["peak"] / 1e9) + " GFLOP/s"]
-        + ([num(r["step_s"] * 1e3) + " ms", num(r["achieved"] / 1e9) + " GFLOP/s", f"{r['mfu']:.1%}"]
-           if "step_s" in r else ["not run: bf16 matmul is slower than fp32 on this CPU", "", ""])
-        for r in results
+        [r["model"], r["threads"], r["dtype"], r["tokens"], num(r["peak"] / 1e9) + " GFLOP/s",
+         num(r["step_s"] * 1e3) + " ms", num(r["achieved"] / 1e9) + " GFLOP/s", f"{r['mfu']:.1%}"]
+        for r in results["rows"]
     ]  # fmt: skip
     head = ["model", "threads", "dtype", "tokens/step", "measured matmul peak", "trainer step", "achieved", "MFU"]
+    probe = results["probe"]
+    bf16 = (
+        f"a 256x256x256 matmul on one thread runs at {num(probe['fp32'] / 1e9)} GFLOP/s in fp32 and "
+        f"{num(probe['bf16'] / 1e9)} in bf16"
+    )
+    if probe["bf16"] <= probe["fp32"]:
+        bf16 += ": this CPU has no bf16 matmul units, so the bf16 rows were not measured"
     return (
         "Peak: the best `torch.mm` FLOP/s over the model's Linear shapes at the step's token count; a trainer step: "
-        "forward, logprobs, the default loss, backward, clipping, AdamW (`python -m tests.bench.cpu_mfu`).\n\n"
+        "forward, logprobs, the default loss, backward, clipping, AdamW (`python -m tests.bench.cpu_mfu`). bf16: "
+        + bf16
+        + ".\n\n"
         + table(head, rows)
     )
 
