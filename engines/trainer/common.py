@@ -46,6 +46,12 @@ def bf16_parameters(model: torch.nn.Module) -> Iterator[None]:
             module.register_parameter(name, p)
 
 
+def forward_precision(model: torch.nn.Module, compute_dtype: str) -> contextlib.AbstractContextManager[None]:
+    """The context of a trainer forward of `model` in `trainer.compute_dtype`: `bf16_parameters` for bfloat16,
+    else a no-op."""
+    return bf16_parameters(model) if compute_dtype == "bfloat16" else contextlib.nullcontext()
+
+
 def padded_logits(model: CausalLM, batch: Batch, routing: Routing | None = None) -> torch.Tensor:
     """[B, T, V] logits of right-padded rows. A vision-language model gets the rows' multimodal positions (every
     token counted valid: the padding follows a row's tokens, so it moves none of their positions, and the causal

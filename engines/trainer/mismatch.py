@@ -30,7 +30,7 @@ import torch
 from engines.models.decoder import CausalLM
 from engines.models.moe import Routing
 from engines.trainer.batch import Batch, PackedBatch, micro_batches, pack_batch
-from engines.trainer.common import expert_disagreement, routing_for, train_logprobs
+from engines.trainer.common import expert_disagreement, forward_precision, routing_for, train_logprobs
 from engines.trainer.losses.kl import k3_kl
 
 
@@ -86,8 +86,8 @@ def stale_sample(ids: list[str], rows: torch.Tensor, fraction: float, step: int)
 
 
 class PolicyHistory:
-    def __init__(self, model: CausalLM, keep: int):
-        self.keep = keep
+    def __init__(self, model: CausalLM, keep: int, compute_dtype: str = "float32"):
+        self.keep, self.compute_dtype = keep, compute_dtype  # trainer.compute_dtype: its forwards' precision
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         self.scratch = copy.deepcopy(model).eval()
 
@@ -147,7 +147,9 @@ class PolicyHistory:
             )
             for mb in mbs:
                 routing = routing_for(mb, replay)
-                into.add(mb, train_logprobs(self.scratch, mb, routing), mb.loss_mask, routing, weight)
+                with forward_precision(self.scratch, self.compute_dtype):
+                    logprobs = train_logprobs(self.scratch, mb, routing)
+                into.add(mb, logprobs, mb.loss_mask, routing, weight)
 
 
 def _add_by_images(

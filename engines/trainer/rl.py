@@ -11,7 +11,6 @@ loss's forward before the step's first optimizer step, scores them with exactly 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import signal
 import threading
@@ -30,7 +29,7 @@ from engines.models.moe import Routing
 from engines.models.vlm import is_vision
 from engines.trainer import checkpoint, context_parallel, distributed, flops, parallel
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
-from engines.trainer.common import Scored, bf16_parameters, log, routing_for, scored_tokens, seed_everything
+from engines.trainer.common import Scored, forward_precision, log, routing_for, scored_tokens, seed_everything
 from engines.trainer.eval_merge import EvalMerger
 from engines.trainer.losses.objective import MAX_STATS, Objective, StepCounts, step_metrics, token_scores
 from engines.trainer.mismatch import Mismatch, MismatchSums, PolicyHistory, stale_sample
@@ -166,16 +165,9 @@ class RLTrainer:
         args = (self.tcfg.micro_batch_size, pack_pad, self.tcfg.enable_router_replay)
         older = torch.nonzero(qualifying & ~current).flatten()
         rows, weight = stale_sample(ids, older, self.tcfg.mismatch_sample_fraction, step)
-        with self.precision(self.history.scratch):
-            self.history.score(sums, batch, current & ~reused, *args)
-            self.history.score(sums, batch, torch.isin(torch.arange(len(batch)), rows), *args, weight=weight)
+        self.history.score(sums, batch, current & ~reused, *args)
+        self.history.score(sums, batch, torch.isin(torch.arange(len(batch)), rows), *args, weight=weight)
         return sums
-
-    def precision(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
-        """The context of a trainer forward of `model`: its parameters cast to bfloat16 under `trainer.compute_dtype
-        = "bfloat16"` (`bf16_parameters`), else a no-op. The history's forward takes it too, so mismatch_kl
-        measures the numbers the loss sees."""
-        return bf16_parameters(model) if self.tcfg.compute_dtype == "bfloat16" else contextlib.nullcontext()
 
     def _reused_rows(self, batch: Batch, zero: torch.Tensor) -> torch.Tensor:
         """[B] bool: rows a forward of `optimize` scores with the weights before the update and with the
@@ -205,7 +197,7 @@ class RLTrainer:
     def _build_history(self) -> PolicyHistory:
         """Recent policies for mismatch_kl: the current one plus the publications just before it."""
         keep = self.cfg.max_off_policy_steps + 1
-        history = PolicyHistory(self.model, keep)
+        history = PolicyHistory(self.model, keep, self.tcfg.compute_dtype)
         for v in range(max(0, self.version - keep + 1), self.version):
             if is_committed(self.fs, weights.version_dir(self.root, v)):
                 history.add_state(v, weights.load(self.fs, weights.version_dir(self.root, v)))
@@ -295,7 +287,7 @@ class RLTrainer:
     def _score(self, model: CausalLM, mb: Batch | PackedBatch, routing: Routing | None = None) -> Scored:
         """`model`'s logprobs of `mb`'s targets (on the sampler's kept support), as the loss forward takes them."""
         routing = routing or routing_for(mb, self.tcfg.enable_router_replay)
-        with context_parallel.gathered_kv(self.dist), self.precision(model):
+        with context_parallel.gathered_kv(self.dist), forward_precision(model, self.tcfg.compute_dtype):
             return scored_tokens(model, mb, routing)
 
     def _optimizer_step(
@@ -310,7 +302,7 @@ class RLTrainer:
             replayed = 0.0
             if routing is not None and routing.replay is not None:
                 replayed = float(((routing.replay[..., 0, 0] >= 0) & (_scoring(mb) > 0)).sum())
-            with context_parallel.gathered_kv(self.dist), self.precision(self.model):
+            with context_parallel.gathered_kv(self.dist), forward_precision(self.model, self.tcfg.compute_dtype):
                 scored = scored_tokens(self.model, mb, routing, entropy=True)  # on the sampler's kept support
             if mismatch is not None and mb.measured is not None:  # before this step's update: the sampler's weights
                 mismatch.add(mb, scored.logprobs.detach(), mb.measured, routing)

@@ -36,7 +36,7 @@ def _trainer(tmp_path, compute_dtype: str) -> RLTrainer:
     cfg = TrainerProcessConfig(
         run=ComponentPaths(output_dir=str(tmp_path), run_id="t", storage=StorageConfig()),
         model=model_cfg,
-        trainer=TrainerConfig(compute_dtype=compute_dtype, micro_batch_size=16),  # type: ignore[arg-type]
+        trainer=TrainerConfig(compute_dtype=compute_dtype, micro_batch_size=16, mismatch_sample_fraction=1.0),  # type: ignore[arg-type]
         tracking=TrackingConfig(),
         mlflow_run_id=None,
         checkpoint=CheckpointConfig(),
@@ -82,12 +82,14 @@ def _sampled(t: RLTrainer, dtype: torch.dtype):
     return make_batch(to_table(rows), t.tok.pad_id)
 
 
-def _step(t: RLTrainer, dtype: torch.dtype) -> tuple[float, torch.Tensor]:
-    """(mismatch_kl, the gradient) of one trainer step on a batch a `dtype` engine sampled."""
+def _step(t: RLTrainer, dtype: torch.dtype, stale: bool = False) -> tuple[float, torch.Tensor]:
+    """(mismatch_kl, the gradient) of one trainer step on a batch a `dtype` engine sampled; `stale`: the trainer
+    one version ahead of the samples, so the history's forward scores them instead of the loss's."""
+    t.version = 1 if stale else 0
     batch = _sampled(t, dtype)
     ids = [f"s{i}" for i in range(len(batch))]
     sums = t.measure_mismatch(batch, ids, torch.zeros(len(batch), dtype=torch.bool), step=1)
-    assert sums is not None and batch.measured is not None  # the loss's forward scores these rows
+    assert sums is not None and (batch.measured is None) == stale
     t.optimize(batch, sums)
     kl = sums.result().kl
     assert kl is not None
@@ -98,15 +100,17 @@ def _step(t: RLTrainer, dtype: torch.dtype) -> tuple[float, torch.Tensor]:
 
 def test_bf16_trainer_against_bf16_sampler(tmp_path) -> None:
     fp32, fp32_mixed = _trainer(tmp_path / "a", "float32"), _trainer(tmp_path / "b", "float32")
-    bf16 = _trainer(tmp_path / "c", "bfloat16")
+    bf16, bf16_stale = _trainer(tmp_path / "c", "bfloat16"), _trainer(tmp_path / "d", "bfloat16")
     same, _ = _step(fp32, torch.float32)
     mixed, grad = _step(fp32_mixed, torch.bfloat16)
     both, grad_bf16 = _step(bf16, torch.bfloat16)
+    history, _ = _step(bf16_stale, torch.bfloat16, stale=True)
     # measured 0, 3.9e-5 and 2.3e-5: bf16 on both sides keeps the mismatch below an fp32 trainer's against the same
     # bf16 sampler (bf16 autocast instead of bf16 parameters measured 7e-5, worse than either)
     assert same < 1e-9
     assert mixed > 1e-5
     assert both < 0.8 * mixed
+    assert abs(history - both) <= 1e-6 * both, (history, both)  # the history's forward is in bf16 too
     params = list(bf16.model.parameters())
     assert all(type(p) is torch.nn.Parameter and p.dtype == torch.float32 for p in params)
     assert [id(p) for p in params] == [id(p) for g in bf16.optimizer.param_groups for p in g["params"]]
