@@ -47,7 +47,8 @@ class InferenceConfig(Strict):
         "~76M parameters on CPU; logprobs differ from MKL's by ~1e-6; engines/inference/embedded/packed.py)",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="precision the engine runs the model in (the trainer stays float32)"
+        "float32",
+        description="precision the engine runs the model in (the trainer's: trainer.compute_dtype, float32 by default)",
     )
     enable_return_routed_experts: bool = Field(
         False, description="MoE: return each token's routed expert ids (the `routed_experts` rollout column)"
