@@ -163,9 +163,9 @@ class RLTrainer:
         batch.measured = batch.loss_mask * reused[:, None] if bool(reused.any()) else None
         pack_pad = self.tok.pad_id if self.tcfg.packing and batch.packable else None
         args = (self.tcfg.micro_batch_size, pack_pad, self.tcfg.enable_router_replay)
+        self.history.score(sums, batch, current & ~reused, *args)
         older = torch.nonzero(qualifying & ~current).flatten()
         rows, weight = stale_sample(ids, older, self.tcfg.mismatch_sample_fraction, step)
-        self.history.score(sums, batch, current & ~reused, *args)
         self.history.score(sums, batch, torch.isin(torch.arange(len(batch)), rows), *args, weight=weight)
         return sums
 
