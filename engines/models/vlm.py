@@ -103,7 +103,8 @@ class HFVisionLM(HFCausalLM):
         )
 
     def _dtype(self) -> torch.dtype:
-        return next(self.hf.parameters()).dtype
+        """The pixels' dtype: the weights' (read from the embedding, which the trainer's bf16 forward swaps too)."""
+        return self.hf.get_input_embeddings().weight.dtype
 
     def _check_images(self, ids: torch.Tensor, vision: VisionInputs | None) -> None:
         """Image tokens and the images given must agree (transformers' own check raises a bare message later).

@@ -26,24 +26,33 @@ def seed_everything(seed: int, num_threads: int) -> None:
 
 @contextlib.contextmanager
 def bf16_parameters(model: torch.nn.Module) -> Iterator[None]:
-    """Within: every parameter of `model` reads as its bfloat16 cast (tied ones stay tied), so a forward computes
-    in bfloat16 end to end, as an engine serving a bf16 copy does, while autograd carries the gradients back to
-    the float32 parameters (FSDP's `MixedPrecisionPolicy(param_dtype=bfloat16)` for one process). Backward may run
-    after the block: the graph holds the casts."""
-    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    """Within: every parameter and floating-point buffer of `model` reads as its bfloat16 cast (tied ones stay tied),
+    so a forward computes as `model.to(torch.bfloat16)` would, which is how the engine serves `inference.dtype =
+    "bfloat16"`, while autograd carries the gradients back to the float32 parameters (FSDP's
+    `MixedPrecisionPolicy(param_dtype=bfloat16)` for one process). Backward may run after the block: the graph
+    holds the casts."""
+    swapped: list[tuple[torch.nn.Module, str, torch.Tensor, bool | None]] = []  # persistent: None for parameters
     casts: dict[int, torch.Tensor] = {}
     try:
         for module in model.modules():
-            for name, p in list(module.named_parameters(recurse=False)):
-                low = casts.setdefault(id(p), p.to(torch.bfloat16))
+            hidden = module._non_persistent_buffers_set  # buffers left out of state_dict (RoPE's inv_freq)
+            tensors = [(n, t, None) for n, t in module.named_parameters(recurse=False)]
+            tensors += [
+                (n, t, n not in hidden) for n, t in module.named_buffers(recurse=False) if t.is_floating_point()
+            ]
+            for name, t, persistent in tensors:
+                low = casts.setdefault(id(t), t.to(torch.bfloat16))
                 delattr(module, name)
-                setattr(module, name, low)  # a plain attribute while the parameter is out
-                swapped.append((module, name, p))
+                setattr(module, name, low)  # a plain attribute while the original is out
+                swapped.append((module, name, t, persistent))
         yield
     finally:
-        for module, name, p in reversed(swapped):
+        for module, name, t, persistent in swapped:  # in order: parameters() and state_dict() keep theirs
             delattr(module, name)
-            module.register_parameter(name, p)
+            if persistent is None:
+                module.register_parameter(name, t)  # type: ignore[arg-type]
+            else:
+                module.register_buffer(name, t, persistent=persistent)
 
 
 def forward_precision(model: torch.nn.Module, compute_dtype: str) -> contextlib.AbstractContextManager[None]:

@@ -18,10 +18,12 @@ from config.trainer import CheckpointConfig, TrainerConfig
 from engines.inference.embedded.generate import generate
 from engines.models import modeldir
 from engines.trainer.batch import make_batch
+from engines.trainer.common import bf16_parameters
 from engines.trainer.rl import RLTrainer
 from storage import weights
 from storage.fs import Storage
 from storage.rollouts import RolloutRow, to_table
+from tests.unit.test_models_hf import make_dir
 
 
 def _trainer(tmp_path, compute_dtype: str) -> RLTrainer:
@@ -122,3 +124,29 @@ def test_bf16_trainer_against_bf16_sampler(tmp_path) -> None:
 def test_bf16_under_torchrun_is_refused() -> None:
     with pytest.raises(ValueError, match="compute_dtype"):
         TrainerConfig(compute_dtype="bfloat16", parallel={"world_size": 2})
+
+
+@pytest.mark.parametrize("kind", ["builtin", "llama", "qwen3_moe"])
+def test_bf16_parameters_compute_as_a_bf16_copy(tmp_path, kind) -> None:
+    """The forward inside `bf16_parameters` is the forward of a bf16 copy (`model.to(bfloat16)`, as the engine
+    serves one), bit for bit, for rollflow's model and transformers' (tied embeddings; MoE; RoPE buffers);
+    gradients land on the float32 parameters, which come back unchanged, as does the state dict's layout."""
+    if kind == "builtin":
+        model = modeldir.load(ModelConfig(), pretrained=False).model
+    else:
+        make_dir(tmp_path, kind)
+        model = modeldir.load(ModelConfig(path=str(tmp_path), impl="hf"), pretrained=True).model
+    ids = torch.randint(4, model.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
+    before = [(id(p), p.detach().clone()) for p in model.parameters()]
+    keys = list(model.state_dict())
+    with torch.no_grad():
+        expected = copy.deepcopy(model).to(torch.bfloat16)(ids)
+    with bf16_parameters(model):
+        logits = model(ids)
+    assert logits.dtype == torch.bfloat16 and torch.equal(logits, expected)
+    torch.log_softmax(logits.float(), -1).mean().backward()
+    after = list(model.parameters())
+    assert [i for i, _ in before] == [id(p) for p in after]
+    assert all(torch.equal(p, q) and p.dtype == torch.float32 for (_, q), p in zip(before, after, strict=True))
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in after)
+    assert list(model.state_dict()) == keys  # non-persistent buffers (RoPE's inv_freq) stay out of it
