@@ -102,7 +102,7 @@ def check_model(cfg: RunConfig) -> None:
     if cfg.model.path is None:
         return
     from config.trainer_parallel import check_against_model
-    from engines.models.modeldir import resolve
+    from engines.models.modeldir import is_vision, resolve
 
     try:
         source = resolve(cfg.model)
@@ -112,6 +112,12 @@ def check_model(cfg: RunConfig) -> None:
         check_against_model(cfg.trainer.parallel, source.cfg, source.impl)
     except ValueError as exc:
         raise ConfigError(f"model.path={cfg.model.path!r} ({source.directory}/config.json): {exc}") from None
+    if cfg.trainer.compute_dtype != "float32" and is_vision(source):  # transformers' VLMs read their parameters
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} is a vision-language model: trainer.compute_dtype = "
+            f"{cfg.trainer.compute_dtype!r} is not supported for one (its code reads the dtype from parameters "
+            "the bf16 forward swaps out); use trainer.compute_dtype = 'float32'"
+        )
 
 
 def check_loss(cfg: RunConfig) -> None:

@@ -150,3 +150,17 @@ def test_bf16_parameters_compute_as_a_bf16_copy(tmp_path, kind) -> None:
     assert all(torch.equal(p, q) and p.dtype == torch.float32 for (_, q), p in zip(before, after, strict=True))
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in after)
     assert list(model.state_dict()) == keys  # non-persistent buffers (RoPE's inv_freq) stay out of it
+
+
+def test_bf16_with_a_vision_language_model_is_refused_at_load(tmp_path) -> None:
+    """transformers' VLM code reads its dtype from `parameters()`, which the bf16 forward swaps out."""
+    from config.loader import ConfigError, load_run_config
+    from engines.models import tiny_vlm
+    from rollflow.checks import check_model
+
+    vlm = tiny_vlm.write(tmp_path / "vlm", seed=0)
+    overrides = [("model.path", str(vlm)), ("model.max_seq_len", "512")]
+    check_model(load_run_config(["profiles/tiny-cpu.toml"], overrides))  # float32: accepted
+    cfg = load_run_config(["profiles/tiny-cpu.toml"], [*overrides, ("trainer.compute_dtype", "bfloat16")])
+    with pytest.raises(ConfigError, match="vision-language model: trainer.compute_dtype = 'bfloat16'"):
+        check_model(cfg)
