@@ -32,8 +32,8 @@ class TrainerConfig(Strict):
         description="the precision of the trainer's forwards (the loss's, the proximal and reference scoring, "
         "mismatch_kl's history): bfloat16 casts the parameters for each forward, as an engine serving a bf16 copy "
         "computes; weights, gradients, AdamW's state and the log-softmax stay float32. Faster only on CPUs with bf16 "
-        "matmul units (AMX, AVX512-BF16); belongs with inference.dtype = bfloat16 (docs/algorithm.md \"Trainer "
-        "precision\"); one trainer process only",
+        'matmul units (AMX, AVX512-BF16); belongs with inference.dtype = bfloat16 (docs/algorithm.md "Trainer '
+        'precision"); one trainer process only',
     )
     micro_batch_size: int = Field(64, gt=0)
     packing: bool = Field(

@@ -36,7 +36,9 @@ def bf16_parameters(model: torch.nn.Module) -> Iterator[None]:
     try:
         for module in model.modules():
             hidden = module._non_persistent_buffers_set  # buffers left out of state_dict (RoPE's inv_freq)
-            tensors = [(n, t, None) for n, t in module.named_parameters(recurse=False)]
+            tensors: list[tuple[str, torch.Tensor, bool | None]] = [
+                (n, t, None) for n, t in module.named_parameters(recurse=False)
+            ]
             tensors += [
                 (n, t, n not in hidden) for n, t in module.named_buffers(recurse=False) if t.is_floating_point()
             ]
@@ -50,7 +52,7 @@ def bf16_parameters(model: torch.nn.Module) -> Iterator[None]:
         for module, name, t, persistent in swapped:  # in order: parameters() and state_dict() keep theirs
             delattr(module, name)
             if persistent is None:
-                module.register_parameter(name, t)  # type: ignore[arg-type]
+                module.register_parameter(name, cast(torch.nn.Parameter, t))
             else:
                 module.register_buffer(name, t, persistent=persistent)
 

@@ -6,10 +6,11 @@ Peak: `torch.mm` of [tokens, in] x [in, out] for every distinct Linear shape of 
 step multiplies), fp32 and bf16, with 1 and 2 threads, timed until 0.3 s have passed; the peak is the best of those.
 A trainer step is rollflow's model (engines/models/decoder.py) doing what engines/trainer/rl.py does per
 micro-batch: forward, the trainer's logprobs (log-softmax over the vocabulary), the default policy loss, backward,
-gradient clipping and AdamW, fp32 (the trainer's dtype) and under bf16 autocast. MFU = the step's matmul FLOPs
-(engines/trainer/flops.py: 6 x Linear parameters + causal attention, per token) / step time / the peak of the same
-dtype and threads. bf16 is measured only where a small bf16 matmul beats fp32 (`bf16_probe`): on a CPU without bf16
-matmul units (AVX2 only, no AVX512-BF16 or AMX) it is ~30x slower and one step of SmolLM2's shape takes minutes.
+gradient clipping and AdamW, fp32 and bf16 (`trainer.compute_dtype`: the forward on bf16-cast parameters), the
+median of 2 steps after a warm-up. MFU = the step's matmul FLOPs (engines/trainer/flops.py: 6 x Linear parameters +
+causal attention, per token) / step time / the peak of the same dtype and threads. bf16 is measured only where a
+small bf16 matmul beats fp32 (`bf16_probe`): on a CPU without bf16 matmul units (AVX2 only, no AVX512-BF16 or
+AMX) it is ~30x slower and one step of SmolLM2's shape takes minutes.
 Shapes: the tiny model of profiles/tiny-cpu.toml at its micro-batch (64 rows of 32 tokens) and SmolLM2-135M's
 shape (random weights: the FLOPs do not depend on them) at 8 rows of 128 tokens.
 """
@@ -49,6 +50,7 @@ def train_step_s(model, rows: int, seq: int, bf16: bool, steps: int) -> float:
     import torch
 
     from config.trainer import TrainerConfig
+    from engines.trainer.common import forward_precision
     from engines.trainer.losses.objective import Objective, StepCounts, TokenScores
 
     vocab = model.vocab_size
@@ -60,7 +62,7 @@ def train_step_s(model, rows: int, seq: int, bf16: bool, steps: int) -> float:
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with forward_precision(model, "bfloat16" if bf16 else "float32"):  # trainer.compute_dtype's forward
             logits = model(ids)[:, :-1]
         logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         scores = TokenScores(logp, logp.detach(), adv, mask, sequence)
@@ -97,7 +99,7 @@ def measure(quick: bool) -> dict:
 
     probe = bf16_probe()
     dtypes = {"fp32": torch.float32} | ({"bf16": torch.bfloat16} if probe["bf16"] > probe["fp32"] else {})
-    min_s, steps = (0.05, 2) if quick else (0.3, 3)
+    min_s, steps = (0.05, 1) if quick else (0.3, 2)
     rows_out = []
     for name, (shape, vocab, (rows, seq)) in SHAPES.items():
         if quick and "SmolLM2" in name:

@@ -321,8 +321,9 @@ def trl_child(spec_path: Path) -> None:
 # --- the section ------------------------------------------------------------------------------------------------
 
 
-def run(ws: harness.Workspace, repeats: int | None = None) -> str:
-    """Warm-up, checks, then each side once per repeat, interleaved (rollflow, TRL default, TRL 1 thread, ...)."""
+def run(ws: harness.Workspace, repeats: int | None = None, one_thread: bool = False) -> str:
+    """Warm-up, checks, then each side once per repeat, interleaved (rollflow, TRL default[, TRL 1 thread], ...).
+    `make bench` runs the two defaults; `--one-thread` adds TRL on one thread (rollflow's trainer has one)."""
     root = ws.root / "peer"
     cfg = run_config(root / "warmup")
     publication = harness.warm_up(cfg) / "weights" / "step=000000"
@@ -331,11 +332,13 @@ def run(ws: harness.Workspace, repeats: int | None = None) -> str:
     sides: dict[str, list[Side]] = {}
     load = [os.getloadavg()[0]]
     for i in range(repeats or harness.repeats(1)):
-        for side in (
+        round_ = [
             rollflow_side(cfg, publication, root / f"rollflow{i}", n),
             trl_side(cfg, publication, root / f"trl-default{i}", n, threads=None),
-            trl_side(cfg, publication, root / f"trl-1thread{i}", n, threads=1),
-        ):
+        ]
+        if one_thread:
+            round_.append(trl_side(cfg, publication, root / f"trl-1thread{i}", n, threads=1))
+        for side in round_:
             sides.setdefault(side.name, []).append(side)
         load.append(os.getloadavg()[0])
     return render(sides, check, n, load)
@@ -400,7 +403,8 @@ def render(sides: dict[str, list[Side]], check: dict, n: int, load: list[float])
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.bench.peer_trl", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps and a short warm-up: a smoke run")
-    parser.add_argument("--repeats", type=int, help="rounds of the three runs, interleaved (default 1)")
+    parser.add_argument("--repeats", type=int, help="rounds of the runs, interleaved (default 1)")
+    parser.add_argument("--one-thread", action="store_true", help="also TRL on one thread in each round")
     parser.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_child:
@@ -410,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["ROLLFLOW_BENCH_QUICK"] = "1"
         harness.QUICK = True
     with tempfile.TemporaryDirectory(prefix="rollflow-peer-") as tmp:
-        print(f"## {TITLE}\n\n{run(harness.Workspace(Path(tmp)), args.repeats)}")
+        print(f"## {TITLE}\n\n{run(harness.Workspace(Path(tmp)), args.repeats, args.one_thread)}")
     return 0
 
 
