@@ -25,24 +25,38 @@ from storage.fs import Storage
 CURRENT = 4  # the trainer's version before the update; rows of versions 2 and 3 are stale
 
 
-def _trainer(tmp_path, **trainer) -> RLTrainer:
-    model_cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+def published_trainer(
+    tmp_path, model_cfg: ModelConfig, trainer: TrainerConfig, max_off_policy_steps: int, scale: float = 1.0
+) -> RLTrainer:
+    """The real `RLTrainer` of a run directory at `tmp_path` whose version 0 is a fresh `model_cfg` model, its
+    matrices multiplied by `scale` before publishing."""
     loaded = modeldir.load(model_cfg, pretrained=False)
+    with torch.no_grad():
+        for p in loaded.model.parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
     fs, root = Storage(StorageConfig()).open(str(tmp_path))
     weights.Publisher(fs, root).publish(0, loaded.model.publishable_state_dict(), loaded.publication_files())
     cfg = TrainerProcessConfig(
         run=ComponentPaths(output_dir=str(tmp_path), run_id="t", storage=StorageConfig()),
         model=model_cfg,
-        trainer=TrainerConfig(micro_batch_size=5, mismatch_sample_fraction=1.0, **trainer),
+        trainer=trainer,
         tracking=TrackingConfig(),
         mlflow_run_id=None,
         checkpoint=CheckpointConfig(),
         resume_step=None,
         seed=0,
         max_steps=10,
-        max_off_policy_steps=2,
+        max_off_policy_steps=max_off_policy_steps,
     )
-    t = RLTrainer(cfg)
+    return RLTrainer(cfg)
+
+
+def _trainer(tmp_path, **trainer) -> RLTrainer:
+    model_cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    t = published_trainer(
+        tmp_path, model_cfg, TrainerConfig(micro_batch_size=5, mismatch_sample_fraction=1.0, **trainer), 2
+    )
     g = torch.Generator().manual_seed(1)
     for version in (2, 3, CURRENT):  # each older policy a small step away from the next
         t.history.add(version, t.model)

@@ -11,43 +11,21 @@ import pytest
 import torch
 
 from config.model import ModelConfig
-from config.process import ComponentPaths, TrainerProcessConfig
-from config.storage import StorageConfig
-from config.tracking import TrackingConfig
-from config.trainer import CheckpointConfig, TrainerConfig
+from config.trainer import TrainerConfig
 from engines.inference.embedded.generate import generate
 from engines.models import modeldir
 from engines.trainer.batch import make_batch
 from engines.trainer.common import bf16_parameters
 from engines.trainer.rl import RLTrainer
-from storage import weights
-from storage.fs import Storage
 from storage.rollouts import RolloutRow, to_table
+from tests.unit.test_mismatch_reuse import published_trainer
 from tests.unit.test_models_hf import make_dir
 
 
 def _trainer(tmp_path, compute_dtype: str) -> RLTrainer:
-    model_cfg = ModelConfig()
-    loaded = modeldir.load(model_cfg, pretrained=False)
-    with torch.no_grad():  # sharper distributions than the near-uniform initial ones: rounding shows in the KL
-        for p in loaded.model.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
-    fs, root = Storage(StorageConfig()).open(str(tmp_path))
-    weights.Publisher(fs, root).publish(0, loaded.model.publishable_state_dict(), loaded.publication_files())
-    cfg = TrainerProcessConfig(
-        run=ComponentPaths(output_dir=str(tmp_path), run_id="t", storage=StorageConfig()),
-        model=model_cfg,
-        trainer=TrainerConfig(compute_dtype=compute_dtype, micro_batch_size=16, mismatch_sample_fraction=1.0),  # type: ignore[arg-type]
-        tracking=TrackingConfig(),
-        mlflow_run_id=None,
-        checkpoint=CheckpointConfig(),
-        resume_step=None,
-        seed=0,
-        max_steps=10,
-        max_off_policy_steps=1,
-    )
-    return RLTrainer(cfg)
+    trainer = TrainerConfig(compute_dtype=compute_dtype, micro_batch_size=16, mismatch_sample_fraction=1.0)  # type: ignore[arg-type]
+    # matrices x3: sharper distributions than the near-uniform initial ones, so rounding shows in the KL
+    return published_trainer(tmp_path, ModelConfig(), trainer, max_off_policy_steps=1, scale=3.0)
 
 
 def _sampled(t: RLTrainer, dtype: torch.dtype):
