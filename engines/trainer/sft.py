@@ -155,10 +155,12 @@ def run_sft(cfg: SFTProcessConfig) -> None:
         trainable, total = lora.trainable_fraction(model)
         log.info(f"LoRA: {trainable} of {total} parameters train ({trainable / total:.2%})")
     dataset = open_data(cfg, tok, storage)
-    source: Stream | EnvDemos
+    source: Stream | EnvDemos | None = None
     if dataset:
         source = Stream(dataset, cfg.seed)
-    else:
+    elif cfg.sft_run is not None or cfg.sft.steps > 0:
+        # a warm-up without steps draws no demonstration: building the environments (a verifiers
+        # environment imports its package and loads its dataset, seconds) would only delay the run
         source = EnvDemos(EnvMix(cfg.envs, cfg.seed, tok.prompt_style), tok, vision_spec(model))
     job = SFTJob(cfg, dist, fs, root, loaded, adapters, source)
     if cfg.sft_run is not None and cfg.sft_run.resume_step is not None:
@@ -178,7 +180,7 @@ def run_sft(cfg: SFTProcessConfig) -> None:
 class SFTJob:
     """The loop and its outputs: publications, checkpoints, metrics."""
 
-    def __init__(self, cfg: SFTProcessConfig, dist, fs, root: str, loaded, adapters, source: Stream | EnvDemos):
+    def __init__(self, cfg: SFTProcessConfig, dist, fs, root: str, loaded, adapters, source: Stream | EnvDemos | None):
         self.cfg, self.dist, self.fs, self.root = cfg, dist, fs, root
         self.loaded, self.model, self.adapters, self.source = loaded, loaded.model, adapters, source
         self.files = loaded.publication_files()  # config.json, tokenizer: the same every publication
@@ -193,7 +195,7 @@ class SFTJob:
 
     def step(self) -> tuple[float, int, int]:
         """(loss, trained tokens, rows this rank ran) of the next batch."""
-        assert self.opt is not None
+        assert self.opt is not None and self.source is not None
         batch = to_batch(self.source.take(self.cfg.sft.batch_size), self.loaded.tokenizer.pad_id, self.spec)
         loss, rows = train_step(self.model, self.opt, batch, self.cfg, self.dist, self.loaded.tokenizer.pad_id)
         heartbeat().advance("training")
@@ -226,7 +228,7 @@ class SFTJob:
 
     def run(self, dataset: Dataset | None) -> None:
         job = self.cfg.sft_run
-        assert job is not None and self.opt is not None
+        assert job is not None and self.opt is not None and self.source is not None
         parts: dict[str, checkpoint.Stateful] = {"optimizer": self.opt, "rng": checkpoint.RNGState()}
         parts["data"] = self.source
         if self.adapters is not None:

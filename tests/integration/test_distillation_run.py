@@ -63,14 +63,15 @@ def _teacher_logprobs(directory: Path, prompts: list, completions: list) -> list
     return out
 
 
-def test_distillation_run(tmp_path):
+def test_distillation_run(tmp_path, prefect_api):
     teacher = _teacher(tmp_path)
     out = tmp_path / "run"
     shape = [t for k, v in SHAPE.items() for t in (f"--model.{k.replace('_', '-')}", str(v))]
     args = ["rl", "@", str(ROOT / "profiles/tiny-cpu.toml"), "--output-dir", str(out), "--max-steps", str(STEPS)]
     args += ["--sft.steps", "5", "--orchestrator.batch-size", "8", "--async-level", "0", "--tracking.mlflow", "false"]
     args += [*shape, "--teacher.path", str(teacher)]
-    proc = subprocess.run(cli_argv(*args), cwd=tmp_path, env=cli_env(None), capture_output=True, text=True, timeout=600)
+    env = cli_env(prefect_api)
+    proc = subprocess.run(cli_argv(*args), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "config" / "teacher.json").exists() and (out / "logs" / "teacher.log").exists()
 

@@ -87,7 +87,9 @@ def test_sync_run_reports_to_a_prefect_server_and_is_on_policy(tmp_path, prefect
     from prefect.client.orchestration import get_client
 
     out = tmp_path / "run"
-    proc = _run_cli(out, "--async-level", "0", "--max-steps", "8", "--tracking.mlflow", "false", api_url=prefect_api)
+    # the mechanics, not the learning: a short warm-up
+    args = ("--async-level", "0", "--max-steps", "8", "--sft.steps", "20", "--tracking.mlflow", "false")
+    proc = _run_cli(out, *args, api_url=prefect_api)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     stale = _assert_run_is_sound(out, 8, load_run_config(PROFILES).max_off_policy_steps)
     assert set(stale) == {0}, "async_level=0 must be fully on-policy"

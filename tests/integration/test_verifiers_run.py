@@ -24,13 +24,13 @@ VF_ENVS = ROOT / "tests/plugins/vf"
 STEPS, EPISODES = 4, 4 * 4
 
 
-def _run(tmp_path: Path, env: str, tool_parser: str | None) -> tuple[Path, Path]:
+def _run(tmp_path: Path, api: str, env: str, tool_parser: str | None) -> tuple[Path, Path]:
     out, record = tmp_path / "run", tmp_path / "turns.jsonl"
     args = f'env = "{env}", record = "{record}"' + (f', tool_parser = "{tool_parser}"' if tool_parser else "")
     (tmp_path / "env.toml").write_text(f'[[envs]]\nid = "verifiers"\nargs = {{ {args} }}\n')
     profiles = ["@", str(ROOT / "profiles/tiny-tools-cpu.toml"), "@", str(ROOT / "tests/profiles/verifiers-short.toml")]
     argv = cli_argv("rl", *profiles, "@", str(tmp_path / "env.toml"), "--output-dir", str(out))
-    env_vars = cli_env(None)
+    env_vars = cli_env(api)  # the session's Prefect API: no temporary one per run
     env_vars["PYTHONPATH"] = os.pathsep.join([str(VF_ENVS), env_vars.get("PYTHONPATH", str(ROOT))])
     proc = subprocess.run(argv, cwd=tmp_path, env=env_vars, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -94,8 +94,8 @@ def _assert_trained(out: Path, rows: list[dict], names: set[str]) -> None:
     assert kls and max(kls) <= 1e-7
 
 
-def test_single_turn_verifiers_env_trains_on_the_server_tokens(tmp_path):
-    out, record = _run(tmp_path, "vf_copy:load_environment", None)
+def test_single_turn_verifiers_env_trains_on_the_server_tokens(tmp_path, prefect_api):
+    out, record = _run(tmp_path, prefect_api, "vf_copy:load_environment", None)
     rows = _assert_exact_tokens(out, record)
     assert all(r["completion_mask"] == [1] * len(r["completion_ids"]) for r in rows)  # one turn, all model tokens
     for r in rows:  # the rubric's reward is the row's reward
@@ -104,8 +104,8 @@ def test_single_turn_verifiers_env_trains_on_the_server_tokens(tmp_path):
     _assert_trained(out, rows, {"reward/similarity", "metric/reply_chars"})
 
 
-def test_tool_calling_verifiers_env_masks_tool_tokens(tmp_path):
-    out, record = _run(tmp_path, "vf_lookup:load_environment", "vf_tools:parse_calls")
+def test_tool_calling_verifiers_env_masks_tool_tokens(tmp_path, prefect_api):
+    out, record = _run(tmp_path, prefect_api, "vf_lookup:load_environment", "vf_tools:parse_calls")
     rows = _assert_exact_tokens(out, record)
     tok, calls = CharTokenizer(), 0
     for r in rows:

@@ -12,8 +12,8 @@ from runtime.local_api import LOCAL_API_ENV, QUIET_SERVICES, local_prefect_api
 from runtime.progress import POLL_S
 
 
-def test_the_temporary_api_serves_marks_itself_and_unmarks_itself_when_it_stops(tmp_path, monkeypatch):
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
+def test_the_temporary_api_serves_marks_itself_and_unmarks_itself_when_it_stops(monkeypatch):
+    # PREFECT_HOME as a CLI run has it: a fresh home would add its database's migrations (~20 s here)
     monkeypatch.delenv(LOCAL_API_ENV, raising=False)
     monkeypatch.setenv("PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED", "on")  # the caller's setting wins
     with local_prefect_api(timeout_s=120) as url:
