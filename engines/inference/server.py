@@ -20,7 +20,7 @@ import signal
 import sys
 
 from config.process import InferenceProcessConfig
-from engines.entry import read_process_config
+from engines.entry import exit_done, read_process_config
 from engines.heartbeat import heartbeat
 from engines.inference import backend as backends
 from engines.protocol import ADMIN_TOKEN_ENV
@@ -94,5 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     except PluginError as exc:
         raise SystemExit(str(exc)) from None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the backend's close() runs
-    if asyncio.run(serve(cfg)):
-        raise SystemExit(1)
+    try:
+        failed = asyncio.run(serve(cfg))
+    except SystemExit as stop:  # the signal, or a refusal on the way up: the backend is closed either way
+        exit_done(stop.code)
+    exit_done(1 if failed else 0)

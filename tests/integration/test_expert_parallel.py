@@ -111,6 +111,9 @@ def test_an_expert_parallel_checkpoint_resumes_on_one_process_and_back(runs):
     _assert_close(r1, r12, 1)
 
 
+# `make test-long` (~35 s): make test keeps its parts (the EP parity and checkpoint tests above, the flow's
+# torchrun trainer in test_parallel_run.py, routing payloads and replay in test_moe_run.py)
+@pytest.mark.long
 def test_the_moe_flow_runs_with_an_expert_parallel_trainer(tmp_path, prefect_api):
     """tiny-moe-cpu (shortened) through the real CLI with `--trainer.parallel.world-size 2 --trainer.parallel.ep 2`:
     routing payloads committed, router replay in effect, every expert published."""
