@@ -48,7 +48,7 @@ def read_process_config(prog: str, description: str | None, argv: list[str] | No
 def exit_done(code: int | str | None = 0) -> NoReturn:
     """End a process whose work is done and written: flush its output, then leave without the interpreter's
     teardown, which takes 0.6-0.9 s with torch loaded (measured here: `import torch` then exit, 0.59 s after
-    the last line against 0.03 s with this; the inference server, SIGTERM to exit, 1.18 s against ~0.3 s) and
+    the last line against 0.03 s with this; the inference server, SIGTERM to exit, 1.18 s against 0.16 s) and
     sits on the path to the first RL step when it ends the warm-up, and on every run's end. Every file the
     process wrote is already closed and synced; nothing it leaves needs an exit handler. `code` as SystemExit
     takes it: None is 0, a message is printed and exits 1."""
