@@ -46,8 +46,8 @@ smollm2: install
 run: install
 	$(BIN)/rollflow rl @ $(PROFILE) --overwrite
 
-# The CI suite: everything but the `long` marker (learning curves and soaks; `make test-long`). About 23 min on
-# the slower (AVX2) 2-core machine without the vLLM tests, ~1.7 min more with them (docs/benchmarks.md).
+# The CI suite: everything but the `long` marker (learning curves and soaks; `make test-long`). 24.3 min on the
+# slower (AVX2-only) 2-core machine, vLLM tests included (CI of cb65bb4; docs/benchmarks.md "Sixth pass").
 test: install
 	$(BIN)/python -m pytest -q --durations=30 -m "not long" tests
 
