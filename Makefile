@@ -78,9 +78,8 @@ bench: install $(BENCH_STAMP)
 # `make bench-long`: router replay (3 seeds of the tiny MoE), the generation backends at four model sizes with a
 # vLLM server each (needs `make vllm`, else its section says skipped), and K = 2, 3 tenants on one shared
 # deployment vs K standalone runs (tests/bench/multitenant.py).
-# Duration: 10.4 min on an idle 2-core machine (commit a69b5b7, 2026-11-28, the page's header; "+changes" there is
-# the page itself, just rewritten by `make bench`): backends 429 s (four vLLM starts of 24-28 s), multitenant 102 s,
-# router replay 93 s.
+# Duration: 15.8 min on the slower (AVX2-only) idle 2-core machine (commit cb65bb4, 2026-11-28, the page's header):
+# backends 676 s (four vLLM starts of 40-57 s), multitenant 142 s, router replay 123 s; 10.4 min on the faster one.
 bench-long: install $(BENCH_STAMP)
 	ROLLFLOW_BENCH_COMMAND="make bench-long" $(BIN)/python -m tests.bench --long
 
