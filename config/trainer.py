@@ -39,6 +39,13 @@ class TrainerConfig(Strict):
     packing: bool = Field(
         False, description="pack several samples per row (block-diagonal attention) instead of padding each"
     )
+    prefix_sharing: bool = Field(
+        True,
+        description="forward a group's shared prompt once: its samples' completions follow it in one row and "
+        "attend to it (the same logprobs and gradients); only for groups where that costs fewer FLOPs than "
+        "separate rows (short completions after a long prompt). Not with trainer.parallel.cp > 1, MoE routing "
+        "records or a vision-language policy (engines/trainer/layout.py)",
+    )
     measure_mismatch: bool = Field(
         True, description="keep recent policies in memory to measure mismatch_kl on stale samples"
     )

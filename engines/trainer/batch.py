@@ -57,6 +57,7 @@ class Batch:
     measured: torch.Tensor | None = None
     # [B] tokens per row (prompt + completion, images' included): what micro_batches keeps; None: the full width
     lengths: torch.Tensor | None = None
+    prompt_lengths: torch.Tensor | None = None  # [B] prompt tokens per row: what prefix sharing groups by
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -158,6 +159,7 @@ def make_batch(table: pa.Table, pad_id: int, keep_sampling_mask: bool = True, sp
         else None,
         kept=kept_tensor(table, (mask.shape[0], mask.shape[1])) if keep_sampling_mask else None,
         lengths=torch.tensor([len(s) for s in seqs]),
+        prompt_lengths=torch.tensor([len(p) for p in cols["prompt_ids"]]),
     )
     return batch if spec is None else with_images(batch, table, spec, pad_id)
 
@@ -185,11 +187,14 @@ class PackedBatch:
     A sample occupies one contiguous span of a row. Positions restart at 0 in every span and
     `segments` (span index, -1 for padding) drives a block-diagonal causal mask, so each token attends
     only to earlier tokens of its own sample: logprobs equal the padded batch's.
+    With prefix sharing (`Unit.shared`) a group's common prompt sits once before its samples' spans (segment -1,
+    `prefixes` >= 0), each span then holding the rest of its sample from position `shared` on and attending to
+    that prompt as well as to itself: the same logprobs, the prompt's tokens computed once.
     """
 
     input_ids: torch.Tensor  # [R, L]
     positions: torch.Tensor  # [R, L] position within the sample
-    segments: torch.Tensor  # [R, L] sample index within the row, -1 on padding
+    segments: torch.Tensor  # [R, L] sample index within the row, -1 on padding and shared prompts
     targets: torch.Tensor  # [R, L] next token of the same sample (pad where there is none)
     loss_mask: torch.Tensor  # [R, L] 1.0 where the target is a completion token
     sampler_logprobs: torch.Tensor  # [R, L]
@@ -198,6 +203,9 @@ class PackedBatch:
     routes: torch.Tensor | None = None  # [R, L, layers, k] sampler's expert ids, -1 where none
     kept: torch.Tensor | None = None  # [R, L] sampler's kept support size per target, 0 = full vocabulary
     measured: torch.Tensor | None = None  # [R, L] as `Batch.measured`
+    # [R, L] the shared prompt (numbered within the row) a token belongs to or reads, -1 where none; None: no row
+    # shares one
+    prefixes: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -206,13 +214,43 @@ class PackedBatch:
         return PackedBatch(**_rows_of(self.__dict__, idx))
 
     def attention_mask(self) -> torch.Tensor:
-        """[R, 1, L, L] bool: causal within a sample, nothing across samples."""
-        seg = self.segments
-        length = seg.shape[1]
-        causal = torch.ones(length, length, dtype=torch.bool).tril()
-        same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
-        # Padding queries attend to themselves so no softmax row is empty (which would give NaN).
-        return ((same & causal) | torch.eye(length, dtype=torch.bool))[:, None]
+        """[R, 1, L, L] bool: causal within a sample (and its shared prompt), nothing across samples."""
+        length = self.segments.shape[1]
+        index = torch.arange(length)
+        keys = None if self.prefixes is None else self.prefixes[:, None, :]
+        queries = None if self.prefixes is None else self.prefixes[:, :, None]
+        return span_mask(self.segments[:, :, None], self.segments[:, None, :], queries, keys, index, index)
+
+
+def span_mask(
+    q_seg: torch.Tensor,
+    k_seg: torch.Tensor,
+    q_prefix: torch.Tensor | None,
+    k_prefix: torch.Tensor | None,
+    q_index: torch.Tensor,
+    k_index: torch.Tensor,
+) -> torch.Tensor:
+    """[R, 1, Lq, Lk] bool from broadcastable [R, Lq, 1] / [R, 1, Lk] segments and shared-prompt ids and the
+    queries' and keys' positions in the row: a query sees earlier keys of its own sample and of the shared prompt
+    it reads; a padding query sees itself only, so no softmax row is empty (which would give NaN)."""
+    visible = (q_seg == k_seg) & (q_seg >= 0)
+    if q_prefix is not None and k_prefix is not None:
+        visible = visible | ((k_seg < 0) & (k_prefix >= 0) & (q_prefix == k_prefix))
+    causal = k_index[None, None, :] <= q_index[None, :, None]
+    itself = k_index[None, None, :] == q_index[None, :, None]
+    return ((visible & causal) | itself)[:, None]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What `pack_batch` places as one run of a row: each of `members`' samples from token `shared` on, after
+    (shared > 0) those first `shared` tokens once, the prompt the members begin with (prefix sharing)."""
+
+    members: tuple[int, ...]
+    shared: int = 0
+
+    def size(self, lengths: list[int]) -> int:
+        return self.shared + sum(lengths[i] - self.shared for i in self.members)
 
 
 def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -242,56 +280,79 @@ def sample_lengths(batch: Batch) -> list[int]:
     return (last.max(-1).values + 2).tolist()
 
 
-def pack_batch(batch: Batch, pad_id: int, capacity: int | None = None) -> PackedBatch:
-    """Pack a right-padded `Batch` into rows of `capacity` tokens (default: its longest sample)."""
+class _Packer:
+    """The tensors of a packed batch, filled span by span from a right-padded `Batch`."""
+
+    PER_TARGET = ("targets", "loss_mask", "sampler_logprobs", "kept", "measured")
+
+    def __init__(self, batch: Batch, lengths: list[int], pad_id: int, shape: tuple[int, int], sharing: bool):
+        self.batch, self.lengths = batch, lengths
+        routes = batch.routes
+        self.out: dict[str, torch.Tensor | None] = {
+            "input_ids": torch.full(shape, pad_id, dtype=torch.long),
+            "targets": torch.full(shape, pad_id, dtype=torch.long),
+            "positions": torch.zeros(shape, dtype=torch.long),
+            "segments": torch.full(shape, -1, dtype=torch.long),
+            "prefixes": torch.full(shape, -1, dtype=torch.long) if sharing else None,
+            **{k: torch.zeros(shape) for k in ("loss_mask", "sampler_logprobs", "advantages")},
+            "temperatures": torch.ones(shape),
+            "routes": None if routes is None else torch.full((*shape, *routes.shape[2:]), -1, dtype=torch.long),
+            "kept": None if batch.kept is None else torch.zeros(shape, dtype=torch.long),
+            "measured": None if batch.measured is None else torch.zeros(shape),
+        }
+
+    def span(self, row: int, at: int, sample: int, tokens: tuple[int, int], segment: int, prefix: int) -> int:
+        """Sample `sample`'s tokens [a, b) at column `at` of `row` (targets for those before its last token);
+        returns the next free column."""
+        (a, b), src = tokens, self.batch
+        t = min(b, self.lengths[sample] - 1)  # the sample's last token has no target
+        cols, targets = slice(at, at + b - a), slice(at, at + t - a)
+        values = {"input_ids": src.input_ids, "routes": src.routes}
+        per_target = {name: getattr(src, name) for name in self.PER_TARGET}
+        if src.advantages.dim() == 2:  # per target, like the loss mask
+            per_target["advantages"] = src.advantages
+        for name, whole in values.items():
+            self._put(name, row, cols, None if whole is None else whole[sample, a:b])
+        for name, whole in per_target.items():
+            self._put(name, row, targets, None if whole is None else whole[sample, a:t])
+        if src.advantages.dim() == 1:
+            self._put("advantages", row, cols, src.advantages[sample])
+        self._put("positions", row, cols, torch.arange(a, b))
+        self._put("segments", row, cols, segment)
+        self._put("prefixes", row, cols, prefix)
+        self._put("temperatures", row, cols, src.temperatures[sample])
+        return at + b - a
+
+    def _put(self, name: str, row: int, cols: slice, value: Any) -> None:
+        dst = self.out[name]
+        if dst is not None and value is not None:
+            dst[row, cols] = value
+
+    def packed(self) -> PackedBatch:
+        return PackedBatch(**self.out)  # type: ignore[arg-type]
+
+
+def pack_batch(batch: Batch, pad_id: int, capacity: int | None = None, units: list[Unit] | None = None) -> PackedBatch:
+    """Pack a right-padded `Batch` into rows of `capacity` tokens (default: its longest unit); `units` (default:
+    each sample alone) say which samples share their prompt (engines/trainer/layout.py)."""
     if not batch.packable:
         raise ValueError("a vision-language policy's batch is not packed (Batch.packable); train it padded")
     lengths = sample_lengths(batch)
-    capacity = capacity or max(lengths)
-    rows = pack_rows(lengths, capacity)
-    shape = (len(rows), capacity)
-    ids = torch.full(shape, pad_id, dtype=torch.long)
-    targets = torch.full(shape, pad_id, dtype=torch.long)
-    positions = torch.zeros(shape, dtype=torch.long)
-    segments = torch.full(shape, -1, dtype=torch.long)
-    floats = {k: torch.zeros(shape) for k in ("loss_mask", "sampler_logprobs", "advantages", "temperatures")}
-    floats["temperatures"].fill_(1.0)
-    routes = None if batch.routes is None else torch.full((*shape, *batch.routes.shape[2:]), -1, dtype=torch.long)
-    kept = None if batch.kept is None else torch.zeros(shape, dtype=torch.long)
-    measured = None if batch.measured is None else torch.zeros(shape)
+    units = units if units is not None else [Unit((i,)) for i in range(len(batch))]
+    sizes = [u.size(lengths) for u in units]
+    capacity = capacity or max(sizes)
+    rows = pack_rows(sizes, capacity)
+    packer = _Packer(batch, lengths, pad_id, (len(rows), capacity), any(u.shared for u in units))
     for r, members in enumerate(rows):
-        start = 0
-        for s, i in enumerate(members):
-            n = lengths[i]
-            span = slice(start, start + n)
-            ids[r, span] = batch.input_ids[i, :n]
-            targets[r, start : start + n - 1] = batch.targets[i, : n - 1]  # the last token has no target
-            positions[r, span] = torch.arange(n)
-            segments[r, span] = s
-            floats["loss_mask"][r, start : start + n - 1] = batch.loss_mask[i, : n - 1]
-            floats["sampler_logprobs"][r, start : start + n - 1] = batch.sampler_logprobs[i, : n - 1]
-            if batch.advantages.dim() == 2:  # per target, like the loss mask
-                floats["advantages"][r, start : start + n - 1] = batch.advantages[i, : n - 1]
-            else:
-                floats["advantages"][r, span] = batch.advantages[i]
-            floats["temperatures"][r, span] = batch.temperatures[i]
-            if routes is not None and batch.routes is not None:
-                routes[r, span] = batch.routes[i, :n]
-            if kept is not None and batch.kept is not None:
-                kept[r, start : start + n - 1] = batch.kept[i, : n - 1]
-            if measured is not None and batch.measured is not None:
-                measured[r, start : start + n - 1] = batch.measured[i, : n - 1]
-            start += n
-    return PackedBatch(
-        input_ids=ids,
-        positions=positions,
-        segments=segments,
-        targets=targets,
-        routes=routes,
-        kept=kept,
-        measured=measured,
-        **floats,
-    )
+        at, segment = 0, 0
+        for p, unit in enumerate(units[u] for u in members):
+            prefix = p if unit.shared else -1
+            if unit.shared:
+                at = packer.span(r, at, unit.members[0], (0, unit.shared), -1, prefix)
+            for i in unit.members:
+                at = packer.span(r, at, i, (unit.shared, lengths[i]), segment, prefix)
+                segment += 1
+    return packer.packed()
 
 
 B = TypeVar("B", Batch, PackedBatch)

@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from config.trainer_parallel import TrainerParallelConfig, check_cp
 from engines.trainer import compat
-from engines.trainer.batch import Batch, PackedBatch
+from engines.trainer.batch import Batch, PackedBatch, span_mask
 from engines.trainer.distributed import Dist
 
 PAD_ID = 0  # any valid token id: padded positions are never scored and attend only to themselves
@@ -50,9 +50,7 @@ class CPShard(PackedBatch):
     def attention_mask(self) -> torch.Tensor:
         """[R, 1, L_local, L] bool: `PackedBatch.attention_mask`'s rows for this rank's queries."""
         q_seg, k_seg = self.segments[:, :, None], self.key_segments[:, None, :]
-        causal = self.key_index[None, None, :] <= self.query_index[None, :, None]
-        itself = self.key_index[None, None, :] == self.query_index[None, :, None]
-        return (((q_seg == k_seg) & (q_seg >= 0) & causal) | itself)[:, None]
+        return span_mask(q_seg, k_seg, None, None, self.query_index, self.key_index)
 
 
 def refuse_unsupported(p: TrainerParallelConfig, model: nn.Module) -> None:
@@ -109,6 +107,8 @@ def shard(mb: Batch | PackedBatch, d: Dist) -> Batch | PackedBatch:
 
     if mb.routes is not None:
         raise SystemExit("trainer.parallel.cp > 1 with MoE routing records is not supported; set cp = 1")
+    if isinstance(mb, PackedBatch) and mb.prefixes is not None:  # CPShard's mask has no shared prompts
+        raise RuntimeError("a micro-batch with shared prompts reached context parallelism (the layout shares none)")
     if isinstance(mb, Batch) and mb.pixels is not None:  # an image's tokens must stay on one rank with its pixels
         raise SystemExit("trainer.parallel.cp > 1 with a vision-language model is not supported; set cp = 1")
     full = _padded(to_packed_layout(mb), 2 * d.cp)

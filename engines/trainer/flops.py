@@ -47,12 +47,17 @@ def attention_shape(model: nn.Module) -> tuple[int, int]:
     return hf.num_hidden_layers, heads * (getattr(hf, "head_dim", None) or hf.hidden_size // heads)
 
 
-def step_flops(model: nn.Module, tokens: int, seq_len: float) -> float:
-    """FLOPs of forward + backward over `tokens` tokens in sequences of `seq_len` tokens (mean)."""
+def token_cost(model: nn.Module) -> tuple[float, float]:
+    """Forward + backward FLOPs per token of the Linear layers, and of attention per token per attended key."""
     n_all, n_train = _linear_params(model, False), _linear_params(model, True)
     layers, width = attention_shape(model)
-    attention = 3 * 2 * 2 * layers * seq_len * width / 2
-    return tokens * (4 * n_all + 2 * n_train + attention)
+    return 4 * n_all + 2 * n_train, 3 * 2 * 2 * layers * width
+
+
+def step_flops(model: nn.Module, tokens: int, seq_len: float) -> float:
+    """FLOPs of forward + backward over `tokens` tokens in causal sequences of `seq_len` tokens (mean)."""
+    linear, attention = token_cost(model)
+    return tokens * (linear + attention * seq_len / 2)
 
 
 def _flops_per_s(fn, flops: float, min_s: float) -> float:

@@ -29,8 +29,9 @@ import torch
 
 from engines.models.decoder import CausalLM
 from engines.models.moe import Routing
-from engines.trainer.batch import Batch, PackedBatch, micro_batches, pack_batch
+from engines.trainer.batch import Batch, PackedBatch
 from engines.trainer.common import expert_disagreement, forward_precision, routing_for, train_logprobs
+from engines.trainer.layout import Layout
 from engines.trainer.losses.kl import k3_kl
 
 
@@ -110,16 +111,15 @@ class PolicyHistory:
         held = torch.tensor(sorted(self.states), dtype=batch.versions.dtype)
         return (batch.versions == batch.versions_end) & torch.isin(batch.versions, held)
 
-    def mismatch_kl(
-        self, batch: Batch, micro_batch_size: int, pack_pad_id: int | None = None, replay: bool = False
-    ) -> Mismatch:
+    def mismatch_kl(self, batch: Batch, layout: Layout, replay: bool = False) -> Mismatch:
         """KL and expert disagreement of the samples drawn by one kept policy (see the module docstring).
 
-        With `pack_pad_id` (trainer.packing) the samples are packed first, as for the loss: same numbers,
-        a fraction of the padded forward's work when lengths vary. `replay`: router replay, as the loss.
+        The samples are cut into forwards as the loss's are (`layout`: padded, packed or sharing prompts): the
+        same numbers, a fraction of the padded forward's work when lengths vary or prompts repeat. `replay`:
+        router replay, as the loss.
         """
         sums = MismatchSums()
-        self.score(sums, batch, torch.ones(len(batch), dtype=torch.bool), micro_batch_size, pack_pad_id, replay)
+        self.score(sums, batch, torch.ones(len(batch), dtype=torch.bool), layout, replay)
         return sums.result()
 
     @torch.no_grad()
@@ -128,8 +128,7 @@ class PolicyHistory:
         into: MismatchSums,
         batch: Batch,
         rows: torch.Tensor,
-        micro_batch_size: int,
-        pack_pad_id: int | None = None,
+        layout: Layout,
         replay: bool = False,
         weight: float = 1.0,
     ) -> None:
@@ -140,12 +139,7 @@ class PolicyHistory:
                 continue
             self.scratch.load_state_dict(state)
             selected = batch.select(torch.nonzero(picked).flatten())
-            mbs: list[Batch] | list[PackedBatch] = (
-                micro_batches(pack_batch(selected, pack_pad_id), micro_batch_size)
-                if pack_pad_id is not None and selected.packable
-                else micro_batches(selected, micro_batch_size)
-            )
-            for mb in mbs:
+            for mb in layout.split(selected):
                 routing = routing_for(mb, replay)
                 with forward_precision(self.scratch, self.compute_dtype):
                     logprobs = train_logprobs(self.scratch, mb, routing)

@@ -28,9 +28,10 @@ from engines.models.decoder import CausalLM
 from engines.models.moe import Routing
 from engines.models.vlm import is_vision
 from engines.trainer import checkpoint, context_parallel, distributed, flops, parallel
-from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, pack_batch
+from engines.trainer.batch import Batch, PackedBatch, make_batch
 from engines.trainer.common import Scored, forward_precision, log, routing_for, scored_tokens, seed_everything
 from engines.trainer.eval_merge import EvalMerger
+from engines.trainer.layout import Layout, TokenCost, forward_tokens
 from engines.trainer.losses.objective import MAX_STATS, Objective, StepCounts, step_metrics, token_scores
 from engines.trainer.mismatch import Mismatch, MismatchSums, PolicyHistory, stale_sample
 from engines.trainer.tracking import Tracker
@@ -103,6 +104,7 @@ class RLTrainer:
         self.version = self._load_weights()
         self.history = self._build_history() if self.tcfg.measure_mismatch and self.dist.is_main else None
         self.objective = Objective(self.tcfg)
+        self.layout = self._layout()
         self.reference = self._build_reference() if self.tcfg.reference.enabled else None
         parallel.parallelize(self.model, self.dist, self.tcfg.parallel, loaded.source.impl)
         self.optimizer, self.scheduler = self._build_optimizer()
@@ -161,19 +163,19 @@ class RLTrainer:
         current = qualifying & (batch.versions == self.version)
         reused = current & self._reused_rows(batch, zero)
         batch.measured = batch.loss_mask * reused[:, None] if bool(reused.any()) else None
-        pack_pad = self.tok.pad_id if self.tcfg.packing and batch.packable else None
-        args = (self.tcfg.micro_batch_size, pack_pad, self.tcfg.enable_router_replay)
-        self.history.score(sums, batch, current & ~reused, *args)
+        replay = self.tcfg.enable_router_replay
+        self.history.score(sums, batch, current & ~reused, self.layout, replay)
         older = torch.nonzero(qualifying & ~current).flatten()
         rows, weight = stale_sample(ids, older, self.tcfg.mismatch_sample_fraction, step)
-        self.history.score(sums, batch, torch.isin(torch.arange(len(batch)), rows), *args, weight=weight)
+        self.history.score(sums, batch, torch.isin(torch.arange(len(batch)), rows), self.layout, replay, weight)
         return sums
 
     def _reused_rows(self, batch: Batch, zero: torch.Tensor) -> torch.Tensor:
         """[B] bool: rows a forward of `optimize` scores with the weights before the update and with the
         history's numerics: every row the proximal scoring covers, else the first mini-batch's (later ones follow
         an optimizer step) unless dropout makes the training forward differ; never under torchrun (a rank holds
-        a share); with packing, without the zero-advantage rows the filter leaves out (packing drops their tokens)."""
+        a share); when rows may be packed (packing, prefix sharing), without the zero-advantage rows the filter
+        leaves out (packing drops their tokens)."""
         rows = torch.zeros(len(batch), dtype=torch.bool)
         if self.dist.enabled or (not self.objective.needs_proximal and _has_dropout(self.model)):
             return rows
@@ -181,7 +183,8 @@ class RLTrainer:
             rows[:] = True
         else:
             rows[torch.tensor_split(torch.arange(len(batch)), self.tcfg.mini_batches)[0]] = True
-        return rows & ~zero if self.tcfg.loss.zero_advantage == "filter" and self.tcfg.packing else rows
+        packs = self.tcfg.packing or self.layout.share is not None
+        return rows & ~zero if self.tcfg.loss.zero_advantage == "filter" and packs else rows
 
     def _load_weights(self) -> int:
         """Weights of the checkpoint the flow chose, or the warm-up's version 0; returns the version."""
@@ -228,11 +231,13 @@ class RLTrainer:
                 time.sleep(0.05)
         return rollouts.read_step(self.fs, self.root, step)
 
-    def train_micro_batches(self, batch: Batch) -> list[Batch] | list[PackedBatch]:
-        """`micro_batch_size` rows each; with `trainer.packing` a row holds several samples."""
-        if self.tcfg.packing and batch.packable:  # rows with images stay padded (Batch.packable)
-            return micro_batches(pack_batch(batch, self.tok.pad_id), self.tcfg.micro_batch_size)
-        return micro_batches(batch, self.tcfg.micro_batch_size)
+    def _layout(self) -> Layout:
+        """Padded, packed (`trainer.packing`) or prompt-sharing (`trainer.prefix_sharing`) forwards of about
+        `micro_batch_size` samples' tokens (engines/trainer/layout.py)."""
+        share = None
+        if self.tcfg.prefix_sharing and self.dist.cp == 1:  # a context-parallel shard's mask has no prompt
+            share = TokenCost(*flops.token_cost(self.model))
+        return Layout(self.tcfg.micro_batch_size, self.tok.pad_id, self.tcfg.packing, share)
 
     def optimize(self, batch: Batch, mismatch: MismatchSums | None = None) -> dict:
         """`trainer.epochs` passes over the step's samples in `trainer.mini_batches` mini-batches, an optimizer
@@ -255,7 +260,9 @@ class RLTrainer:
         lr = float(self.scheduler.get_last_lr()[0])
         self.scheduler.step()  # warm-up counts rollout steps, whatever the optimizer steps per step
         self.model.eval()
-        return self._reduce(stats, losses, norms, lr, float(batch.loss_mask.sum().clamp(min=1)))
+        reduced = self._reduce(stats, losses, norms, lr, float(batch.loss_mask.sum().clamp(min=1)))
+        # this rank's tokens per pass over the step's samples: fewer than theirs where prompts are shared
+        return {**reduced, "forward_tokens": sum(forward_tokens(m.mb) for micros, _ in plan for m in micros)}
 
     def _plan(self, batch: Batch, rows: torch.Tensor) -> tuple[list[Micro], StepCounts]:
         """One mini-batch: this rank's micro-batches (context-parallel shards) and the counts it divides by."""
@@ -266,7 +273,7 @@ class RLTrainer:
         share, weight = distributed.local_share(mini, self.dist)
         micros = [
             Micro(context_parallel.shard(full, self.dist), w)
-            for full, w in distributed.even_micro_batches(self.train_micro_batches(share), weight, self.dist)
+            for full, w in distributed.even_micro_batches(self.layout.split(share), weight, self.dist)
         ]
         return micros, counts
 
@@ -371,7 +378,9 @@ class RLTrainer:
             self.history.add(step, self.model)
         t3, finished = time.perf_counter(), time.time()
         heartbeat().advance(f"published step {step}")
-        mfu = self._mfu(batch, t2 - t1)  # after publishing: the first call measures the peak (~0.3 s)
+        mfu = self._mfu(
+            batch, int(stats["forward_tokens"]), t2 - t1
+        )  # after publishing: the first call measures the peak (~0.3 s)
         if self.dist.is_main:  # a few samples' images, every tracking.image_every steps (engines/trainer/tracking.py)
             self.tracker.log_samples(step, table, self.cfg.tracking)
         stale = [staleness(step, v) for v in table.column("policy_version").to_pylist()]
@@ -413,20 +422,19 @@ class RLTrainer:
         else:
             self.publisher.publish(step, published, self.publication_files)
 
-    def _mfu(self, batch: Batch, train_s: float) -> dict[str, float]:
-        """{"mfu", "train_gflops"}: the step's matmul FLOPs (every epoch's pass over the batch's real tokens) per
+    def _mfu(self, batch: Batch, forwarded: int, train_s: float) -> dict[str, float]:
+        """{"mfu", "train_gflops"}: the step's matmul FLOPs (every epoch's pass over the `forwarded` tokens) per
         second of train_s, against the matmul peak measured at the first step; {} when off or under torchrun."""
         if not self.tcfg.report_mfu or self.dist.enabled or train_s <= 0:
             return {}
         lengths = (batch.input_ids != self.tok.pad_id).sum(dim=1).float()
-        tokens = float(lengths.sum())
         if self.peak_flops is None:
             shapes = flops.linear_shapes(self.model)
             tokens_mb = min(1024, int(lengths.max()) * min(len(batch), self.tcfg.micro_batch_size))  # a micro-batch's
             dtype = getattr(torch, self.tcfg.compute_dtype)
             self.peak_flops = flops.matmul_peak(shapes, max(1, tokens_mb), dtype)
             log.info(f"measured matmul peak at the model's shapes: {self.peak_flops / 1e9:.1f} GFLOP/s ({dtype})")
-        achieved = self.tcfg.epochs * flops.step_flops(self.model, int(tokens), float(lengths.mean())) / train_s
+        achieved = self.tcfg.epochs * flops.step_flops(self.model, forwarded, float(lengths.mean())) / train_s
         return {"mfu": achieved / self.peak_flops, "train_gflops": achieved / 1e9}
 
     def ready(self, step: int) -> bool:

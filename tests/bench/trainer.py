@@ -26,6 +26,7 @@ def _trainer(run: Path, packing: bool):
 
 def measure(run: Path) -> dict:
     from engines.trainer.batch import make_batch, pack_batch, sample_lengths
+    from engines.trainer.layout import Layout
     from engines.trainer.mismatch import PolicyHistory
     from storage import rollouts
     from storage.fs import get_fs
@@ -45,7 +46,7 @@ def measure(run: Path) -> dict:
             history.add_state(v, padded.model.state_dict())
         for name, pad in (("kl padded", None), ("kl packed", padded.tok.pad_id)):
             t0 = time.perf_counter()
-            history.mismatch_kl(batch, padded.tcfg.micro_batch_size, pad)
+            history.mismatch_kl(batch, Layout(padded.tcfg.micro_batch_size, pad, packing=pad is not None))
             times[name].append(time.perf_counter() - t0)
         stats: dict[str, dict] = {}
         for name, trainer in (("padded", padded), ("packed", packed)):

@@ -265,8 +265,9 @@ def test_a_version_2_shard_still_reads_and_trains(tmp_path):
     model = _tiny_model(5)
     with torch.no_grad():
         assert torch.equal(train_logprobs(model, batch), batch_logprobs(model, batch))
+    from engines.trainer.layout import Layout
     from engines.trainer.mismatch import PolicyHistory
 
     history = PolicyHistory(model, keep=1)
     history.add(0, model)
-    assert history.mismatch_kl(batch, 2).tokens == int(batch.loss_mask.sum())
+    assert history.mismatch_kl(batch, Layout(2)).tokens == int(batch.loss_mask.sum())

@@ -94,8 +94,7 @@ def _batch(t: RLTrainer, rows: int = 23, length: int = 14) -> Batch:
 def _reused_vs_full(t: RLTrainer, batch: Batch) -> tuple[float, float, int, int]:
     """(the old full figure, the new one, tokens the history scored, tokens the loss's forward added), the
     steps in `RLTrainer.step`'s order: measure, the zero-advantage filter (every 4th row here), optimize."""
-    pad = t.tok.pad_id if t.tcfg.packing else None
-    full = t.history.mismatch_kl(batch, t.tcfg.micro_batch_size, pad)
+    full = t.history.mismatch_kl(batch, t.layout)
     ids = [f"s{i}" for i in range(len(batch))]
     zero = torch.arange(len(batch)) % 4 == 0
     sums = t.measure_mismatch(batch, ids, zero, step=CURRENT + 1)

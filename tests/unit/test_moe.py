@@ -246,6 +246,7 @@ def _rollout_table(model: CausalLM, sampler: CausalLM):
 def test_trainer_replays_the_committed_payload_padded_and_packed():
     from engines.trainer.batch import make_batch, pack_batch
     from engines.trainer.common import expert_disagreement, routing_for, train_logprobs
+    from engines.trainer.layout import Layout
     from engines.trainer.mismatch import PolicyHistory
 
     model = _model(5)
@@ -274,7 +275,10 @@ def test_trainer_replays_the_committed_payload_padded_and_packed():
         assert scored == float(batch.loss_mask.sum()) and 0 < differ < scored
     history = PolicyHistory(model, keep=1)
     history.add(0, model)
-    on, off = history.mismatch_kl(batch, 8, replay=True), history.mismatch_kl(batch, 8, 60, replay=False)
+    on, off = (
+        history.mismatch_kl(batch, Layout(8), replay=True),
+        history.mismatch_kl(batch, Layout(8, 60, packing=True)),
+    )
     assert on.tokens == off.tokens == int(batch.loss_mask.sum())
     assert on.expert_mismatch == off.expert_mismatch == differ / scored
     # measured 1.3e-7 on, 2.0e-6 off: replaying the sampler's experts removes most of the mismatch

@@ -12,6 +12,7 @@ from engines.models.decoder import CausalLM
 from engines.models.tokenizer import CharTokenizer
 from engines.trainer.batch import make_batch, micro_batches, pack_batch, pack_rows, sample_lengths
 from engines.trainer.common import batch_logprobs, packed_logprobs
+from engines.trainer.layout import Layout
 from engines.trainer.losses.objective import Objective, StepCounts, token_scores
 
 TOK = CharTokenizer()
@@ -109,8 +110,8 @@ def test_mismatch_kl_is_the_same_packed_or_padded():
     model = _model().eval()
     history = PolicyHistory(model, keep=2)
     history.add(0, model)
-    padded = history.mismatch_kl(batch, 4)
-    packed = history.mismatch_kl(batch, 4, pack_pad_id=TOK.pad_id)
+    padded = history.mismatch_kl(batch, Layout(4))
+    packed = history.mismatch_kl(batch, Layout(4, TOK.pad_id, packing=True))
     assert padded[1] == packed[1] > 0
     assert packed[0] == pytest.approx(padded[0], rel=1e-5)
 

@@ -27,6 +27,7 @@ from engines.models.vlm import HFVisionLM, is_vision
 from engines.trainer import distributed
 from engines.trainer.batch import make_batch
 from engines.trainer.common import batch_logprobs
+from engines.trainer.layout import Layout
 from engines.trainer.mismatch import PolicyHistory
 from engines.trainer.sft import EnvDemos, to_batch, train_step
 from engines.trainer.sft_data import Sample, lake_sample
@@ -238,7 +239,7 @@ def test_mismatch_kl_is_reported_per_number_of_images(loaded):
     table = table.set_column(2, "completion_logprobs", pa.array(sampler))
     history = PolicyHistory(loaded.model, keep=1)
     history.add(0, loaded.model)
-    got = history.mismatch_kl(make_batch(table, loaded.tokenizer.pad_id, spec=loaded.model.vision_spec), 2)
+    got = history.mismatch_kl(make_batch(table, loaded.tokenizer.pad_id, spec=loaded.model.vision_spec), Layout(2))
     assert set(got.by_images) == {0, 1, 2}
     k3 = {k: torch.expm1(torch.tensor(-s)).item() + s for k, s in {0: 0.0, 1: 0.1, 2: 0.2}.items()}
     for k, want in k3.items():
