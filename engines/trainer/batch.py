@@ -280,56 +280,64 @@ def sample_lengths(batch: Batch) -> list[int]:
     return (last.max(-1).values + 2).tolist()
 
 
-class _Packer:
-    """The tensors of a packed batch, filled span by span from a right-padded `Batch`."""
+class _Spans:
+    """Where each token of a packed batch comes from: per token its row and column, its sample and index in that
+    sample, its segment and shared prompt; `pack_batch` gathers every field with these in one indexing each."""
 
-    PER_TARGET = ("targets", "loss_mask", "sampler_logprobs", "kept", "measured")
+    def __init__(self) -> None:
+        self.cols: dict[str, list[int]] = {k: [] for k in ("row", "col", "sample", "token", "segment", "prefix")}
+        self.target: list[bool] = []
 
-    def __init__(self, batch: Batch, lengths: list[int], pad_id: int, shape: tuple[int, int], sharing: bool):
-        self.batch, self.lengths = batch, lengths
-        routes = batch.routes
-        self.out: dict[str, torch.Tensor | None] = {
-            "input_ids": torch.full(shape, pad_id, dtype=torch.long),
-            "targets": torch.full(shape, pad_id, dtype=torch.long),
-            "positions": torch.zeros(shape, dtype=torch.long),
-            "segments": torch.full(shape, -1, dtype=torch.long),
-            "prefixes": torch.full(shape, -1, dtype=torch.long) if sharing else None,
-            **{k: torch.zeros(shape) for k in ("loss_mask", "sampler_logprobs", "advantages")},
-            "temperatures": torch.ones(shape),
-            "routes": None if routes is None else torch.full((*shape, *routes.shape[2:]), -1, dtype=torch.long),
-            "kept": None if batch.kept is None else torch.zeros(shape, dtype=torch.long),
-            "measured": None if batch.measured is None else torch.zeros(shape),
-        }
+    def add(self, row: int, at: int, sample: int, tokens: range, segment: int, prefix: int, length: int) -> int:
+        """Sample `sample`'s `tokens` from column `at` of `row`; those before its last (`length` - 1) have
+        targets. Returns the next free column."""
+        n = len(tokens)
+        for name, values in (("row", [row] * n), ("col", range(at, at + n)), ("sample", [sample] * n)):
+            self.cols[name].extend(values)
+        self.cols["token"].extend(tokens)
+        self.cols["segment"].extend([segment] * n)
+        self.cols["prefix"].extend([prefix] * n)
+        self.target.extend(t < length - 1 for t in tokens)
+        return at + n
 
-    def span(self, row: int, at: int, sample: int, tokens: tuple[int, int], segment: int, prefix: int) -> int:
-        """Sample `sample`'s tokens [a, b) at column `at` of `row` (targets for those before its last token);
-        returns the next free column."""
-        (a, b), src = tokens, self.batch
-        t = min(b, self.lengths[sample] - 1)  # the sample's last token has no target
-        cols, targets = slice(at, at + b - a), slice(at, at + t - a)
-        values = {"input_ids": src.input_ids, "routes": src.routes}
-        per_target = {name: getattr(src, name) for name in self.PER_TARGET}
-        if src.advantages.dim() == 2:  # per target, like the loss mask
-            per_target["advantages"] = src.advantages
-        for name, whole in values.items():
-            self._put(name, row, cols, None if whole is None else whole[sample, a:b])
-        for name, whole in per_target.items():
-            self._put(name, row, targets, None if whole is None else whole[sample, a:t])
-        if src.advantages.dim() == 1:
-            self._put("advantages", row, cols, src.advantages[sample])
-        self._put("positions", row, cols, torch.arange(a, b))
-        self._put("segments", row, cols, segment)
-        self._put("prefixes", row, cols, prefix)
-        self._put("temperatures", row, cols, src.temperatures[sample])
-        return at + b - a
+    def gather(self, batch: Batch, pad_id: int, shape: tuple[int, int], sharing: bool) -> PackedBatch:
+        idx = {k: torch.tensor(v, dtype=torch.long) for k, v in self.cols.items()}
+        where, src = (idx["row"], idx["col"]), (idx["sample"], idx["token"])
+        has = torch.tensor(self.target, dtype=torch.bool)
+        where_t, src_t = (where[0][has], where[1][has]), (src[0][has], src[1][has])
 
-    def _put(self, name: str, row: int, cols: slice, value: Any) -> None:
-        dst = self.out[name]
-        if dst is not None and value is not None:
-            dst[row, cols] = value
+        def tokens(fill: float | int, values: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+            out = torch.full(shape, fill, dtype=dtype or values.dtype)
+            out[where] = values
+            return out
 
-    def packed(self) -> PackedBatch:
-        return PackedBatch(**self.out)  # type: ignore[arg-type]
+        def targets(whole: torch.Tensor | None, fill: float | int = 0) -> torch.Tensor | None:
+            if whole is None:
+                return None
+            out = torch.full(shape, fill, dtype=whole.dtype)
+            out[where_t] = whole[src_t]
+            return out
+
+        routes = None
+        if batch.routes is not None:
+            routes = torch.full((*shape, *batch.routes.shape[2:]), -1, dtype=torch.long)
+            routes[where] = batch.routes[src]
+        advantages = batch.advantages
+        return PackedBatch(
+            input_ids=tokens(pad_id, batch.input_ids[src]),
+            positions=tokens(0, idx["token"]),
+            segments=tokens(-1, idx["segment"]),
+            prefixes=tokens(-1, idx["prefix"]) if sharing else None,
+            targets=targets(batch.targets, pad_id),  # type: ignore[arg-type]
+            loss_mask=targets(batch.loss_mask),  # type: ignore[arg-type]
+            sampler_logprobs=targets(batch.sampler_logprobs),  # type: ignore[arg-type]
+            # per target when the step carries token advantages, else the sample's on each of its tokens
+            advantages=targets(advantages) if advantages.dim() == 2 else tokens(0, advantages[src[0]]),  # type: ignore[arg-type]
+            temperatures=tokens(1.0, batch.temperatures[src[0]]),
+            routes=routes,
+            kept=targets(batch.kept),
+            measured=targets(batch.measured),
+        )
 
 
 def pack_batch(batch: Batch, pad_id: int, capacity: int | None = None, units: list[Unit] | None = None) -> PackedBatch:
@@ -342,17 +350,18 @@ def pack_batch(batch: Batch, pad_id: int, capacity: int | None = None, units: li
     sizes = [u.size(lengths) for u in units]
     capacity = capacity or max(sizes)
     rows = pack_rows(sizes, capacity)
-    packer = _Packer(batch, lengths, pad_id, (len(rows), capacity), any(u.shared for u in units))
+    spans = _Spans()
     for r, members in enumerate(rows):
         at, segment = 0, 0
         for p, unit in enumerate(units[u] for u in members):
             prefix = p if unit.shared else -1
             if unit.shared:
-                at = packer.span(r, at, unit.members[0], (0, unit.shared), -1, prefix)
+                first = unit.members[0]
+                at = spans.add(r, at, first, range(unit.shared), -1, prefix, lengths[first])
             for i in unit.members:
-                at = packer.span(r, at, i, (unit.shared, lengths[i]), segment, prefix)
+                at = spans.add(r, at, i, range(unit.shared, lengths[i]), segment, prefix, lengths[i])
                 segment += 1
-    return packer.packed()
+    return spans.gather(batch, pad_id, (len(rows), capacity), any(u.shared for u in units))
 
 
 B = TypeVar("B", Batch, PackedBatch)
