@@ -311,9 +311,7 @@ class _Spans:
             out[where] = values
             return out
 
-        def targets(whole: torch.Tensor | None, fill: float | int = 0) -> torch.Tensor | None:
-            if whole is None:
-                return None
+        def targets(whole: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
             out = torch.full(shape, fill, dtype=whole.dtype)
             out[where_t] = whole[src_t]
             return out
@@ -328,15 +326,15 @@ class _Spans:
             positions=tokens(0, idx["token"]),
             segments=tokens(-1, idx["segment"]),
             prefixes=tokens(-1, idx["prefix"]) if sharing else None,
-            targets=targets(batch.targets, pad_id),  # type: ignore[arg-type]
-            loss_mask=targets(batch.loss_mask),  # type: ignore[arg-type]
-            sampler_logprobs=targets(batch.sampler_logprobs),  # type: ignore[arg-type]
+            targets=targets(batch.targets, pad_id),
+            loss_mask=targets(batch.loss_mask),
+            sampler_logprobs=targets(batch.sampler_logprobs),
             # per target when the step carries token advantages, else the sample's on each of its tokens
-            advantages=targets(advantages) if advantages.dim() == 2 else tokens(0, advantages[src[0]]),  # type: ignore[arg-type]
+            advantages=targets(advantages) if advantages.dim() == 2 else tokens(0, advantages[src[0]]),
             temperatures=tokens(1.0, batch.temperatures[src[0]]),
             routes=routes,
-            kept=targets(batch.kept),
-            measured=targets(batch.measured),
+            kept=None if batch.kept is None else targets(batch.kept),
+            measured=None if batch.measured is None else targets(batch.measured),
         )
 
 
