@@ -7,27 +7,13 @@ import pyarrow as pa
 import pytest
 import torch
 
-from config.model import ModelConfig
 from config.trainer import TrainerConfig
-from engines.models.decoder import CausalLM
-from engines.models.tokenizer import CharTokenizer
 from engines.trainer import flops
 from engines.trainer.batch import Batch, PackedBatch, make_batch, micro_batches, sample_lengths
 from engines.trainer.common import batch_logprobs, scored_tokens
 from engines.trainer.layout import Layout, TokenCost, forward_tokens, shared_units
 from engines.trainer.losses.objective import Objective, StepCounts, token_scores
-
-TOK = CharTokenizer()
-CFG = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96, rope_theta=500.0)
-
-
-def _model() -> CausalLM:
-    torch.manual_seed(0)
-    model = CausalLM(CFG, TOK.vocab_size)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)  # far from the near-uniform init, so masks and positions matter
-    return model
+from tests.unit.test_packing import TOK, _model
 
 
 COST = TokenCost(*flops.token_cost(_model()))
