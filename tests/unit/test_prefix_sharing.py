@@ -15,7 +15,6 @@ from engines.trainer.layout import Layout, TokenCost, forward_tokens, shared_uni
 from engines.trainer.losses.objective import Objective, StepCounts, token_scores
 from tests.unit.test_packing import TOK, _model
 
-
 COST = TokenCost(*flops.token_cost(_model()))
 
 
