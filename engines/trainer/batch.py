@@ -213,6 +213,10 @@ class PackedBatch:
     def select(self, idx: torch.Tensor | slice) -> PackedBatch:
         return PackedBatch(**_rows_of(self.__dict__, idx))
 
+    def real(self) -> torch.Tensor:
+        """[R, L] bool: a sample's token or a shared prompt's, not padding."""
+        return self.segments >= 0 if self.prefixes is None else (self.segments >= 0) | (self.prefixes >= 0)
+
     def attention_mask(self) -> torch.Tensor:
         """[R, 1, L, L] bool: causal within a sample (and its shared prompt), nothing across samples."""
         length = self.segments.shape[1]

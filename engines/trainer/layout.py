@@ -109,9 +109,7 @@ class Layout:
 def budget_batches(packed: PackedBatch, budget: int) -> list[PackedBatch]:
     """Packed rows, fullest last, in micro-batches of at most `budget` tokens (rows x the fullest row's tokens;
     one row at least), each cut to its fullest row: rows that hold one shared prompt's group vary in length."""
-    real = packed.segments >= 0
-    if packed.prefixes is not None:
-        real |= packed.prefixes >= 0
+    real = packed.real()
     columns = torch.arange(1, real.shape[1] + 1)
     fills = (columns * real).max(dim=1).values.tolist()  # columns up to each row's last token
     order = sorted(range(len(fills)), key=lambda r: fills[r])
@@ -131,6 +129,5 @@ def _narrow(mb: PackedBatch, width: int) -> PackedBatch:
 def forward_tokens(mb: Batch | PackedBatch) -> int:
     """The tokens a forward of `mb` computes, padding left out: a packed row's spans and shared prompts."""
     if isinstance(mb, PackedBatch):
-        real = mb.segments >= 0
-        return int((real if mb.prefixes is None else real | (mb.prefixes >= 0)).sum())
+        return int(mb.real().sum())
     return int(mb.lengths.sum()) if mb.lengths is not None else mb.input_ids.numel()
