@@ -62,6 +62,7 @@ def _timed(times: dict[str, list[float]], key: str, fn, *args):
 def measure(run: str, steps: int) -> tuple[dict[str, list[float]], dict[float, list[float]]]:
     from engines.trainer import parallel
     from engines.trainer.batch import make_batch
+    from engines.trainer.layout import Layout
     from engines.trainer.mismatch import stale_sample
     from storage import rollouts, weights
 
@@ -76,7 +77,7 @@ def measure(run: str, steps: int) -> tuple[dict[str, list[float]], dict[float, l
         t.version = s - 1
         table = rollouts.read_step(t.fs, t.root, s)[0]
         batch = make_batch(table, t.tok.pad_id)
-        _timed(times, "mismatch, old (history rescores every row)", t.history.mismatch_kl, batch, 64)
+        _timed(times, "mismatch, old (history rescores every row)", t.history.mismatch_kl, batch, Layout(64))
         ids, zero = table.column("sample_id").to_pylist(), torch.zeros(len(batch), dtype=torch.bool)
         sums = _timed(times, "mismatch, new (history part)", t.measure_mismatch, batch, ids, zero, s)
         _timed(times, "optimizer step (loss forward/backward)", t.optimize, batch, sums)
