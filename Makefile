@@ -46,8 +46,8 @@ smollm2: install
 run: install
 	$(BIN)/rollflow rl @ $(PROFILE) --overwrite
 
-# The CI suite: everything but the `long` marker (learning curves and soaks; `make test-long`). 24.3 min on the
-# slower (AVX2-only) 2-core machine, vLLM tests included (CI of cb65bb4; docs/benchmarks.md "Sixth pass").
+# The CI suite: everything but the `long` marker (learning curves and soaks; `make test-long`). 23.5 min on the
+# slower (AVX2-only) 2-core machine, vLLM tests included (a fresh-clone `.ci/run` of d5e37d6, 1080 tests).
 test: install
 	$(BIN)/python -m pytest -q --durations=30 -m "not long" tests
 
