@@ -296,11 +296,9 @@ class _Spans:
         """Sample `sample`'s `tokens` from column `at` of `row`; those before its last (`length` - 1) have
         targets. Returns the next free column."""
         n = len(tokens)
-        for name, values in (("row", [row] * n), ("col", range(at, at + n)), ("sample", [sample] * n)):
+        per_token = {"row": [row] * n, "col": range(at, at + n), "sample": [sample] * n, "token": tokens}
+        for name, values in {**per_token, "segment": [segment] * n, "prefix": [prefix] * n}.items():
             self.cols[name].extend(values)
-        self.cols["token"].extend(tokens)
-        self.cols["segment"].extend([segment] * n)
-        self.cols["prefix"].extend([prefix] * n)
         self.target.extend(t < length - 1 for t in tokens)
         return at + n
 
@@ -310,8 +308,8 @@ class _Spans:
         has = torch.tensor(self.target, dtype=torch.bool)
         where_t, src_t = (where[0][has], where[1][has]), (src[0][has], src[1][has])
 
-        def tokens(fill: float | int, values: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-            out = torch.full(shape, fill, dtype=dtype or values.dtype)
+        def tokens(fill: float | int, values: torch.Tensor) -> torch.Tensor:
+            out = torch.full(shape, fill, dtype=values.dtype)
             out[where] = values
             return out
 
