@@ -524,6 +524,17 @@ def committed_steps(fs: fsspec.AbstractFileSystem, parent: str, sub: str = "", k
     return sorted(steps)
 
 
+def newest_committed_step(fs: fsspec.AbstractFileSystem, parent: str) -> int | None:
+    """The newest committed `parent/step=N`, or None: one listing of `parent`, then a manifest read per folder
+    from the newest down, usually one. A poller's cost stays flat as steps accumulate, where `committed_steps`
+    lists every file of every step."""
+    dirs = step_dirs(fs, parent)
+    for n in sorted(dirs, reverse=True):
+        if is_committed(fs, dirs[n]):
+            return n
+    return None
+
+
 def step_dirs(fs: fsspec.AbstractFileSystem, parent: str) -> dict[int, str]:
     """Every `step=N` folder under `parent`, committed or not: N -> path."""
     fs.invalidate_cache(parent)

@@ -31,10 +31,11 @@ from storage.fs import (
     MANIFEST_CHECKSUM,
     CorruptError,
     commit_dir,
-    committed_steps,
     fs_settings,
+    is_committed,
     join,
     local_path,
+    newest_committed_step,
     read_manifest,
     read_verified,
     sha256,
@@ -149,12 +150,12 @@ def publish(
 
 
 def latest_version(fs: fsspec.AbstractFileSystem, output_root: str) -> int | None:
-    versions = committed_versions(fs, output_root)
-    return versions[-1] if versions else None
+    """The newest committed publication; cheap enough to poll."""
+    return newest_committed_step(fs, weights_root(output_root))
 
 
-def committed_versions(fs: fsspec.AbstractFileSystem, output_root: str) -> list[int]:
-    return committed_steps(fs, weights_root(output_root))
+def is_published(fs: fsspec.AbstractFileSystem, output_root: str, version: int) -> bool:
+    return is_committed(fs, version_dir(output_root, version))
 
 
 def read_version(fs: fsspec.AbstractFileSystem, directory: str) -> int:

@@ -116,10 +116,10 @@ class WeightSync:
     def target(self) -> int | None:
         """The newest committed publication; under a hold, the newest at or below it, unless the held version's
         own publication is gone while newer ones exist (a rollback): then the hold cannot be met and is ignored."""
-        versions = weights.committed_versions(self.fs, self.root)
-        if self.hold is None or not versions or versions[-1] <= self.hold or self.hold not in versions:
-            return versions[-1] if versions else None
-        return self.hold
+        newest = weights.latest_version(self.fs, self.root)
+        if self.hold is None or newest is None or newest <= self.hold:
+            return newest
+        return self.hold if weights.is_published(self.fs, self.root, self.hold) else newest
 
     async def follow(self) -> None:
         while True:

@@ -222,6 +222,11 @@ def test_weights_publish_latest_load_round_trip(tmp_path):
     # an unfinished publication (no manifest) is not the latest
     fs.makedirs(step_dir(weights.weights_root(root), 3), exist_ok=True)
     assert weights.latest_version(fs, root) == 2
+    # nor is a folder rollflow did not write, whatever its name
+    for name in ("step=9x", "notes", "step=-1"):
+        fs.makedirs(f"{weights.weights_root(root)}/{name}", exist_ok=True)
+        fs.pipe_file(f"{weights.weights_root(root)}/{name}/_manifest.json", b"{}")
+    assert weights.latest_version(fs, root) == 2
     # a corrupted publication is refused
     path = f"{dirs[1]}/{weights.WEIGHTS_FILE}"
     data = bytearray(Path(path).read_bytes())
