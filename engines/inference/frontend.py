@@ -265,8 +265,16 @@ def generation(body: api.CompletionRequest | api.ChatRequest, headers, session_h
     return Generation(body, session=session, request_id=request_id, headers=extra)
 
 
-def _json(body: Any) -> Any:
-    return body.model_dump(mode="json") if isinstance(body, BaseModel) else body
+def answer_body(body: Any, with_routes: bool) -> Response:
+    """A generation's answer, without `routed_experts` unless the client asked for them. A typed answer is
+    serialised by pydantic in one call: a group's answer holds a few thousand tokens and logprobs, which
+    `model_dump` and json.dumps would walk as Python objects."""
+    if not isinstance(body, BaseModel):
+        return JSONResponse(body if with_routes else without_routes(body))
+    choices = getattr(body, "choices", None) or []
+    if not with_routes and any(getattr(c, "routed_experts", None) is not None for c in choices):
+        body = body.model_copy(update={"choices": [c.model_copy(update={"routed_experts": None}) for c in choices]})
+    return Response(body.model_dump_json(), media_type="application/json")
 
 
 def build_app(backend: Backend, settings: Settings) -> FastAPI:
@@ -429,8 +437,8 @@ def _generation_route(backend: Backend, settings: Settings, admission: Admission
                 response = await _stream(backend, gen, http, lambda: admission.leave(work))
                 release_here = False  # the stream holds its place until it ends
                 return response
-            answered = _json(await until_gone(backend.generate(gen), http.is_disconnected))
-            return JSONResponse(answered if body.return_routed_experts else without_routes(answered))
+            answered = await until_gone(backend.generate(gen), http.is_disconnected)
+            return answer_body(answered, bool(body.return_routed_experts))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it: the client closed the connection
         finally:

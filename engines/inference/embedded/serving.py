@@ -13,6 +13,7 @@ held back until it cannot.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -111,6 +112,7 @@ class Prepared:
 class Serving:
     def __init__(self, engine: Engine, tokenizer, model_name: str):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self._texts: dict[int, str] = {}  # a token's own text, at most one entry per vocabulary id
 
     @property
     def max_model_len(self) -> int:
@@ -173,7 +175,12 @@ class Serving:
             raise
 
     def _token(self, t: int) -> str:
-        return self.tok.decode([t], skip_special=False)
+        """A token's text alone (logprobs' `tokens` and `top_logprobs` keys): decoded once per id, as every
+        response names most of its tokens again."""
+        text = self._texts.get(t)
+        if text is None:
+            text = self._texts[t] = self.tok.decode([t], skip_special=False)
+        return text
 
     def usage(self, p: Prepared, outs: list[Completion]) -> api.Usage:
         done = sum(len(c.token_ids) for c in outs)
@@ -204,7 +211,7 @@ class Serving:
             logprobs = None
             if body.logprobs is not None:
                 tokens = [self._token(t) for t in c.token_ids]
-                offsets = [sum(len(x) for x in tokens[:k]) for k in range(len(tokens))]
+                offsets = [0, *itertools.accumulate(len(x) for x in tokens[:-1])] if tokens else []
                 top = [self._top_dict(alts) for alts in c.top_logprobs] if body.logprobs else None
                 logprobs = api.CompletionLogprobs(
                     tokens=tokens, token_logprobs=c.logprobs, text_offset=offsets, top_logprobs=top
