@@ -27,7 +27,12 @@ class OrchestratorConfig(Strict):
     stale_turns: Literal["mask", "drop"] = Field(
         "mask", description="an episode whose oldest turn is over max_off_policy_steps: mask those turns, or drop it"
     )
-    poll_interval_s: float = Field(0.05, gt=0)
+    poll_interval_s: float = Field(
+        0.01,
+        gt=0,
+        description="how often the weight follower reads whether the engine's next version is committed (one small "
+        "read each; all of weights/ is listed once a second); on an object store each read is a request",
+    )
     inference_timeout_s: float = Field(120.0, gt=0, description="how long to wait for the engine's /health")
 
     @model_validator(mode="before")

@@ -36,6 +36,12 @@ class TrainerConfig(Strict):
         'precision"); one trainer process only',
     )
     micro_batch_size: int = Field(64, gt=0)
+    poll_interval_s: float = Field(
+        0.01,
+        gt=0,
+        description="how often the trainer reads whether the rollout step it waits for is committed (one small read "
+        "each; a request on an object store)",
+    )
     packing: bool = Field(
         False, description="pack several samples per row (block-diagonal attention) instead of padding each"
     )

@@ -74,6 +74,7 @@ from storage.fs import Storage, read_manifest
 from storage.rollouts import RolloutRow
 
 log = logging.getLogger("rollflow.orchestrator")
+LIST_EVERY_S = 1.0  # the weight follower's listing of weights/; between listings it reads one manifest per poll
 
 
 class WeightSync:
@@ -122,9 +123,20 @@ class WeightSync:
         return self.hold if weights.is_published(self.fs, self.root, self.hold) else newest
 
     async def follow(self) -> None:
+        listed = -LIST_EVERY_S
         while True:
-            await self.push_latest()
+            now = time.monotonic()
+            if now - listed >= LIST_EVERY_S or await asyncio.to_thread(self.next_published):
+                listed = now
+                await self.push_latest()
             await asyncio.sleep(self.poll_s)
+
+    def next_published(self) -> bool:
+        """Whether the version after the engine's is committed and not held back: one small read. The trainer
+        publishes consecutive versions, so this is how a new one shows; the listing every LIST_EVERY_S finds any
+        other (a resumed trainer's first)."""
+        version = self.engine_version + 1
+        return (self.hold is None or version <= self.hold) and weights.is_published(self.fs, self.root, version)
 
     def start(self) -> None:
         self.follower = asyncio.create_task(self.follow())

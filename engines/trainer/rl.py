@@ -228,7 +228,7 @@ class RLTrainer:
         directory = rollouts.step_path(self.root, step)
         with heartbeat().waiting_on("orchestrator", f"waiting for rollouts step={step}"):
             while not is_committed(self.fs, directory):
-                time.sleep(0.05)
+                time.sleep(self.tcfg.poll_interval_s)
         return rollouts.read_step(self.fs, self.root, step)
 
     def _layout(self) -> Layout:

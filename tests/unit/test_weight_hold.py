@@ -37,3 +37,18 @@ def test_a_hold_on_a_version_whose_publication_is_gone_is_ignored(tmp_path):
     sync = _sync(tmp_path, [0, 2, 3])
     sync.hold = 1
     assert sync.target() == 3
+
+
+def test_the_follower_reads_only_whether_the_next_version_is_committed(tmp_path):
+    """Between listings the follower asks storage one question per poll: is the engine's next version there
+    (and not held back)?"""
+    sync = _sync(tmp_path, [0])
+    assert sync.next_published()  # the engine serves nothing yet (-1): version 0 is next
+    sync.engine_version = 0
+    assert not sync.next_published()
+    weights.publish(sync.fs, sync.root, 2, {"w": torch.zeros(2)})
+    assert not sync.next_published()  # 2 is not next: the listing finds it
+    weights.publish(sync.fs, sync.root, 1, {"w": torch.ones(2)})
+    assert sync.next_published()
+    sync.hold = 0
+    assert not sync.next_published()  # held at 0: version 1 may not be pushed
