@@ -113,3 +113,8 @@ class CheckpointConfig(Strict):
     """Trainer checkpoints (weights, optimizer, RNG, run state): what a resume restarts from."""
 
     interval: int = Field(5, gt=0, description="checkpoint every N trainer steps (and always at max_steps)")
+    background: bool = Field(
+        True,
+        description="a single trainer process writes its checkpoints in a thread while it trains on (one at a time; "
+        "the last, and one SIGUSR1 asks for, are written before it goes on)",
+    )

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,6 +29,8 @@ from engines.trainer import dcp, distributed, parallel
 from engines.trainer.distributed import Dist
 from storage import checkpoints, rollouts
 from storage.fs import read_verified
+
+log = logging.getLogger("rollflow.trainer")
 
 
 class Stateful(Protocol):
@@ -59,20 +63,30 @@ class TrainerState:
     files: dict[str, bytes] = field(default_factory=dict)  # config.json, tokenizer: saved beside the weights
 
 
-def save(fs: fsspec.AbstractFileSystem, root: str, step: int, state: TrainerState, d: Dist | None = None) -> str | None:
-    """Commit trainer `step`'s checkpoint (a collective: every rank calls it); rank 0 returns its directory."""
-    from safetensors.torch import save as st_save
+@dataclass
+class Captured:
+    """What one checkpoint writes, taken from the live state at its step (`capture`)."""
+
+    step: int
+    weights: dict[str, torch.Tensor]  # the full publishable weights (rank 0; empty on other ranks)
+    optimizer: dict[str, Any]  # this rank's optimizer state, keyed by parameter name (DCP's state dict)
+    files: dict[str, bytes]  # the checkpoint's other files, serialised
+
+
+def capture(
+    fs: fsspec.AbstractFileSystem, root: str, step: int, state: TrainerState, d: Dist | None = None, copy: bool = False
+) -> Captured:
+    """Step `step`'s checkpoint contents (a collective: every rank calls it). `copy`: tensors are copied, so the
+    training loop may change the model and optimizer while `write` runs in another thread."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     d = d or Dist()
-    directory = checkpoints.step_path(root, step, checkpoints.TRAINER)
-    if d.is_main:
-        checkpoints.uncommit(fs, directory)  # rewriting: no reader may pair an old manifest with new files
-    distributed.barrier(d)
     weights = parallel.full_state_dict(state.model, d)
-    written, staged = dcp.save_optimizer(fs, directory, state.model, state.parts["optimizer"], d)
+    optimizer = get_optimizer_state_dict(state.model, state.parts["optimizer"])  # type: ignore[arg-type]
+    if copy:
+        weights, optimizer = _copied(weights), _copied(optimizer)
     if not d.is_main:
-        distributed.barrier(d)
-        return None
+        return Captured(step, {}, optimizer, {})
     buf = io.BytesIO()
     kept = {name: part.state_dict() for name, part in state.parts.items() if name != "optimizer"}
     torch.save({"step": step, **kept}, buf)
@@ -86,15 +100,82 @@ def save(fs: fsspec.AbstractFileSystem, root: str, step: int, state: TrainerStat
         "orchestrator": {"prompt_cursor": (committed[-1] + 1) if committed else 1, "seed": state.seed},
     }
     files = {
-        checkpoints.WEIGHTS_FILE: st_save(weights),
         checkpoints.TRAINER_STATE_FILE: buf.getvalue(),
         checkpoints.RUN_STATE_FILE: json.dumps(run_state, indent=1).encode(),
         **state.files,
-        **staged,
     }
-    checkpoints.save(fs, root, step, checkpoints.TRAINER, files, written)
+    return Captured(step, weights, optimizer, files)
+
+
+def _copied(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _copied(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_copied(v) for v in tree)
+    return tree
+
+
+def write(fs: fsspec.AbstractFileSystem, root: str, c: Captured, d: Dist | None = None) -> str | None:
+    """Commit a captured checkpoint (a collective); rank 0 returns its directory."""
+    from safetensors.torch import save as st_save
+
+    d = d or Dist()
+    directory = checkpoints.step_path(root, c.step, checkpoints.TRAINER)
+    if d.is_main:
+        checkpoints.uncommit(fs, directory)  # rewriting: no reader may pair an old manifest with new files
+    distributed.barrier(d)
+    written, staged = dcp.save_optimizer(fs, directory, c.optimizer, d)
+    if not d.is_main:
+        distributed.barrier(d)
+        return None
+    files = {checkpoints.WEIGHTS_FILE: st_save(c.weights), **c.files, **staged}
+    checkpoints.save(fs, root, c.step, checkpoints.TRAINER, files, written)
     distributed.barrier(d)
     return directory
+
+
+def save(fs: fsspec.AbstractFileSystem, root: str, step: int, state: TrainerState, d: Dist | None = None) -> str | None:
+    """Commit trainer `step`'s checkpoint (a collective: every rank calls it); rank 0 returns its directory."""
+    return write(fs, root, capture(fs, root, step, state, d), d)
+
+
+class Background:
+    """A single process's checkpoints written in a thread while training goes on: `submit` takes a copy of the
+    state and returns; at most one write runs (the next submit, and `wait`, wait for it, at most `timeout_s`). A
+    failed write raises from the next `submit` or `wait`; a write cut short leaves no manifest, so a resume
+    takes the checkpoint before it."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, timeout_s: float):
+        self.fs, self.root, self.timeout_s = fs, root, timeout_s
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.written: str | None = None
+
+    def submit(self, step: int, state: TrainerState) -> None:
+        self.wait()
+        captured = capture(self.fs, self.root, step, state, copy=True)
+        self._thread = threading.Thread(target=self._write, args=(captured,), name=f"checkpoint-{step}")
+        self._thread.start()
+
+    def _write(self, captured: Captured) -> None:
+        try:
+            self.written = write(self.fs, self.root, captured)
+            log.info(f"checkpoint written: {self.written}")
+        except BaseException as exc:  # surfaces on the training thread
+            self._error = exc
+
+    def wait(self) -> None:
+        """Until the write in flight is committed; its error, if it failed."""
+        if self._thread is not None:
+            self._thread.join(self.timeout_s)
+            if self._thread.is_alive():
+                raise TimeoutError(f"checkpoint write {self._thread.name} still running after {self.timeout_s:.0f}s")
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 def restore_weights(fs: fsspec.AbstractFileSystem, root: str, step: int, model: Any) -> None:

@@ -36,13 +36,13 @@ def _shared_tmp(d: Dist) -> str:
 
 
 def save_optimizer(
-    fs: fsspec.AbstractFileSystem, directory: str, model: Any, optimizer: Any, d: Dist
+    fs: fsspec.AbstractFileSystem, directory: str, optimizer_state: dict[str, Any], d: Dist
 ) -> tuple[list[str], dict[str, bytes]]:
-    """Write the optimizer state (a collective). Rank 0 gets (names written in place, staged files to commit)."""
+    """Write this rank's optimizer state (`get_optimizer_state_dict`'s, keyed by parameter name; a collective).
+    Rank 0 gets (names written in place, staged files to commit)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = {"optimizer": optimizer_state}
     local = is_local(fs)
     target = join(directory, OPTIMIZER_DIR) if local else _shared_tmp(d)
     Path(target).mkdir(parents=True, exist_ok=True)

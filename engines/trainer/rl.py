@@ -41,6 +41,7 @@ from storage.rollouts import staleness
 
 # Set by SIGUSR1, which the flow relays when Slurm's walltime warning arrives: checkpoint after this step.
 CHECKPOINT_NOW = threading.Event()
+CHECKPOINT_WRITE_TIMEOUT_S = 600.0  # a background write still running then is an error (stall.trainer_s's floor)
 
 
 @dataclass
@@ -122,6 +123,9 @@ class RLTrainer:
             cfg.seed,
             self.publication_files,
         )
+        self.background = None  # checkpoints written off the training loop (one process only: DCP's is a collective)
+        if cfg.checkpoint.background and not self.dist.enabled:
+            self.background = checkpoint.Background(self.fs, self.root, CHECKPOINT_WRITE_TIMEOUT_S)
         if cfg.resume_step is not None:
             checkpoint.restore(self.fs, self.root, cfg.resume_step, self.state, self.dist)
             log.info(f"resumed from checkpoint step={cfg.resume_step}")
@@ -451,6 +455,11 @@ class RLTrainer:
         nudged = distributed.all_reduce([float(self.checkpoint_now.is_set())], self.dist, "max")[0]
         if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.max_steps or nudged:
             self.checkpoint_now.clear()
+            if self.background is not None and step < self.cfg.max_steps and not nudged:
+                self.background.submit(step, self.state)  # the next step's retention pass prunes after it
+                return row
+            if self.background is not None:
+                self.background.wait()
             written = checkpoint.save(self.fs, self.root, step, self.state, self.dist)
             heartbeat().advance(f"checkpoint step={step} written")
             if self.dist.is_main:
@@ -467,6 +476,8 @@ class RLTrainer:
                 with heartbeat().waiting_on("orchestrator", "waiting for the final evaluation"):
                     self.evals.wait_final(self.cfg.max_steps)
         finally:
+            if self.background is not None:
+                self.background.wait()
             self.tracker.close()  # what MLflow has not taken yet (metrics.jsonl has every row)
         distributed.shutdown(self.dist)
 
