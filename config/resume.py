@@ -12,7 +12,7 @@ from config.run import RestartConfig, resolve_seed_keys
 from config.sft import SFTConfig
 from config.teacher import TeacherConfig
 from config.tracking import TrackingConfig
-from config.trainer import CheckpointConfig, TrainerConfig
+from config.trainer import TrainerConfig
 
 # Changing these mid-run would mix incompatible data in one run: other weights shapes, other prompts
 # or token ids, another group structure. Everything else (learning rate, max_steps, ...) may change.
@@ -59,7 +59,6 @@ def _current_keys(config: dict) -> dict:
             ("restart", RestartConfig),
             ("tracking", TrackingConfig),
             ("deployment", SlurmPlacementConfig),
-            ("checkpoint", CheckpointConfig),
         ):
             if isinstance(config.get(name), dict):
                 config = {**config, name: model.model_validate(config[name]).model_dump(mode="json")}

@@ -36,6 +36,11 @@ class TrainerConfig(Strict):
         'precision"); one trainer process only',
     )
     micro_batch_size: int = Field(64, gt=0)
+    background_writes: bool = Field(
+        True,
+        description="a single trainer process writes its weight publications and checkpoints in a thread, in order, "
+        "while it trains on (engines/trainer/background.py); the last checkpoint, and one SIGUSR1 asks for, in line",
+    )
     poll_interval_s: float = Field(
         0.01,
         gt=0,
@@ -113,8 +118,3 @@ class CheckpointConfig(Strict):
     """Trainer checkpoints (weights, optimizer, RNG, run state): what a resume restarts from."""
 
     interval: int = Field(5, gt=0, description="checkpoint every N trainer steps (and always at max_steps)")
-    background: bool = Field(
-        True,
-        description="a single trainer process writes its checkpoints in a thread while it trains on (one at a time; "
-        "the last, and one SIGUSR1 asks for, are written before it goes on)",
-    )

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import random
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,8 +27,6 @@ from engines.trainer import dcp, distributed, parallel
 from engines.trainer.distributed import Dist
 from storage import checkpoints, rollouts
 from storage.fs import read_verified
-
-log = logging.getLogger("rollflow.trainer")
 
 
 class Stateful(Protocol):
@@ -139,43 +135,6 @@ def write(fs: fsspec.AbstractFileSystem, root: str, c: Captured, d: Dist | None 
 def save(fs: fsspec.AbstractFileSystem, root: str, step: int, state: TrainerState, d: Dist | None = None) -> str | None:
     """Commit trainer `step`'s checkpoint (a collective: every rank calls it); rank 0 returns its directory."""
     return write(fs, root, capture(fs, root, step, state, d), d)
-
-
-class Background:
-    """A single process's checkpoints written in a thread while training goes on: `submit` takes a copy of the
-    state and returns; at most one write runs (the next submit, and `wait`, wait for it, at most `timeout_s`). A
-    failed write raises from the next `submit` or `wait`; a write cut short leaves no manifest, so a resume
-    takes the checkpoint before it."""
-
-    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, timeout_s: float):
-        self.fs, self.root, self.timeout_s = fs, root, timeout_s
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self.written: str | None = None
-
-    def submit(self, step: int, state: TrainerState) -> None:
-        self.wait()
-        captured = capture(self.fs, self.root, step, state, copy=True)
-        self._thread = threading.Thread(target=self._write, args=(captured,), name=f"checkpoint-{step}")
-        self._thread.start()
-
-    def _write(self, captured: Captured) -> None:
-        try:
-            self.written = write(self.fs, self.root, captured)
-            log.info(f"checkpoint written: {self.written}")
-        except BaseException as exc:  # surfaces on the training thread
-            self._error = exc
-
-    def wait(self) -> None:
-        """Until the write in flight is committed; its error, if it failed."""
-        if self._thread is not None:
-            self._thread.join(self.timeout_s)
-            if self._thread.is_alive():
-                raise TimeoutError(f"checkpoint write {self._thread.name} still running after {self.timeout_s:.0f}s")
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
 
 
 def restore_weights(fs: fsspec.AbstractFileSystem, root: str, step: int, model: Any) -> None:

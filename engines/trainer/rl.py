@@ -11,6 +11,7 @@ loss's forward before the step's first optimizer step, scores them with exactly 
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 import threading
@@ -28,6 +29,7 @@ from engines.models.decoder import CausalLM
 from engines.models.moe import Routing
 from engines.models.vlm import is_vision
 from engines.trainer import checkpoint, context_parallel, distributed, flops, parallel
+from engines.trainer.background import Writes
 from engines.trainer.batch import Batch, PackedBatch, make_batch
 from engines.trainer.common import Scored, forward_precision, log, routing_for, scored_tokens, seed_everything
 from engines.trainer.eval_merge import EvalMerger
@@ -41,7 +43,7 @@ from storage.rollouts import staleness
 
 # Set by SIGUSR1, which the flow relays when Slurm's walltime warning arrives: checkpoint after this step.
 CHECKPOINT_NOW = threading.Event()
-CHECKPOINT_WRITE_TIMEOUT_S = 600.0  # a background write still running then is an error (stall.trainer_s's floor)
+WRITE_TIMEOUT_S = 600.0  # a background write still running then is an error (stall.trainer_s's floor)
 
 
 @dataclass
@@ -123,9 +125,9 @@ class RLTrainer:
             cfg.seed,
             self.publication_files,
         )
-        self.background = None  # checkpoints written off the training loop (one process only: DCP's is a collective)
-        if cfg.checkpoint.background and not self.dist.enabled:
-            self.background = checkpoint.Background(self.fs, self.root, CHECKPOINT_WRITE_TIMEOUT_S)
+        self.writes = None  # publications and checkpoints off the loop (one process only: a checkpoint is a collective)
+        if self.tcfg.background_writes and not self.dist.enabled:
+            self.writes = Writes(WRITE_TIMEOUT_S)
         if cfg.resume_step is not None:
             checkpoint.restore(self.fs, self.root, cfg.resume_step, self.state, self.dist)
             log.info(f"resumed from checkpoint step={cfg.resume_step}")
@@ -373,8 +375,11 @@ class RLTrainer:
         if self.dist.is_main:
             # collective transport first: the engine has the tensors before the orchestrator sees the commit
             broadcast_s = self.sender.send(step, published) if self.sender else None
-            self.publish(step, published)
-            retention.enforce(self.fs, self.root, bases=self.publisher.bases)  # a no-op unless storage.keep_last_*
+            if self.writes is not None and not self.lora:  # LoRA's publication reads the live adapters
+                copied = {k: v.detach().clone() for k, v in published.items()}
+                self.writes.submit(f"publication {step}", functools.partial(self.publish, step, copied))
+            else:
+                self.publish(step, published)
         self.version = step
         if self.history and self.dist.enabled:
             self.history.add_state(step, published)
@@ -420,11 +425,12 @@ class RLTrainer:
 
     def publish(self, step: int, published: dict[str, torch.Tensor]) -> None:
         """Policy version `step`: the full weights (`published`, gathered on rank 0), or with LoRA the adapters
-        on version 0 (LoRA runs on one trainer process: config/run.py)."""
+        on version 0 (LoRA runs on one trainer process: config/run.py); then retention's pass."""
         if self.lora:
             lora.publish(self.publisher, self.model, self.lora, step, self.publication_files)
         else:
             self.publisher.publish(step, published, self.publication_files)
+        retention.enforce(self.fs, self.root, bases=self.publisher.bases)  # a no-op unless storage.keep_last_*
 
     def _mfu(self, batch: Batch, forwarded: int, train_s: float) -> dict[str, float]:
         """{"mfu", "train_gflops"}: the step's matmul FLOPs (every epoch's pass over the `forwarded` tokens) per
@@ -455,17 +461,21 @@ class RLTrainer:
         nudged = distributed.all_reduce([float(self.checkpoint_now.is_set())], self.dist, "max")[0]
         if step % self.cfg.checkpoint.interval == 0 or step == self.cfg.max_steps or nudged:
             self.checkpoint_now.clear()
-            if self.background is not None and step < self.cfg.max_steps and not nudged:
-                self.background.submit(step, self.state)  # the next step's retention pass prunes after it
+            if self.writes is not None and step < self.cfg.max_steps and not nudged:
+                captured = checkpoint.capture(self.fs, self.root, step, self.state, copy=True)
+                self.writes.submit(f"checkpoint step={step}", functools.partial(self._checkpoint, step, captured))
                 return row
-            if self.background is not None:
-                self.background.wait()
-            written = checkpoint.save(self.fs, self.root, step, self.state, self.dist)
-            heartbeat().advance(f"checkpoint step={step} written")
-            if self.dist.is_main:
-                log.info(f"checkpoint written: {written}")
-                retention.enforce(self.fs, self.root, bases=self.publisher.bases)
+            if self.writes is not None:
+                self.writes.wait()
+            self._checkpoint(step, checkpoint.capture(self.fs, self.root, step, self.state, self.dist))
         return row
+
+    def _checkpoint(self, step: int, captured: checkpoint.Captured) -> None:
+        written = checkpoint.write(self.fs, self.root, captured, self.dist)
+        heartbeat().advance(f"checkpoint step={step} written")
+        if self.dist.is_main:
+            log.info(f"checkpoint written: {written}")
+            retention.enforce(self.fs, self.root, bases=self.publisher.bases)
 
     def run(self) -> None:
         signal.signal(signal.SIGUSR1, lambda *_: CHECKPOINT_NOW.set())
@@ -476,8 +486,8 @@ class RLTrainer:
                 with heartbeat().waiting_on("orchestrator", "waiting for the final evaluation"):
                     self.evals.wait_final(self.cfg.max_steps)
         finally:
-            if self.background is not None:
-                self.background.wait()
+            if self.writes is not None:
+                self.writes.wait()
             self.tracker.close()  # what MLflow has not taken yet (metrics.jsonl has every row)
         distributed.shutdown(self.dist)
 

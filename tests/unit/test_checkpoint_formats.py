@@ -84,37 +84,6 @@ def test_ranks_refuse_a_checkpoint_from_before_dcp_with_the_way_out(tmp_path):
         checkpoint.restore(fs, root, 2, _state(*_stepped(1)), Dist(rank=0, world=2, dp_size=2))
 
 
-def test_a_background_checkpoint_holds_the_state_at_its_step_while_training_goes_on(tmp_path):
-    fs, root = get_fs(str(tmp_path))
-    model, opt = _stepped(0)
-    at_step = {k: v.clone() for k, v in model.state_dict().items()}
-    moments = opt.state_dict()["state"][0]["exp_avg"].clone()
-    writer = checkpoint.Background(fs, root, timeout_s=60)
-    writer.submit(1, _state(model, opt))
-    for _ in range(3):  # the loop trains on while the thread writes
-        model.w(torch.ones(1, 3)).sum().backward()
-        opt.step()
-    writer.wait()
-    assert writer.written == checkpoints.step_path(root, 1, "trainer")
-    fresh, fresh_opt = _stepped(1)
-    checkpoint.restore_weights(fs, root, 1, fresh)
-    checkpoint.restore(fs, root, 1, _state(fresh, fresh_opt))
-    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in at_step.items())
-    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], moments)
-    assert not torch.equal(model.w.weight, at_step["w.weight"])
-
-
-def test_a_failed_background_checkpoint_raises_on_the_training_thread(tmp_path):
-    fs, root = get_fs(str(tmp_path))
-    (tmp_path / "checkpoints").write_text("a file where the checkpoints folder goes")
-    writer = checkpoint.Background(fs, root, timeout_s=60)
-    writer.submit(1, _state(*_stepped(0)))
-    with pytest.raises(OSError):
-        writer.wait()
-    writer.wait()  # reported once
-    assert not checkpoints.checkpoint_steps(fs, root)
-
-
 def test_a_copied_capture_does_not_follow_the_training_loop(tmp_path):
     fs, root = get_fs(str(tmp_path))
     model, opt = _stepped(0)

@@ -21,7 +21,7 @@ from config.run import RunConfig
 from config.sft import SFTConfig
 from config.teacher import TeacherConfig
 from config.tracking import TrackingConfig
-from config.trainer import CheckpointConfig, TrainerConfig
+from config.trainer import TrainerConfig
 from config.trainer_parallel import TrainerParallelConfig
 from launch import vllm as vllm_launch
 from rollflow.cli import main
@@ -246,8 +246,6 @@ def test_a_run_directory_written_before_the_config_renames_loads_and_resumes_unc
         if "sft" in stored:  # the warm-up's section gained the data source (the environments: what it always read)
             stored["sft"] = SFTConfig.model_validate(stored["sft"]).model_dump(mode="json")
             assert stored["sft"]["data"] == {"type": "envs"} and stored["sft"]["packing"] is False
-        if "checkpoint" in stored:  # writing checkpoints in the background came later: its default
-            stored["checkpoint"] = CheckpointConfig.model_validate(stored["checkpoint"]).model_dump(mode="json")
         if "model" in stored:  # [model.vlm] came later: none (a text model)
             stored["model"] = {**stored["model"], "vlm": None}
         if name == "sft":  # the bound on the warm-up's collectives came later: its default
