@@ -70,7 +70,7 @@ from engines.protocol import (
 )
 from engines.seeds import derive_seed
 from storage import rollouts, weights
-from storage.fs import Storage, read_manifest
+from storage.fs import Storage, is_local, read_manifest
 from storage.rollouts import RolloutRow
 
 log = logging.getLogger("rollflow.orchestrator")
@@ -124,9 +124,12 @@ class WeightSync:
 
     async def follow(self) -> None:
         listed = -LIST_EVERY_S
+        local = is_local(self.fs)  # a local read takes microseconds: not worth a thread hand-off 100 times a second
         while True:
             now = time.monotonic()
-            if now - listed >= LIST_EVERY_S or await asyncio.to_thread(self.next_published):
+            if now - listed >= LIST_EVERY_S or (
+                self.next_published() if local else await asyncio.to_thread(self.next_published)
+            ):
                 listed = now
                 await self.push_latest()
             await asyncio.sleep(self.poll_s)
