@@ -69,9 +69,9 @@ lint: install
 # was (the page it would have written: docs/benchmarks.failed.md).
 # `make bench`: async speedup, inference, weight update, trainer, orchestration, scaling, storage, the TRL peer,
 # the trainer's MFU against the measured matmul peak.
-# Duration: 15.4 min on an idle 2-core AVX2-only machine (commit 7425605, 2026-11-28, the page's header): peer 237 s,
-# async 226 s (15 RL runs), orchestration 217 s (6 runs of 20 steps), mfu 98 s, the rest under 40 s each (19.0 min
-# at 58541c5, before prefix sharing shortened every RL step).
+# Duration: 16.0 min on a 2-core AVX2-only machine (commit 5f51e8d, 2026-11-28, the page's header): peer 254 s,
+# orchestration 234 s (6 runs of 20 steps), async 220 s (15 RL runs), mfu 107 s, the rest under 40 s each (15.4 min
+# at 7425605, 19.0 min at 58541c5, before prefix sharing shortened every RL step).
 bench: install $(BENCH_STAMP)
 	ROLLFLOW_BENCH_COMMAND="make bench" $(BIN)/python -m tests.bench
 
