@@ -15,6 +15,21 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+
+def copied(tree: Any) -> Any:
+    """`tree` (tensors in dicts, lists and tuples) with every tensor copied: what a write reads while the loop
+    changes the originals."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: copied(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(copied(v) for v in tree)
+    return tree
 
 
 class Writes:

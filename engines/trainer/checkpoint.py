@@ -24,6 +24,7 @@ import fsspec
 import torch
 
 from engines.trainer import dcp, distributed, parallel
+from engines.trainer.background import copied
 from engines.trainer.distributed import Dist
 from storage import checkpoints, rollouts
 from storage.fs import read_verified
@@ -80,7 +81,7 @@ def capture(
     weights = parallel.full_state_dict(state.model, d)
     optimizer = get_optimizer_state_dict(state.model, state.parts["optimizer"])  # type: ignore[arg-type]
     if copy:
-        weights, optimizer = _copied(weights), _copied(optimizer)
+        weights, optimizer = copied(weights), copied(optimizer)
     if not d.is_main:
         return Captured(step, {}, optimizer, {})
     buf = io.BytesIO()
@@ -101,16 +102,6 @@ def capture(
         **state.files,
     }
     return Captured(step, weights, optimizer, files)
-
-
-def _copied(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: _copied(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(_copied(v) for v in tree)
-    return tree
 
 
 def write(fs: fsspec.AbstractFileSystem, root: str, c: Captured, d: Dist | None = None) -> str | None:

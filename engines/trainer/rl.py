@@ -29,7 +29,7 @@ from engines.models.decoder import CausalLM
 from engines.models.moe import Routing
 from engines.models.vlm import is_vision
 from engines.trainer import checkpoint, context_parallel, distributed, flops, parallel
-from engines.trainer.background import Writes
+from engines.trainer.background import Writes, copied
 from engines.trainer.batch import Batch, PackedBatch, make_batch
 from engines.trainer.common import Scored, forward_precision, log, routing_for, scored_tokens, seed_everything
 from engines.trainer.eval_merge import EvalMerger
@@ -376,8 +376,7 @@ class RLTrainer:
             # collective transport first: the engine has the tensors before the orchestrator sees the commit
             broadcast_s = self.sender.send(step, published) if self.sender else None
             if self.writes is not None and not self.lora:  # LoRA's publication reads the live adapters
-                copied = {k: v.detach().clone() for k, v in published.items()}
-                self.writes.submit(f"publication {step}", functools.partial(self.publish, step, copied))
+                self.writes.submit(f"publication {step}", functools.partial(self.publish, step, copied(published)))
             else:
                 self.publish(step, published)
         self.version = step
