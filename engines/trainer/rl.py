@@ -198,7 +198,7 @@ class RLTrainer:
         if step is not None:
             checkpoint.restore_weights(self.fs, self.root, step, self.model)
             return step
-        if not is_committed(self.fs, weights.version_dir(self.root, 0)):
+        if not weights.is_published(self.fs, self.root, 0):
             raise SystemExit("no committed weights to start from; the warm-up publishes version 0")
         self.model.load_published(weights.load(self.fs, weights.version_dir(self.root, 0)))
         return 0
@@ -208,7 +208,7 @@ class RLTrainer:
         keep = self.cfg.max_off_policy_steps + 1
         history = PolicyHistory(self.model, keep, self.tcfg.compute_dtype)
         for v in range(max(0, self.version - keep + 1), self.version):
-            if is_committed(self.fs, weights.version_dir(self.root, v)):
+            if weights.is_published(self.fs, self.root, v):
                 history.add_state(v, weights.load(self.fs, weights.version_dir(self.root, v)))
         history.add(self.version, self.model)
         return history
